@@ -1,0 +1,247 @@
+"""MoEConfig: the one description of a model's architecture and routing.
+
+Every field is validated once, on construction, and a bad value raises `ConfigError` naming the
+field, the value and what is allowed, so a typo in a checkpoint's config.json or a command-line
+flag never surfaces later as a shape error deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT = "moeserve/1"
+
+ROUTERS = ("softmax", "sigmoid", "xmoe", "vq")
+GATES = ("softmax", "sigmoid")
+EXPERT_ACTS = ("gelu", "swiglu")
+NORMS = ("rmsnorm", "layernorm")
+TASKS = ("lm", "classify")
+VQ_MODES = ("mixed", "discrete")
+VQ_INPUTS = ("code", "blend")
+VQ_DISTANCES = ("l2", "cosine")
+TOKENIZERS = ("byte", "hf")
+
+
+class ConfigError(ValueError):
+    """A config field holds a value outside what the model family allows."""
+
+
+@dataclass
+class MoEConfig:
+    # --- Transformer trunk ---
+    vocab_size: int = 259  # 256 bytes + <bos>, <eos>, <pad> for the byte tokenizer
+    d_model: int = 256  # residual width D; cost grows with D^2 per token
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None = n_heads (multi-head); fewer = grouped-query, smaller KV cache
+    max_seq_len: int = 256  # longest context; sizes the RoPE table and the KV cache
+    rope_theta: float = 10000.0
+    norm: str = "rmsnorm"  # rmsnorm (Mixtral) or layernorm (BERT-style encoders of the X-MoE paper)
+    norm_eps: float = 1e-5
+    causal: bool = True  # False: bidirectional attention, for classifiers
+    tie_embeddings: bool = True  # share input embedding and LM head: fewer parameters, small models train faster
+    init_std: float = 0.02
+    task: str = "lm"  # lm: next-token head; classify: mean-pooled class head
+    n_classes: int = 0  # classify only
+    tokenizer: str = "byte"  # byte (built in) or hf (tokenizer.json in the checkpoint)
+
+    # --- MoE layers ---
+    moe_layers: list[int] | None = None  # indices of layers whose FFN is an MoE; None = every layer
+    n_experts: int = 8  # E: more experts = more parameters at the same per-token compute
+    top_k: int = 2  # K experts per token; per-token FFN compute grows linearly in K
+    d_ff: int = 512  # F: hidden width of each expert (and of the dense FFN of non-MoE layers)
+    expert_act: str = "swiglu"  # gelu: two matrices; swiglu: three (gate, up, down) as Mixtral
+    router: str = "softmax"  # softmax | sigmoid | xmoe | vq
+    renormalize: bool = False  # softmax: rescale the K chosen gates to sum to 1 (Mixtral does)
+    capacity_factor: float | None = None  # None = dropless; else each expert takes ceil(cf*T*K/E) tokens
+
+    # --- X-MoE (paper 000/001, section 3.1) ---
+    xmoe_dim: int | None = None  # d_e; None = max(2, E // 2) as in the paper
+    xmoe_gate: str = "softmax"  # gate of eq. 7
+    xmoe_tau_init: float | None = None  # None = 0.3 (softmax) / 0.07 (sigmoid), the paper's values
+    xmoe_expert_norm: float = 0.1  # L2 norm the expert embeddings are initialised with and kept at
+
+    # --- Balance loss (X-MoE eq. 8-9, Switch) ---
+    balance_alpha: float = 1e-2  # weight of L_bal in the training loss
+    balance_tau: float | None = None  # tau_0; None = the router's initial tau (1.0 for plain routers)
+
+    # --- VQMoE (paper 002, section 3.2-3.3) ---
+    vq_mode: str = "mixed"  # mixed (pre-training, eq. 4) or discrete (fine-tuning/serving, eq. 5)
+    vq_input: str = "code"  # code: x~ = v_k (foldable to a table); blend: authors' code, not foldable
+    vq_blend_rate: float = 0.05  # c in x~ = (1 - 2c) x + c v_k
+    vq_dim: int | None = None  # d_c; None = d_model (no projection)
+    vq_distance: str = "l2"  # l2 or cosine nearest-code search
+    vq_beta: float = 0.25  # commitment weight (VQ-VAE)
+    vq_alpha: float = 0.1  # weight of the VQ loss; the paper sweeps (0.05, 0.15)
+
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived values -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return list(range(self.n_layers)) if self.moe_layers is None else sorted(self.moe_layers)
+
+    @property
+    def router_dim(self) -> int:
+        """d_e of X-MoE: the paper's N/2, never below 2 so cosines are not all +-1."""
+        return self.xmoe_dim if self.xmoe_dim is not None else max(2, self.n_experts // 2)
+
+    @property
+    def tau_init(self) -> float:
+        """Initial gating temperature: the paper's 0.3 (softmax) / 0.07 (sigmoid) for X-MoE."""
+        if self.router != "xmoe":
+            return 1.0
+        if self.xmoe_tau_init is not None:
+            return self.xmoe_tau_init
+        return 0.3 if self.xmoe_gate == "softmax" else 0.07
+
+    @property
+    def tau0(self) -> float:
+        return self.balance_tau if self.balance_tau is not None else self.tau_init
+
+    @property
+    def code_dim(self) -> int:
+        return self.vq_dim if self.vq_dim is not None else self.d_model
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts that run for one token: K, or 1 for the discrete VQ layer."""
+        return 1 if (self.router == "vq" and self.vq_mode == "discrete") else self.top_k
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate(self) -> None:
+        def fail(name: str, value: Any, expected: str) -> None:
+            raise ConfigError(f"config field '{name}' = {value!r}: expected {expected}")
+
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                fail(name, v, "a positive integer")
+
+        def positive_float(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                fail(name, v, "a positive finite number" + (" or null" if allow_none else ""))
+
+        def choice(name: str, options: tuple[str, ...]) -> None:
+            v = getattr(self, name)
+            if v not in options:
+                fail(name, v, "one of " + ", ".join(repr(o) for o in options))
+
+        def boolean(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                fail(name, getattr(self, name), "true or false")
+
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "n_experts", "top_k", "d_ff"):
+            positive_int(name)
+        for name in ("rope_theta", "norm_eps", "init_std", "xmoe_expert_norm", "vq_beta"):
+            positive_float(name)
+        for name in ("capacity_factor", "xmoe_tau_init", "balance_tau"):
+            positive_float(name, allow_none=True)
+        for name in ("balance_alpha", "vq_alpha"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                fail(name, v, "a finite number >= 0")
+        for name, options in (
+            ("router", ROUTERS), ("xmoe_gate", GATES), ("expert_act", EXPERT_ACTS), ("norm", NORMS),
+            ("task", TASKS), ("vq_mode", VQ_MODES), ("vq_input", VQ_INPUTS),
+            ("vq_distance", VQ_DISTANCES), ("tokenizer", TOKENIZERS),
+        ):
+            choice(name, options)
+        for name in ("causal", "tie_embeddings", "renormalize"):
+            boolean(name)
+
+        if self.d_model % self.n_heads:
+            fail("n_heads", self.n_heads, f"a divisor of d_model={self.d_model}")
+        if self.head_dim % 2:
+            fail("n_heads", self.n_heads, f"a head size d_model/n_heads that is even (RoPE), got {self.head_dim}")
+        if self.n_kv_heads is not None:
+            positive_int("n_kv_heads")
+            if self.n_heads % self.n_kv_heads:
+                fail("n_kv_heads", self.n_kv_heads, f"a divisor of n_heads={self.n_heads}")
+        if self.top_k > self.n_experts:
+            fail("top_k", self.top_k, f"at most n_experts={self.n_experts}")
+        if self.moe_layers is not None:
+            if not isinstance(self.moe_layers, list) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.moe_layers
+            ):
+                fail("moe_layers", self.moe_layers, f"a list of layer indices in [0, {self.n_layers})")
+            if len(set(self.moe_layers)) != len(self.moe_layers):
+                fail("moe_layers", self.moe_layers, "distinct layer indices")
+        if self.xmoe_dim is not None:
+            positive_int("xmoe_dim")
+        if self.vq_dim is not None:
+            positive_int("vq_dim")
+        if not 0 <= self.vq_blend_rate <= 0.5:
+            fail("vq_blend_rate", self.vq_blend_rate, "a number in [0, 0.5]")
+        if self.task == "classify":
+            if isinstance(self.n_classes, bool) or not isinstance(self.n_classes, int) or self.n_classes < 2:
+                fail("n_classes", self.n_classes, "an integer >= 2 when task is 'classify'")
+        if self.vocab_size < 259 and self.tokenizer == "byte":
+            fail("vocab_size", self.vocab_size, "at least 259 for the byte tokenizer (256 bytes + 3 specials)")
+        if not isinstance(self.extra, dict):
+            fail("extra", self.extra, "a JSON object")
+
+    # ---- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **self.to_dict()}, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MoEConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        fmt = data.pop("format", FORMAT)
+        if fmt != FORMAT:
+            raise ConfigError(f"config field 'format' = {fmt!r}: expected {FORMAT!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> MoEConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> MoEConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# Named presets. `tiny` trains in seconds for tests; `small` is the built-in default model, sized so
+# that it trains in under five minutes on two CPU cores (see docs/benchmarks.md).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=64, n_experts=4, top_k=2, d_ff=128),
+    "small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=256, n_experts=8, top_k=2, d_ff=512),
+}
+
+
+def preset(name: str, **overrides: Any) -> MoEConfig:
+    """A preset's config with `overrides` applied (e.g. router="xmoe")."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return MoEConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,83 @@
+"""Expert weights, stacked [E, out, in], and the dispatch that runs tokens through them.
+
+Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K experts per token.
+
+  gelu    y = gelu(x W1^T) W2^T
+  swiglu  y = (silu(x W1^T) * (x W3^T)) W2^T        (Mixtral: w1 gate, w3 up, w2 down)
+
+`moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every
+faster dispatch path is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Called as observer(expert, linear_map_name, inputs_NI) with the rows one linear map of one expert
+# received; the OMoE optimizer uses it to record each expert's mean inputs (paper 003, R step).
+InputObserver = Callable[[int, str, Tensor], None]
+
+
+def expert_hidden(x_ND: Tensor, w1_FD: Tensor, w3_FD: Tensor | None) -> Tensor:
+    if w3_FD is None:
+        return F.gelu(x_ND @ w1_FD.T)
+    return F.silu(x_ND @ w1_FD.T) * (x_ND @ w3_FD.T)
+
+
+def moe_reference(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+                  w3_EFD: Tensor | None = None, keep_TK: Tensor | None = None,
+                  observer: InputObserver | None = None) -> Tensor:
+    """y_t = sum_k gate_tk * f_{e_tk}(x_t), one expert at a time."""
+    out_TD = torch.zeros_like(x_TD)
+    selected_TK = torch.ones_like(expert_ids_TK, dtype=torch.bool) if keep_TK is None else keep_TK
+    for e in range(w1_EFD.shape[0]):
+        tok_N, slot_N = torch.where((expert_ids_TK == e) & selected_TK)
+        if tok_N.numel() == 0:
+            continue
+        x_ND = x_TD[tok_N]
+        h_NF = expert_hidden(x_ND, w1_EFD[e], None if w3_EFD is None else w3_EFD[e])
+        if observer is not None:
+            observer(e, "w1", x_ND)
+            if w3_EFD is not None:
+                observer(e, "w3", x_ND)
+            observer(e, "w2", h_NF)
+        y_ND = h_NF @ w2_EDF[e].T
+        out_TD.index_add_(0, tok_N, y_ND * gates_TK[tok_N, slot_N, None].to(y_ND.dtype))
+    return out_TD
+
+
+class Experts(nn.Module):
+    """E FFN experts of one layer, each weight one stacked parameter so that no expert is a module
+    of its own and a kernel can index all of them at once."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, act: str):
+        super().__init__()
+        self.act = act
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d_ff, d_model)) if act == "swiglu" else None
+        self.observer: InputObserver | None = None
+
+    @property
+    def n_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        return moe_reference(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
+
+
+class FeedForward(nn.Module):
+    """The dense FFN of layers that `moe_layers` leaves out: one expert, always on."""
+
+    def __init__(self, d_model: int, d_ff: int, act: str):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False) if act == "swiglu" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(expert_hidden(x, self.w1.weight, None if self.w3 is None else self.w3.weight))

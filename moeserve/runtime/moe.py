@@ -1,0 +1,81 @@
+"""The MoE layer: router -> dispatch -> experts -> combine, for every router kind.
+
+  softmax / sigmoid / xmoe   y = sum_k g_k(x) f_{e_k}(x)
+  vq, mixed (pre-training)   y = g_c(x) SMoE(x) + g_d(x) f_{k(x)}(x~),  [g_c, g_d] = softmax(W_g x)   (eq. 4)
+  vq, discrete (serving)     y = f_{k(x)}(x~): no router, no gate, one expert per token            (eq. 5)
+
+Each forward leaves an `MoEAux` behind: what the balance and VQ losses (training/losses.py) and the
+expert-load accounting need, at the cost of one bincount.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moeserve.config import MoEConfig
+from moeserve.runtime.experts import Experts
+from moeserve.runtime.routing import Routing, VectorQuantizer, capacity_keep, make_router
+
+
+@dataclass
+class MoEAux:
+    counts: Tensor  # [E] tokens routed to each expert in this forward (kept assignments only)
+    routing: Routing | None  # the continuous router's decision; None for the discrete VQ layer
+    codes: Tensor | None = None  # [T] VQ code = expert of each token
+    z: Tensor | None = None  # [T, C] VQ encoder output
+    v: Tensor | None = None  # [T, C] chosen code vectors
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.n_experts = cfg.n_experts
+        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act)
+        is_vq = cfg.router == "vq"
+        self.router = make_router(cfg) if not (is_vq and cfg.vq_mode == "discrete") else None
+        self.quantizer = (
+            VectorQuantizer(cfg.d_model, cfg.n_experts, cfg.code_dim, cfg.vq_distance, cfg.vq_input, cfg.vq_blend_rate)
+            if is_vq else None
+        )
+        self.mix = nn.Linear(cfg.d_model, 2, bias=False) if is_vq and cfg.vq_mode == "mixed" else None
+        self.last_aux: MoEAux | None = None
+
+    def _route(self, x_TD: Tensor) -> Routing:
+        routing = self.router(x_TD)
+        if self.cfg.capacity_factor is not None:
+            capacity = math.ceil(self.cfg.capacity_factor * x_TD.shape[0] * routing.expert_ids.shape[1] / self.n_experts)
+            routing.keep = capacity_keep(routing.expert_ids, self.n_experts, capacity)
+        return routing
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routing = codes_T = z = v = None
+        if self.quantizer is None:
+            routing = self._route(x_TD)
+            y_TD = self.experts(x_TD, routing.expert_ids, routing.gates, routing.keep)
+        else:
+            codes_T, x_tilde_TD, z, v = self.quantizer(x_TD)
+            ones_T1 = torch.ones(x_TD.shape[0], 1, dtype=x_TD.dtype, device=x_TD.device)
+            discrete_TD = self.experts(x_tilde_TD, codes_T[:, None], ones_T1)
+            if self.mix is None:
+                y_TD = discrete_TD
+            else:
+                routing = self._route(x_TD)
+                continuous_TD = self.experts(x_TD, routing.expert_ids, routing.gates, routing.keep)
+                g_T2 = self.mix(x_TD).float().softmax(dim=-1).to(x_TD.dtype)
+                y_TD = g_T2[:, :1] * continuous_TD + g_T2[:, 1:] * discrete_TD
+        self.last_aux = MoEAux(self._counts(routing, codes_T), routing, codes_T, z, v)
+        return y_TD.reshape(x_BSD.shape)
+
+    def _counts(self, routing: Routing | None, codes_T: Tensor | None) -> Tensor:
+        """Tokens per expert: the continuous router's kept assignments, else the VQ codes."""
+        if routing is not None:
+            ids = routing.expert_ids if routing.keep is None else routing.expert_ids[routing.keep]
+        else:
+            ids = codes_T
+        return torch.bincount(ids.reshape(-1), minlength=self.n_experts)

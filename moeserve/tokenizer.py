@@ -1,0 +1,75 @@
+"""Tokenizers: the built-in byte-level one, and a checkpoint's own tokenizer.json.
+
+The byte tokenizer needs no vocabulary file and no download, encodes any text losslessly, and makes
+bits-per-byte a direct function of the loss (one token = one byte).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int
+
+    def encode(self, text: str, bos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255, then <bos>=256, <eos>=257, <pad>=258."""
+
+    n_bytes = 256
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id, *ids] if bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        # Special ids carry no text; a cut in the middle of a multi-byte character decodes to U+FFFD
+        # rather than raising, because generation can stop anywhere.
+        return bytes(i for i in ids if 0 <= i < self.n_bytes).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer.json, read with the `tokenizers` package (no download)."""
+
+    def __init__(self, path: str | Path, bos_token: str | None = "<s>", eos_token: str | None = "</s>"):
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(f"{path} needs the 'tokenizers' package: pip install tokenizers") from e
+        self._tok = _Tok.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size()
+        self.bos_id = self._tok.token_to_id(bos_token) if bos_token else None
+        self.eos_id = self._tok.token_to_id(eos_token) if eos_token else None
+        self.pad_id = self.eos_id if self.eos_id is not None else 0
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(kind: str, checkpoint_dir: str | Path | None = None) -> Tokenizer:
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "hf":
+        if checkpoint_dir is None:
+            raise ValueError("tokenizer kind 'hf' needs the checkpoint directory holding tokenizer.json")
+        path = Path(checkpoint_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: config says tokenizer 'hf' but there is no tokenizer.json")
+        return HFTokenizer(path)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte' or 'hf'")
