@@ -189,7 +189,8 @@ class MoEConfig:
             positive_int("xmoe_dim")
         if self.vq_dim is not None:
             positive_int("vq_dim")
-        if not 0 <= self.vq_blend_rate <= 0.5:
+        if isinstance(self.vq_blend_rate, bool) or not isinstance(self.vq_blend_rate, (int, float)) \
+                or not 0 <= self.vq_blend_rate <= 0.5:
             fail("vq_blend_rate", self.vq_blend_rate, "a number in [0, 0.5]")
         if self.task == "classify":
             if isinstance(self.n_classes, bool) or not isinstance(self.n_classes, int) or self.n_classes < 2:

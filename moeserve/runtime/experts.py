@@ -6,7 +6,10 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K experts p
   swiglu  y = (silu(x W1^T) * (x W3^T)) W2^T        (Mixtral: w1 gate, w3 up, w2 down)
 
 `moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every
-faster dispatch path is tested against.
+faster dispatch path is tested against. `moe_sorted` is the training path: one gather of the tokens
+sorted by expert, one contiguous chunk per expert, one scatter back. Indexing a stacked [E, F, D]
+parameter once per expert would make autograd allocate a full-size zero gradient for each index
+(E^2 F D memory traffic); unbinding it once gives each expert a view whose gradients are stacked once.
 """
 
 from __future__ import annotations
@@ -46,7 +49,42 @@ def moe_reference(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD:
                 observer(e, "w3", x_ND)
             observer(e, "w2", h_NF)
         y_ND = h_NF @ w2_EDF[e].T
-        out_TD.index_add_(0, tok_N, y_ND * gates_TK[tok_N, slot_N, None].to(y_ND.dtype))
+        out_TD.index_add_(0, tok_N, (y_ND * gates_TK[tok_N, slot_N, None].to(y_ND.dtype)).to(out_TD.dtype))
+    return out_TD
+
+
+def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+               w3_EFD: Tensor | None = None, keep_TK: Tensor | None = None,
+               observer: InputObserver | None = None) -> Tensor:
+    """Same result as moe_reference; tokens grouped by expert so each expert reads one contiguous block."""
+    T, K = expert_ids_TK.shape
+    E = w1_EFD.shape[0]
+    ids_N = expert_ids_TK.reshape(-1)
+    gates_N = gates_TK.reshape(-1)
+    tok_N = torch.arange(T, device=x_TD.device).repeat_interleave(K)
+    if keep_TK is not None:
+        kept = keep_TK.reshape(-1)
+        ids_N, gates_N, tok_N = ids_N[kept], gates_N[kept], tok_N[kept]
+    order = ids_N.argsort(stable=True)
+    tok_N, gates_N = tok_N[order], gates_N[order]
+    counts = torch.bincount(ids_N, minlength=E).tolist()
+    w1s, w2s = w1_EFD.unbind(0), w2_EDF.unbind(0)
+    w3s = w3_EFD.unbind(0) if w3_EFD is not None else (None,) * E
+    ys = []
+    for e, x_ND in enumerate(x_TD[tok_N].split(counts)):
+        if x_ND.shape[0] == 0:
+            continue
+        h_NF = expert_hidden(x_ND, w1s[e], w3s[e])
+        if observer is not None:
+            observer(e, "w1", x_ND)
+            if w3s[e] is not None:
+                observer(e, "w3", x_ND)
+            observer(e, "w2", h_NF)
+        ys.append(h_NF @ w2s[e].T)
+    out_TD = torch.zeros_like(x_TD)
+    if ys:
+        y_ND = torch.cat(ys)
+        out_TD.index_add_(0, tok_N, (y_ND * gates_N[:, None].to(y_ND.dtype)).to(out_TD.dtype))
     return out_TD
 
 
@@ -67,7 +105,7 @@ class Experts(nn.Module):
         return self.w1.shape[0]
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
-        return moe_reference(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
+        return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
 
 
 class FeedForward(nn.Module):

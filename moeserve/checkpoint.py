@@ -1,0 +1,397 @@
+"""Save, load, verify and describe a moeserve checkpoint directory (DESIGN.md, "Checkpoint directory").
+
+- safetensors only, never pickle: a checkpoint from anywhere must not be able to run code on load.
+- every weight and training-state file is sha256-hashed in moeserve.json, so a flipped byte or a
+  half-copied file is caught at load time, naming the file, not later as garbage generations.
+- saving is atomic (temporary sibling, fsync, rename): a crash or a full disk during a periodic save
+  never leaves a half-written checkpoint where a complete one used to be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import FORMAT, ConfigError, MoEConfig
+
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "moeserve.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TRAIN_STATE_FILE = "train_state.safetensors"
+TRAIN_META_FILE = "train_state.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_HASH_CHUNK = 1 << 20  # hash 1 MiB at a time: weight files can be larger than memory
+_EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.w[123]$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class CheckpointError(Exception):
+    """Any failure to save, load or verify a checkpoint; the message names the file at fault."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What load_checkpoint returns: everything the engine, trainer and CLI need from a directory."""
+
+    path: Path
+    config: MoEConfig
+    state_dict: dict[str, torch.Tensor]
+    manifest: dict  # moeserve.json contents; {} for foreign (Hugging Face) checkpoints
+    train_state: dict[str, torch.Tensor] | None
+    train_meta: dict | None
+
+
+def _sha256(file: Path) -> str:  # streamed: a multi-GB shard is never held in memory
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (renames), to disk; Windows cannot open directories."""
+    if os.name == "posix" or not path.is_dir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """One indirection over os.replace, so tests can simulate a crash between the two renames."""
+    os.replace(src, dst)
+
+
+def _dumps(data: Any, what: str) -> str:
+    try:
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what}: not JSON-serialisable ({e})") from e
+
+
+def _read_json(file: Path) -> Any:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+
+
+def _plain_name(file: Path, name: Any, where: str) -> str:
+    """File names read from JSON must stay inside the checkpoint: no '../../somewhere'."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise CheckpointError(f"{file}: {where} names {name!r}; expected a plain file name in the checkpoint")
+    return name
+
+
+def _check_dir(path: Path) -> None:
+    if not path.exists():
+        left = sorted(path.parent.glob(f".{path.name}.old-*")) + sorted(path.parent.glob(f".{path.name}.tmp-*"))
+        hint = "; an interrupted save left: " + ", ".join(map(str, left)) if left else ""
+        raise CheckpointError(f"{path}: checkpoint directory does not exist{hint}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: expected a checkpoint directory, found a file")
+    pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles and not any(path.glob("*.safetensors")):  # pickles run code on load: never touch them
+        raise CheckpointError(f"refusing to load pickle file {pickles[0]}: moeserve loads safetensors only")
+
+
+def _foreign_format(config_dict: dict) -> str | None:
+    """None for a moeserve config.json, else the foreign family, or an error if it cannot be imported.
+    A Hugging Face config names itself in `model_type`: the one place to accept a family (Mixtral next)."""
+    if (model_type := config_dict.get("model_type")) is None:
+        return None
+    raise CheckpointError(f"{CONFIG_FILE}: Hugging Face model_type {model_type!r} import is not available yet; "
+                          f"expected a moeserve config (\"format\": {FORMAT!r})")
+
+
+def _read_config(path: Path) -> MoEConfig:
+    file = path / CONFIG_FILE
+    raw = _read_json(file)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    _foreign_format(raw)
+    try:
+        return MoEConfig.from_dict(raw)
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{file}: {e}") from e
+
+
+def _weight_map(path: Path) -> dict[str, list[str]]:
+    """{weight file: [tensor names the index maps to it]}; [] (all its tensors) for model.safetensors."""
+    index = path / INDEX_FILE
+    if not index.exists():
+        if not (path / WEIGHTS_FILE).is_file():
+            raise CheckpointError(f"{path / WEIGHTS_FILE}: missing (and no {INDEX_FILE} for a sharded checkpoint)")
+        return {WEIGHTS_FILE: []}
+    data = _read_json(index)
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise CheckpointError(f"{index}: field 'weight_map' missing or empty; expected {{tensor name: shard file}}")
+    files: dict[str, list[str]] = {}
+    for tensor, shard in wmap.items():
+        files.setdefault(_plain_name(index, shard, f"weight_map[{tensor!r}]"), []).append(tensor)
+    for shard in files:
+        if not (path / shard).is_file():
+            raise CheckpointError(f"{index}: names shard file {shard!r}, which does not exist in {path}")
+    return files
+
+
+def _read_manifest(path: Path) -> dict:
+    file = path / MANIFEST_FILE
+    data = _read_json(file)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, dict) else data
+        raise CheckpointError(f"{file}: field 'format' = {got!r}: expected a JSON object with {FORMAT!r}")
+    files = data.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{file}: field 'files' = {files!r}: expected {{file name: sha256 hex}}")
+    for name, digest in files.items():
+        _plain_name(file, name, "field 'files'")
+        if not isinstance(digest, str) or not _SHA_RE.match(digest):
+            raise CheckpointError(f"{file}: field 'files'[{name!r}] = {digest!r}: expected 64 lowercase hex digits")
+    return data
+
+
+def _verify(path: Path, manifest: dict) -> dict[str, str]:
+    """Every weight, index and training-state file present must be listed, and every listed hash match."""
+    listed: dict[str, str] = manifest["files"]
+    extra = (INDEX_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE)
+    for name in [*_weight_map(path), *(n for n in extra if (path / n).exists())]:
+        if name not in listed:
+            raise CheckpointError(f"{path / name}: not listed in {MANIFEST_FILE} 'files'; added after saving?")
+    actual: dict[str, str] = {}
+    for name, expected in listed.items():
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name}: missing (listed in {MANIFEST_FILE})")
+        actual[name] = _sha256(path / name)
+        if actual[name] != expected:
+            raise CheckpointError(f"{path / name}: sha256 mismatch: expected {expected[:16]}..., got "
+                                  f"{actual[name][:16]}...; the file was tampered with or corrupted after saving")
+    return actual
+
+
+def _load_tensors(file: Path, names: list[str], device: str, shapes_only: bool = False) -> dict[str, Any]:
+    """`names` (all when []) from one safetensors file; shapes_only reads only the header (describe)."""
+    try:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            keys = set(f.keys())
+            for name in names:
+                if name not in keys:
+                    raise CheckpointError(f"{file}: tensor {name!r} missing (the index maps it to this file)")
+            if shapes_only:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in names or f.keys()}
+            return {k: f.get_tensor(k) for k in names or f.keys()}
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a valid safetensors file, truncated or corrupt ({e})") from e
+
+
+def _write_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """CPU contiguous copies sharing no storage (safetensors refuses shared ones), one file at a time."""
+    owned = {k: t.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, t in tensors.items()}
+    save_file(owned, str(file), metadata={"format": "pt"})  # "pt": what transformers expects
+
+
+def _tied(tensors: dict[str, torch.Tensor], what: str) -> dict[str, str]:
+    """Validate names and values; {alias: first name} for entries that are the very same tensor view."""
+    seen: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"{what}: tensor name {name!r}: expected a non-empty string")
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise CheckpointError(f"{what}[{name!r}]: expected a dense torch.Tensor, got {type(t).__name__}")
+        if t.numel():
+            key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if (first := seen.setdefault(key, name)) != name:
+                tied[name] = first
+    return tied
+
+
+def _shard(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Greedy, in the state dict's order; a tensor larger than max_bytes gets a shard of its own."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards, size = [*shards, []], 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the old checkpoint aside, the new one in, then delete the old: never no complete one."""
+    old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}" if out.exists() else None
+    if old is not None:
+        _rename(out, old)
+    try:
+        _rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            _rename(old, out)  # put the previous checkpoint back before reporting the failure
+        raise
+    _fsync(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    out_dir: str | os.PathLike, config: MoEConfig, state_dict: dict[str, torch.Tensor], *,
+    recipe: dict | None = None, metrics: dict | None = None, train_state: dict[str, torch.Tensor] | None = None,
+    train_meta: dict | None = None, max_shard_bytes: int | None = None,
+) -> Path:
+    """Write a complete checkpoint to `out_dir` atomically, replacing a checkpoint already there.
+
+    All goes to a temporary sibling (same filesystem: atomic renames), fsynced, then swapped in; a crash
+    between the two renames leaves the old one complete as the hidden `.NAME.old-*` sibling. Tensors
+    sharing storage are each saved under their own name, listed in moeserve.json 'tied' {alias: name}.
+    """
+    out = Path(out_dir).absolute()
+    if not isinstance(config, MoEConfig):
+        raise CheckpointError(f"config: expected a MoEConfig, got {type(config).__name__}")
+    if not state_dict:
+        raise CheckpointError(f"{out / WEIGHTS_FILE}: state_dict is empty; nothing to save")
+    if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes <= 0):
+        raise CheckpointError(f"max_shard_bytes = {max_shard_bytes!r}: expected a positive integer or None")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).exists())):
+        raise CheckpointError(f"{out}: refusing to overwrite something that is not a checkpoint (no {MANIFEST_FILE})")
+    tied, _ = _tied(state_dict, "state_dict"), _tied(train_state or {}, "train_state")
+    # Serialise the JSON parts first: a bad metric value must fail before gigabytes are written.
+    recipe_json = json.loads(_dumps(recipe or {}, "recipe"))
+    metrics_json = json.loads(_dumps(metrics or {}, "metrics"))
+    meta_text = _dumps(train_meta, "train_meta") if train_meta is not None else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        shards = _shard(state_dict, max_shard_bytes) if max_shard_bytes else [list(state_dict)]
+        n = len(shards)
+        weight_map = {k: WEIGHTS_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+                      for i, names in enumerate(shards, 1) for k in names}
+        written = list(dict.fromkeys(weight_map.values()))
+        for file, names in zip(written, shards):
+            _write_tensors(tmp / file, {k: state_dict[k] for k in names})
+        if n > 1:
+            total = sum(t.numel() * t.element_size() for t in state_dict.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(_dumps(index, INDEX_FILE), encoding="utf-8")
+            written.append(INDEX_FILE)
+        if train_state is not None:
+            _write_tensors(tmp / TRAIN_STATE_FILE, train_state)
+            written.append(TRAIN_STATE_FILE)
+        if meta_text is not None:
+            (tmp / TRAIN_META_FILE).write_text(meta_text, encoding="utf-8")
+            written.append(TRAIN_META_FILE)
+        files = {name: _sha256(tmp / name) for name in written}
+        manifest = {"format": FORMAT, "files": files, "recipe": recipe_json, "metrics": metrics_json, "tied": tied}
+        (tmp / MANIFEST_FILE).write_text(_dumps(manifest, MANIFEST_FILE), encoding="utf-8")
+        (tmp / CONFIG_FILE).write_text(config.to_json() + "\n", encoding="utf-8")
+        for name in [*written, MANIFEST_FILE, CONFIG_FILE, "."]:
+            _fsync(tmp / name)
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_checkpoint(
+    path: str | os.PathLike, *, device: str = "cpu", verify: bool = True, load_train_state: bool = False
+) -> LoadedCheckpoint:
+    """Load a checkpoint directory, verifying every sha256 first (`verify=False` skips only hashing).
+
+    Training state, when asked for and present, is loaded on the CPU: RNG state must live there, and
+    optimizer.load_state_dict moves moments to their parameters' device itself. Absent: None.
+    """
+    path = Path(path)
+    _check_dir(path)
+    config = _read_config(path)
+    files = _weight_map(path)
+    manifest = _read_manifest(path)
+    if verify:
+        _verify(path, manifest)
+    state = {k: t for name, names in files.items() for k, t in _load_tensors(path / name, names, device).items()}
+    ts_file, meta_file = path / TRAIN_STATE_FILE, path / TRAIN_META_FILE
+    train_state = _load_tensors(ts_file, [], "cpu") if load_train_state and ts_file.exists() else None
+    train_meta = _read_json(meta_file) if load_train_state and meta_file.exists() else None
+    return LoadedCheckpoint(path, config, state, manifest, train_state, train_meta)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
+    """Check every hash listed in moeserve.json (and that no weight file is unlisted); {file: sha256}."""
+    path = Path(path)
+    _check_dir(path)
+    return _verify(path, _read_manifest(path))
+
+
+def parameter_counts(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """{"total", "active_per_token", "experts"} from tensor shapes alone (no tensor data needed).
+
+    Stacked expert tensors `layers.{i}.ffn.experts.w1|w2|w3` count at experts_per_token / E per token;
+    everything else is dense. A tied LM head (`output.weight` absent, or present with tie_embeddings
+    and the embedding's shape, as a module's state_dict lists it) is counted once.
+    """
+    total = experts = active_experts = 0
+    emb = shapes.get("tok_embeddings.weight")
+    for name, shape in shapes.items():
+        shape = tuple(int(d) for d in shape)
+        if name == "output.weight" and config.tie_embeddings and emb is not None and shape == tuple(emb):
+            continue
+        n = math.prod(shape)
+        total += n
+        if _EXPERT_RE.match(name):
+            if not shape or shape[0] != config.n_experts:
+                raise CheckpointError(f"tensor {name!r} has shape {shape}: expected leading dim "
+                                      f"n_experts={config.n_experts}")
+            experts += n
+            active_experts += n // config.n_experts * config.experts_per_token
+    return {"total": total, "active_per_token": total - experts + active_experts, "experts": experts}
+
+
+def describe(path: str | os.PathLike) -> str:
+    """What `moeserve inspect CKPT` prints; reads headers, never tensor data. A hash mismatch is shown,
+    not raised: inspecting a damaged checkpoint is exactly when one wants to see the rest of it."""
+    path = Path(path)
+    _check_dir(path)
+    config = _read_config(path)
+    manifest = _read_manifest(path)
+    shapes = {k: shape for name, names in _weight_map(path).items()
+              for k, shape in _load_tensors(path / name, names, "cpu", shapes_only=True).items()}
+    counts = parameter_counts(config, shapes)
+    lines = [f"checkpoint: {path.absolute()}", f"format: {manifest['format']}", "config:"]
+    lines += [f"  {key} = {json.dumps(value)}" for key, value in config.to_dict().items()]
+    lines += [f"parameters: ({len(shapes)} tensors)", *(
+        f"  {key.replace('_', ' ')}: {n / 1e6:.2f}M ({n:,})" for key, n in counts.items()), "files:"]
+    for name, digest in manifest["files"].items():
+        size = f"{(path / name).stat().st_size:,} bytes" if (path / name).exists() else "MISSING"
+        lines.append(f"  {name}  {size}  sha256 {digest[:16]}")
+    try:
+        lines.append(f"hashes: verified ({len(_verify(path, manifest))} files)")
+    except CheckpointError as e:
+        lines.append(f"hashes: FAILED: {e}")
+    if manifest.get("tied"):
+        lines.append("tied: " + ", ".join(f"{a} = {b}" for a, b in manifest["tied"].items()))
+    for key in ("recipe", "metrics"):
+        lines.append(f"{key}:")
+        lines += ["  " + line for line in json.dumps(manifest.get(key) or {}, indent=2, sort_keys=True).splitlines()]
+    present = [n for n in (TRAIN_STATE_FILE, TRAIN_META_FILE) if (path / n).exists()]
+    lines.append("train_state: " + (f"present ({', '.join(present)})" if present else "absent"))
+    return "\n".join(lines) + "\n"

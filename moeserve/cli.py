@@ -1,0 +1,144 @@
+"""The `moeserve` command. Each subcommand maps its flags onto a config dataclass and calls the
+library; errors a user can cause print one line naming what is wrong and exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moeserve.config import PRESETS, ROUTERS, ConfigError, preset
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+                                                PermissionError)
+
+
+def _parse_set(items: list[str]) -> dict:
+    """--set FIELD=VALUE, VALUE read as JSON when it parses (numbers, true, null, lists), else a string."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set d_model=128")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from moeserve.training.trainer import TrainConfig, train
+
+    overrides = {"router": args.router, **_parse_set(args.set)}
+    for flag, field in (("top_k", "top_k"), ("experts", "n_experts"), ("xmoe_gate", "xmoe_gate"),
+                        ("vq_mode", "vq_mode"), ("vq_input", "vq_input")):
+        if getattr(args, flag) is not None:
+            overrides[field] = getattr(args, flag)
+    cfg = preset(args.preset, **overrides)
+    tc = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, optimizer=args.optimizer,
+        omoe_every=args.omoe_every, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+        dtype=args.dtype, data=args.data or [], text_field=args.text_field,
+    )
+    metrics = train(cfg, tc, args.out, resume=args.resume, progress=not args.quiet)
+    print(json.dumps({"out": str(args.out), **metrics}, indent=2))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from moeserve.checkpoint import describe
+
+    print(describe(args.checkpoint))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moeserve.checkpoint import load_checkpoint
+    from moeserve.runtime.generate import sample
+    from moeserve.runtime.model import Transformer
+    from moeserve.tokenizer import load_tokenizer
+
+    path = args.checkpoint
+    if path is None:
+        from moeserve.training.default_model import default_model_path
+
+        path = default_model_path(progress=not args.quiet)
+    ckpt = load_checkpoint(path)
+    if ckpt.config.task != "lm":
+        raise ValueError(f"{path} is a '{ckpt.config.task}' model; generate needs a language model")
+    model = Transformer(ckpt.config)
+    model.load_state_dict(ckpt.state_dict)
+    tok = load_tokenizer(ckpt.config.tokenizer, path)
+    text = sample(model, tok, args.prompt, args.max_tokens, args.temperature, seed=args.seed)
+    print(args.prompt + text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moeserve", description="Train, inspect and run sparse Mixture-of-Experts models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train an MoE language model and write a checkpoint",
+                       description="Train an MoE language model (byte-level) and write a checkpoint directory.")
+    t.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (default: small)")
+    t.add_argument("--router", default="softmax", choices=ROUTERS, help="routing method (default: softmax)")
+    t.add_argument("--optimizer", default="adamw", choices=("adamw", "omoe"), help="adamw, or OMoE around AdamW")
+    t.add_argument("--data", nargs="+", metavar="FILE", help="text or JSONL files (default: the embedded corpus, "
+                   "the Python standard library's source)")
+    t.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    t.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    t.add_argument("--omoe-every", type=int, default=5, help="OMoE: every N-th step is an orthogonal step")
+    t.add_argument("--eval-every", type=int, default=100, help="steps between validation runs")
+    t.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="auto: bf16 autocast where the CPU has AMX/AVX512-BF16")
+    t.add_argument("--top-k", type=int, help="experts per token")
+    t.add_argument("--experts", type=int, help="experts per MoE layer")
+    t.add_argument("--xmoe-gate", choices=("softmax", "sigmoid"), help="X-MoE gate function")
+    t.add_argument("--vq-mode", choices=("mixed", "discrete"), help="VQ layer form")
+    t.add_argument("--vq-input", choices=("code", "blend"), help="what the VQ-chosen expert sees")
+    t.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="set any MoEConfig field, e.g. --set d_model=128 --set moe_layers=[1,3]")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    i = sub.add_parser("inspect", help="print a checkpoint's config, sizes, hashes and recipe")
+    i.add_argument("checkpoint", type=Path)
+    i.set_defaults(func=cmd_inspect)
+
+    g = sub.add_parser("generate", help="continue a prompt (no checkpoint: the built-in default model)")
+    g.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint directory (default: the built-in model, "
+                   "trained on first use and cached)")
+    g.add_argument("--prompt", default="def ", help="text to continue")
+    g.add_argument("--max-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from moeserve.checkpoint import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, *USER_ERRORS) as e:
+        print(f"moeserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moeserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

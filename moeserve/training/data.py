@@ -1,0 +1,294 @@
+"""Training data: a corpus that is always present, a deterministic split, and step-addressed batches.
+
+The default corpus is the Python standard library's own source, so `moeserve train` works offline
+with no download, and its SHA-256 lets a recipe record exactly which tokens a model saw. Batches are
+a pure function of (seed, step): resuming a run at step N reproduces the uninterrupted run exactly,
+with no sampler state to checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeserve.tokenizer import ByteTokenizer
+
+SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
+MAX_FILE_BYTES = 200_000  # huge generated tables (e.g. unicode data) would dominate a small corpus
+MIN_SPLIT_DOCS = 10  # below this a per-document split leaves val empty or absurdly lopsided
+
+
+class DataError(ValueError):
+    """A corpus file is missing, unreadable or malformed, or the data is too small for the request."""
+
+
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_corpus_files(max_bytes: int = 12_000_000) -> list[Path]:
+    """The stdlib .py files that make up the built-in corpus, in a fixed order.
+
+    Directories and files are visited sorted so the list (and hence the corpus hash) depends only on
+    the Python installation, never on filesystem order. Test suites are skipped because they are
+    mostly repetitive assertions; files that are not UTF-8 would decode differently per platform.
+    """
+    root = _stdlib_root()
+    files: list[Path] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            try:
+                size = path.stat().st_size
+                if size > MAX_FILE_BYTES:
+                    continue
+                path.read_bytes().decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if total + size > max_bytes:  # stop rather than skip, so a larger budget only appends
+                return files
+            files.append(path)
+            total += size
+    return files
+
+
+@dataclass
+class Corpus:
+    """Token ids of the train and val splits, with what is needed to record and cite them."""
+
+    train: np.ndarray  # uint16 token ids, documents separated by <eos>
+    val: np.ndarray  # uint16
+    n_documents: int
+    sha256: str  # of train bytes + val bytes (little-endian uint16)
+    sources: list[str]
+
+
+def _read_text(path: Path) -> str:
+    if not path.exists():
+        raise DataError(f"{path}: corpus file not found")
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file")
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read corpus file: {e}") from e
+
+
+def _jsonl_documents(path: Path, text_field: str) -> list[tuple[str, str]]:
+    """(key, text) per line; blank lines are skipped, any other bad line is an error.
+
+    A bad line is fatal rather than skipped because silently dropping data changes what a model is
+    trained on without anyone noticing.
+    """
+    docs = []
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg}") from e
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        if text_field not in record:
+            raise DataError(f"{path}:{lineno}: no field {text_field!r} (fields: {sorted(record)})")
+        value = record[text_field]
+        if not isinstance(value, str):
+            raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, expected a string")
+        docs.append((f"{path}:{lineno}", value))
+    return docs
+
+
+def _encode(tokenizer: Any, text: str) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):  # same ids as encode(), ~50x faster than a list of ints
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    return np.asarray(tokenizer.encode(text), dtype=np.uint16)
+
+
+def _join(pieces: list[np.ndarray], eos: int | None) -> np.ndarray:
+    """Concatenate documents with <eos> between them, so the model learns where a document ends."""
+    parts: list[np.ndarray] = []
+    sep = np.array([eos], dtype=np.uint16) if eos is not None else None
+    for i, piece in enumerate(pieces):
+        if i and sep is not None:
+            parts.append(sep)
+        parts.append(piece)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def load_corpus(
+    paths: list[str | Path] | None = None,
+    *,
+    text_field: str = "text",
+    val_fraction: float = 0.05,
+    tokenizer: Any = None,
+) -> Corpus:
+    """Read, tokenize and split a corpus (None = the stdlib default corpus).
+
+    `.jsonl` files give one document per line (from `text_field`); any other file is one document.
+    With >= 10 documents the split is by document (crc32 of its key), so val text is never seen in
+    training; otherwise each document's tokens are cut at (1 - val_fraction).
+    """
+    if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction < 1):
+        raise DataError(f"val_fraction = {val_fraction!r}: expected a number in (0, 1)")
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    if tokenizer.vocab_size > 65536:
+        raise DataError(f"tokenizer vocab_size {tokenizer.vocab_size} does not fit the uint16 token arrays")
+
+    docs: list[tuple[str, str]] = []  # (split key, text)
+    sources: list[str] = []
+    if paths is None:
+        root = _stdlib_root()
+        files = default_corpus_files()
+        for f in files:
+            # Key relative to the stdlib, so the split is the same wherever Python is installed.
+            docs.append((f"stdlib/{f.relative_to(root).as_posix()}", _read_text(f)))
+        n_bytes = sum(f.stat().st_size for f in files)
+        sources.append(f"python{sysconfig.get_python_version()} stdlib {root}: {len(files)} .py files, {n_bytes} bytes")
+    else:
+        if not paths:
+            raise DataError("no corpus files given")
+        for p in paths:
+            path = Path(p)
+            if path.suffix.lower() == ".jsonl":
+                file_docs = _jsonl_documents(path, text_field)
+                sources.append(f"{path} ({len(file_docs)} documents, field {text_field!r})")
+            else:
+                file_docs = [(str(path), _read_text(path))]
+                sources.append(str(path))
+            docs.extend(file_docs)
+
+    encoded = [(key, _encode(tokenizer, text)) for key, text in docs]
+    encoded = [(key, ids) for key, ids in encoded if ids.size]
+    if not encoded:
+        where = "the default corpus" if paths is None else ", ".join(str(p) for p in paths)
+        raise DataError(f"corpus is empty: no text in {where}")
+
+    modulus = round(1 / val_fraction)
+    train_docs: list[np.ndarray] = []
+    val_docs: list[np.ndarray] = []
+    if len(encoded) >= MIN_SPLIT_DOCS:
+        for key, ids in encoded:
+            in_val = zlib.crc32(key.encode("utf-8")) % modulus == 0
+            (val_docs if in_val else train_docs).append(ids)
+    if not train_docs or not val_docs:
+        train_docs, val_docs = [], []
+        for _, ids in encoded:
+            cut = int(len(ids) * (1 - val_fraction))
+            cut = min(max(cut, 1), len(ids) - 1) if len(ids) >= 2 else len(ids)
+            train_docs.append(ids[:cut])
+            if cut < len(ids):
+                val_docs.append(ids[cut:])
+    train = _join(train_docs, tokenizer.eos_id)
+    val = _join(val_docs, tokenizer.eos_id)
+    if not train.size or not val.size:
+        raise DataError(f"corpus too small to split: {sum(len(i) for _, i in encoded)} tokens in total")
+
+    digest = hashlib.sha256(train.astype("<u2").tobytes() + val.astype("<u2").tobytes()).hexdigest()
+    return Corpus(train=train, val=val, n_documents=len(encoded), sha256=digest, sources=sources)
+
+
+def _check_window(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise DataError(f"{name} = {v!r}: expected a positive integer")
+    if len(tokens) < seq_len + 1:
+        raise DataError(f"token array has {len(tokens)} tokens; a window needs seq_len + 1 = {seq_len + 1}")
+
+
+class Batcher:
+    """Random training windows whose content depends only on (seed, step).
+
+    No iterator state means nothing to save in a checkpoint: the data position of a run is its step.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
+        _check_window(tokens, batch_size, seq_len)
+        # int32 halves the memory of int64; windows are widened to int64 only when sampled.
+        self.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32))
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self._offsets = torch.arange(seq_len + 1)
+
+    def _generator(self, step: int) -> torch.Generator:
+        # SeedSequence mixes (seed, step) without the collisions of seed * C + step.
+        state = np.random.SeedSequence([self.seed & (2**64 - 1), step]).generate_state(2, np.uint32)
+        g = torch.Generator()
+        g.manual_seed((int(state[0]) << 31) ^ int(state[1]))
+        return g
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of shape [batch_size, seq_len], int64, with y[:, t] == x[:, t + 1] of the same window."""
+        if step < 0:
+            raise DataError(f"step = {step}: expected >= 0")
+        n_starts = len(self.tokens) - self.seq_len
+        starts = torch.randint(0, n_starts, (self.batch_size,), generator=self._generator(step))
+        window = self.tokens[starts[:, None] + self._offsets].long()
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def eval_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed, disjoint windows spread evenly over `tokens`, for a validation loss comparable across runs.
+
+    Spreading (rather than taking the first windows) samples every part of the val split. Only full
+    batches are returned, so each batch weighs the same in a mean; if fewer than `batch_size` windows
+    fit, one smaller batch holds them all.
+    """
+    _check_window(tokens, batch_size, seq_len)
+    if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches <= 0:
+        raise DataError(f"max_batches = {max_batches!r}: expected a positive integer")
+    width = seq_len + 1
+    available = len(tokens) // width
+    n_windows = min(max_batches, available // batch_size) * batch_size or available
+    span = len(tokens) - width
+    # Consecutive starts differ by >= floor(span / (n - 1)) >= width, so windows never overlap.
+    starts = [i * span // (n_windows - 1) for i in range(n_windows)] if n_windows > 1 else [0]
+    data = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+    windows = data[torch.tensor(starts)[:, None] + torch.arange(width)]
+    out = []
+    for b in range(0, n_windows, batch_size):
+        w = windows[b : b + batch_size]
+        out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
+    return out
+
+
+def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, tokenizer: Any = None) -> float:
+    """Cross-entropy (bits/byte) of val bytes under train's add-one-smoothed byte frequencies.
+
+    A model that does not beat this has learned nothing beyond which characters are common.
+    Special ids (>= 256) are not bytes and are ignored on both sides.
+    """
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    n_bytes = getattr(tokenizer, "n_bytes", None)
+    if n_bytes is None:
+        raise DataError("unigram_bits_per_byte needs a byte-level tokenizer (one token = one byte)")
+    train = np.asarray(train)
+    val = np.asarray(val)
+    val_bytes = val[val < n_bytes].astype(np.int64)
+    if not val_bytes.size:
+        raise DataError("val holds no byte tokens")
+    counts = np.bincount(train[train < n_bytes].astype(np.int64), minlength=n_bytes).astype(np.float64) + 1.0
+    log2p = np.log2(counts / counts.sum())
+    return float(-log2p[val_bytes].mean())
+
+
+def bits_per_byte(loss_nats_per_token: float) -> float:
+    """Nats per token to bits per byte; equal units for the byte tokenizer (one token = one byte)."""
+    return loss_nats_per_token / math.log(2)

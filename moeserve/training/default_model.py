@@ -1,0 +1,58 @@
+"""The built-in default model: trained from the embedded corpus on first use, then cached.
+
+Nothing is downloaded: the corpus is the Python standard library's source, the model the `small`
+preset. The cache key covers everything that shapes the weights (model and training configs, the
+corpus hash, the package version), so a changed recipe never serves a stale model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import moeserve
+from moeserve.checkpoint import CheckpointError, load_checkpoint
+from moeserve.config import MoEConfig, preset
+from moeserve.training.data import load_corpus
+from moeserve.training.trainer import TrainConfig, train
+
+DEFAULT_PRESET = "small"
+DEFAULT_ROUTER = "xmoe"
+DEFAULT_TRAIN = TrainConfig(steps=600, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=40, eval_every=200)
+
+
+def default_config() -> MoEConfig:
+    return preset(DEFAULT_PRESET, router=DEFAULT_ROUTER)
+
+
+def cache_root() -> Path:
+    """$MOESERVE_CACHE, else $XDG_CACHE_HOME/moeserve, else ~/.cache/moeserve."""
+    if os.environ.get("MOESERVE_CACHE"):
+        return Path(os.environ["MOESERVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "moeserve"
+
+
+def default_model_path(progress: bool = True, root: Path | None = None) -> Path:
+    """The cached default checkpoint, training it first (a few minutes on 2 cores) if absent."""
+    corpus = load_corpus()
+    cfg, tc = default_config(), DEFAULT_TRAIN
+    key = json.dumps([moeserve.__version__, cfg.to_dict(), tc.__dict__, corpus.sha256], sort_keys=True)
+    path = (root or cache_root()) / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if path.exists():
+        try:
+            load_checkpoint(path)
+            return path
+        except CheckpointError as e:  # a corrupted cache is rebuilt, not served
+            print(f"moeserve: cached default model is unusable ({e}); retraining")
+            shutil.rmtree(path)
+    partial = path.with_name(path.name + ".partial")
+    if progress:
+        print(f"moeserve: training the default model ({DEFAULT_PRESET} preset, {DEFAULT_ROUTER} router, "
+              f"{tc.steps} steps) into {path}; this happens once")
+    train(cfg, tc, partial, resume=True, progress=progress, corpus=corpus)  # resumes an interrupted first run
+    os.replace(partial, path)
+    return path

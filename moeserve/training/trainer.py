@@ -1,0 +1,249 @@
+"""The training loop: language-model pre-training of any router, with AdamW or OMoE.
+
+One step: batch(step) -> forward (bf16 autocast where the CPU has fast bf16) -> task loss + the
+papers' auxiliary losses -> backward -> clip -> optimizer step -> constraints (X-MoE's ||e_i||).
+
+Exact resume: a batch is a pure function of (seed, step), and a checkpoint holds the model, the
+optimizer moments, the OMoE projectors and the RNG, so a run resumed at step s repeats the
+uninterrupted run's steps s, s+1, ... bit for bit on the same machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from moeserve.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moeserve.config import MoEConfig, preset
+from moeserve.runtime.device import cpu_has_fast_bf16
+from moeserve.runtime.model import Transformer
+from moeserve.training.data import Batcher, Corpus, bits_per_byte, eval_batches, load_corpus, unigram_bits_per_byte
+from moeserve.training.losses import aux_losses, load_entropy
+
+if TYPE_CHECKING:
+    from moeserve.training.omoe import OMoE
+
+LOG_NAME = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int | None = None  # None = the model's max_seq_len
+    lr: float = 3e-3  # peak; small models tolerate a high rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    optimizer: str = "adamw"  # adamw | omoe
+    omoe_every: int = 5  # s of OMoE: every s-th step is an O step
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 0  # 0 = only at the end
+    seed: int = 0
+    dtype: str = "auto"  # auto = bf16 autocast on CPUs with AMX / AVX512-BF16; float32; bfloat16
+    data: list[str] = field(default_factory=list)  # empty = the embedded default corpus
+    text_field: str = "text"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "omoe_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"train option '{name}' = {v!r}: expected a positive integer")
+        for name in ("warmup_steps", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train option '{name}' = {getattr(self, name)!r}: expected an integer >= 0")
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise ValueError(f"train option 'seq_len' = {self.seq_len!r}: expected a positive integer")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"train option 'lr' = {self.lr!r}: expected a positive number")
+        if self.optimizer not in ("adamw", "omoe"):
+            raise ValueError(f"train option 'optimizer' = {self.optimizer!r}: expected 'adamw' or 'omoe'")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"train option 'dtype' = {self.dtype!r}: expected auto, float32 or bfloat16")
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def autocast_dtype(tc: TrainConfig) -> torch.dtype | None:
+    if tc.dtype == "bfloat16" or (tc.dtype == "auto" and cpu_has_fast_bf16()):
+        return torch.bfloat16
+    return None
+
+
+def lm_loss(model: Transformer, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None):
+    with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+        out = model(x)
+    task = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+    return task, out
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches, amp: torch.dtype | None) -> float:
+    """Mean validation loss in nats per token over fixed windows."""
+    was_training = model.training
+    model.eval()
+    losses = [lm_loss(model, x, y, amp)[0].item() for x, y in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def _make_optimizer(model: Transformer, tc: TrainConfig):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "expert_embeddings" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "expert_embeddings" in n]
+    adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tc.lr, betas=(0.9, 0.95),
+    )
+    if tc.optimizer == "omoe":
+        from moeserve.training.omoe import OMoE, OMoEConfig
+
+        return adamw, OMoE(model, adamw, OMoEConfig(every=tc.omoe_every, total_steps=tc.steps))
+    return adamw, None
+
+
+# ---- training state <-> flat tensors (safetensors holds tensors only; nothing is pickled) ------
+def _train_state(adamw: torch.optim.Optimizer, omoe: OMoE | None) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = adamw.state_dict()
+    tensors = {f"adamw.{idx}.{k}": v for idx, st in sd["state"].items() for k, v in st.items()}
+    if omoe is not None:
+        tensors.update(omoe.state_dict())
+    tensors["rng.torch"] = torch.get_rng_state()
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def _restore_train_state(adamw, omoe, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in tensors.items():
+        if key.startswith("adamw."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = v
+    adamw.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    if omoe is not None:
+        omoe.load_state_dict({k: v for k, v in tensors.items() if k.startswith("omoe.")})
+    torch.set_rng_state(tensors["rng.torch"])
+
+
+def _read_log(path: Path, before_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [r for r in map(json.loads, f) if r.get("step", 0) < before_step]
+
+
+def _write_log(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def train(cfg: MoEConfig, tc: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
+          corpus: Corpus | None = None) -> dict[str, Any]:
+    """Train `cfg` for `tc.steps` steps into checkpoint directory `out`; returns the final metrics."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not resume:
+        raise FileExistsError(f"{out} already exists and is not empty; pass resume to continue it, or choose another --out")
+    torch.manual_seed(tc.seed)
+    seq_len = tc.seq_len or cfg.max_seq_len
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"train option 'seq_len' = {seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    corpus = corpus or load_corpus(tc.data or None, text_field=tc.text_field)
+    model = Transformer(cfg)
+    adamw, omoe = _make_optimizer(model, tc)
+    start = 0
+    if resume and (out / "config.json").exists():
+        ckpt = load_checkpoint(out, load_train_state=True)
+        if ckpt.train_state is None:
+            raise CheckpointError(f"{out}: has no train_state.safetensors to resume from (a final export?)")
+        if ckpt.config != cfg:
+            raise CheckpointError(f"{out}/config.json differs from the requested model config; resume with the same flags")
+        model.load_state_dict(ckpt.state_dict)
+        _restore_train_state(adamw, omoe, ckpt.train_state, ckpt.train_meta)
+        start = int(ckpt.train_meta["step"])
+    optimizer = omoe or adamw
+    amp = autocast_dtype(tc)
+    batcher = Batcher(corpus.train, tc.batch_size, seq_len, tc.seed)
+    val_batches = eval_batches(corpus.val, tc.batch_size, seq_len, tc.eval_batches)
+    unigram = unigram_bits_per_byte(corpus.train, corpus.val)
+    log_path = out / LOG_NAME
+    records = _read_log(log_path, start)
+    recipe = {
+        "train": dataclasses.asdict(tc), "corpus_sha256": corpus.sha256, "corpus_sources": corpus.sources,
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "autocast": str(amp).replace("torch.", "") if amp else "float32",
+    }
+    metrics: dict[str, Any] = {"unigram_bits_per_byte": unigram}
+    for r in records:  # carry the last evaluation across a resume
+        if "val_loss" in r:
+            metrics.update(val_loss=r["val_loss"], val_bits_per_byte=r["val_bits_per_byte"], step=r["step"])
+
+    def save(step: int, final: bool) -> None:
+        state, meta = _train_state(adamw, omoe)
+        meta.update(step=step, train_seconds=metrics.get("train_seconds", 0.0))
+        save_checkpoint(out, cfg, model.state_dict(), recipe=recipe, metrics=metrics, train_state=state,
+                        train_meta=meta)
+        _write_log(log_path, records)
+
+    model.train()
+    t_start = time.perf_counter() - metrics.get("train_seconds", 0.0)
+    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not progress, desc="train",
+               unit="step", mininterval=1.0, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, tc)
+        x, y = batcher.get(step)
+        task, out_ = lm_loss(model, x, y, amp)
+        aux = aux_losses(out_.aux, cfg)
+        loss = task + aux.total(cfg)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr (now {tc.lr})")
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.constrain_()
+        dt = time.perf_counter() - t0
+        rec = {
+            "step": step, "loss": task.item(), "balance_loss": aux.balance.item(),
+            "vq_codebook_loss": aux.vq_codebook.item(), "vq_commitment_loss": aux.vq_commitment.item(),
+            "lr": lr_at(step, tc), "grad_norm": grad_norm.item(), "tokens_per_s": x.numel() / dt,
+            "load_entropy_bits": [round(load_entropy(a.counts), 4) for a in out_.aux],
+        }
+        if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+            val = evaluate(model, val_batches, amp)
+            rec.update(val_loss=val, val_bits_per_byte=bits_per_byte(val))
+            metrics.update(val_loss=val, val_bits_per_byte=bits_per_byte(val), step=step + 1)
+            bar.set_postfix(loss=f"{task.item():.3f}", val_bpb=f"{bits_per_byte(val):.3f}", refresh=False)
+        elif step % 10 == 0:
+            bar.set_postfix(loss=f"{task.item():.3f}", refresh=False)
+        records.append(rec)
+        metrics["train_seconds"] = time.perf_counter() - t_start
+        if step + 1 == tc.steps or (tc.save_every and (step + 1) % tc.save_every == 0):
+            save(step + 1, final=step + 1 == tc.steps)
+    bar.close()
+    if start >= tc.steps and not (out / "config.json").exists():
+        save(start, final=True)
+    return metrics
+
+
+def train_preset(name: str, out: str | Path, tc: TrainConfig | None = None, **overrides: Any) -> dict[str, Any]:
+    return train(preset(name, **overrides), tc or TrainConfig(), out)
