@@ -158,7 +158,18 @@ def _write_log(path: Path, records: list[dict]) -> None:
 def train(cfg: MoEConfig, tc: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
           corpus: Corpus | None = None) -> dict[str, Any]:
     """Train `cfg` for `tc.steps` steps into checkpoint directory `out`; returns the final metrics."""
-    out = Path(out)
+    # Deterministic kernels (index_add_ is not, by default, across threads) make a run repeatable and a
+    # resumed run identical to an uninterrupted one; the setting is restored on the way out.
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return _train(cfg, tc, Path(out), resume, progress, corpus)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: bool,
+           corpus: Corpus | None) -> dict[str, Any]:
     if out.exists() and any(out.iterdir()) and not resume:
         raise FileExistsError(f"{out} already exists and is not empty; pass resume to continue it, or choose another --out")
     torch.manual_seed(tc.seed)

@@ -1,0 +1,70 @@
+"""The `moeserve` command as a user runs it: real processes, exit codes, messages."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, check=False):
+    p = subprocess.run([sys.executable, "-m", "moeserve.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(p.stderr)
+    return p
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "ckpt"
+    run("train", "--preset", "tiny", "--router", "xmoe", "--steps", "30", "--batch-size", "8", "--seq-len", "64",
+        "--eval-every", "30", "--out", out, "--quiet", check=True)
+    return out
+
+
+def test_train_writes_a_checkpoint_and_prints_metrics(ckpt):
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "moeserve.json").is_file()
+    manifest = json.loads((ckpt / "moeserve.json").read_text())
+    assert manifest["metrics"]["val_bits_per_byte"] < manifest["metrics"]["unigram_bits_per_byte"]
+
+
+def test_inspect(ckpt):
+    p = run("inspect", ckpt, check=True)
+    assert "router = 'xmoe'" in p.stdout or "router = xmoe" in p.stdout
+    assert "active" in p.stdout and "sha256" in p.stdout
+
+
+def test_generate_is_deterministic_and_continues_the_prompt(ckpt):
+    a = run("generate", ckpt, "--prompt", "def ", "--max-tokens", "24", "--temperature", "0", check=True)
+    b = run("generate", ckpt, "--prompt", "def ", "--max-tokens", "24", "--temperature", "0", check=True)
+    assert a.stdout == b.stdout and a.stdout.startswith("def ") and len(a.stdout) > len("def \n")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train", "--preset", "tiny", "--set", "top_k=99", "--out", "{tmp}/x"], "top_k"),
+        (["train", "--preset", "tiny", "--set", "nonsense=1", "--out", "{tmp}/x"], "nonsense"),
+        (["train", "--preset", "tiny", "--steps", "0", "--out", "{tmp}/x"], "steps"),
+        (["train", "--preset", "tiny", "--data", "{tmp}/missing.txt", "--out", "{tmp}/x"], "missing.txt"),
+        (["train", "--preset", "tiny", "--data", "{tmp}/bad.jsonl", "--out", "{tmp}/x"], "bad.jsonl"),
+        (["inspect", "{tmp}/nowhere"], "nowhere"),
+        (["generate", "{tmp}/nowhere"], "nowhere"),
+    ],
+)
+def test_user_errors_exit_2_with_a_named_cause(tmp_path, args, needle):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    p = run(*[a.format(tmp=tmp_path) for a in args])
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_train_refuses_existing_out_dir(ckpt):
+    p = run("train", "--preset", "tiny", "--steps", "1", "--out", ckpt, "--quiet")
+    assert p.returncode == 2 and "already exists" in p.stderr
+
+
+def test_unknown_router_is_an_argparse_error():
+    p = run("train", "--router", "banana", "--out", "x")
+    assert p.returncode == 2 and "banana" in p.stderr
