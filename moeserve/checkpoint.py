@@ -395,3 +395,32 @@ def describe(path: str | os.PathLike) -> str:
     present = [n for n in (TRAIN_STATE_FILE, TRAIN_META_FILE) if (path / n).exists()]
     lines.append("train_state: " + (f"present ({', '.join(present)})" if present else "absent"))
     return "\n".join(lines) + "\n"
+
+
+def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint) -> None:
+    """Copy a checkpoint's tensors into `model`, naming the tensor at fault instead of torch's bare
+    size-mismatch error: a missing, unexpected or wrongly shaped tensor means the weights and
+    config.json disagree, and the user needs to know which."""
+    expected = model.state_dict()
+    where = f"{ckpt.path}/{WEIGHTS_FILE if (ckpt.path / WEIGHTS_FILE).exists() else INDEX_FILE}"
+    missing = sorted(set(expected) - set(ckpt.state_dict))
+    unexpected = sorted(set(ckpt.state_dict) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensors do not match config.json: missing {missing[:5]}"
+                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                              f"{'...' if len(unexpected) > 5 else ''}")
+    for name, t in ckpt.state_dict.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies "
+                                  f"{tuple(expected[name].shape)}")
+    model.load_state_dict(ckpt.state_dict)
+
+
+def load_model(path: str | os.PathLike, *, device: str = "cpu", verify: bool = True):
+    """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model."""
+    from moeserve.runtime.model import Transformer
+
+    ckpt = load_checkpoint(path, device=device, verify=verify)
+    model = Transformer(ckpt.config).to(device)
+    load_into(model, ckpt)
+    return model.eval(), ckpt

@@ -55,9 +55,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moeserve.checkpoint import load_checkpoint
+    from moeserve.checkpoint import load_model
     from moeserve.runtime.generate import sample
-    from moeserve.runtime.model import Transformer
     from moeserve.tokenizer import load_tokenizer
 
     path = args.checkpoint
@@ -65,15 +64,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from moeserve.training.default_model import default_model_path
 
         path = default_model_path(progress=not args.quiet)
-    ckpt = load_checkpoint(path)
+    model, ckpt = load_model(path)
     if ckpt.config.task != "lm":
         raise ValueError(f"{path} is a '{ckpt.config.task}' model; generate needs a language model")
-    model = Transformer(ckpt.config)
-    model.load_state_dict(ckpt.state_dict)
     tok = load_tokenizer(ckpt.config.tokenizer, path)
     text = sample(model, tok, args.prompt, args.max_tokens, args.temperature, seed=args.seed)
     print(args.prompt + text)
     return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from moeserve.bench.train import main as bench_train_main
+
+    return bench_train_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", help="benchmarks, measured against a baseline in the same run")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bt = bsub.add_parser("train", help="train each routing method on the same data and compare bits per byte")
+    bt.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    bt.add_argument("--recipes", nargs="+", default=["softmax", "xmoe", "vq", "xmoe+omoe"],
+                    help="softmax sigmoid xmoe vq xmoe+omoe (default: softmax xmoe vq xmoe+omoe)")
+    bt.add_argument("--steps", type=int, help="steps per recipe (default: the default model's)")
+    bt.add_argument("--out", type=Path, help="keep the checkpoints here (default: a temporary directory)")
+    bt.add_argument("--json", type=Path, help="write the report as JSON")
+    bt.add_argument("--quiet", action="store_true")
+    bt.set_defaults(func=cmd_bench_train)
     return p
 
 

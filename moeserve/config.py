@@ -245,4 +245,4 @@ def preset(name: str, **overrides: Any) -> MoEConfig:
     """A preset's config with `overrides` applied (e.g. router="xmoe")."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return MoEConfig(**{**PRESETS[name], **overrides})
+    return MoEConfig.from_dict({**PRESETS[name], **overrides})

@@ -326,3 +326,38 @@ def test_describe(saved: Path) -> None:
     assert "hashes: verified" in text
     assert '"lr": 0.001' in text and '"loss": 2.5' in text
     assert "train_state: absent" in text
+
+
+# ---- a real model through save -> load_model ------------------------------------------------------
+def test_load_model_reproduces_outputs_exactly(tmp_path):
+    from moeserve.checkpoint import load_model
+    from moeserve.config import preset
+    from moeserve.runtime.model import Transformer
+
+    torch.manual_seed(0)
+    for router in ("xmoe", "vq"):
+        cfg = preset("tiny", router=router)
+        model = Transformer(cfg).eval()
+        save_checkpoint(tmp_path / router, cfg, model.state_dict())
+        loaded, ckpt = load_model(tmp_path / router)
+        ids = torch.randint(0, 256, (2, 16))
+        assert ckpt.config == cfg
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_load_model_names_the_tensor_when_config_and_weights_disagree(tmp_path):
+    from moeserve.checkpoint import load_model
+    from moeserve.config import preset
+    from moeserve.runtime.model import Transformer
+
+    cfg = preset("tiny")
+    save_checkpoint(tmp_path / "c", cfg, Transformer(cfg).state_dict())
+    edited = json.loads((tmp_path / "c" / "config.json").read_text())
+    edited["d_ff"] = 96  # config.json is not hashed; the weights still say 128
+    (tmp_path / "c" / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match=r"experts\.w1' has shape \(4, 128, 64\).*\(4, 96, 64\)"):
+        load_model(tmp_path / "c")
+    edited["d_ff"], edited["n_layers"] = 128, 3
+    (tmp_path / "c" / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match=r"missing \['layers\.2\."):
+        load_model(tmp_path / "c")

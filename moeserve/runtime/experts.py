@@ -98,6 +98,9 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
         self.w2 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(n_experts, d_ff, d_model)) if act == "swiglu" else None
+        for w in (self.w1, self.w2, self.w3):  # usable alone; Transformer.reset_parameters re-inits by depth
+            if w is not None:
+                nn.init.normal_(w, std=0.02)
         self.observer: InputObserver | None = None
 
     @property

@@ -186,12 +186,13 @@ class Transformer(nn.Module):
     def _mask(self, input_pos_S: Tensor, attention_mask_BL: Tensor | None, L: int) -> Tensor | None:
         """Boolean [B|1, 1, S, L] mask, or None when SDPA's own causal flag (or nothing) suffices."""
         cache = self.layers[0].attention.cache
-        if attention_mask_BL is None and (cache is None or not self.cfg.causal):
+        if attention_mask_BL is None and cache is None:
             return None
         k_pos_L = torch.arange(L, device=input_pos_S.device)
-        allowed = torch.ones(input_pos_S.shape[0], L, dtype=torch.bool, device=input_pos_S.device)
         if self.cfg.causal:
             allowed = k_pos_L[None, :] <= input_pos_S[:, None]
+        else:  # bidirectional: every written position, never the cache's unwritten tail
+            allowed = (k_pos_L <= input_pos_S.max())[None, :].expand(input_pos_S.shape[0], L)
         allowed = allowed[None, None]
         if attention_mask_BL is not None:
             if attention_mask_BL.shape[-1] != L:

@@ -70,7 +70,7 @@ def default_corpus_files(max_bytes: int = 12_000_000) -> list[Path]:
 class Corpus:
     """Token ids of the train and val splits, with what is needed to record and cite them."""
 
-    train: np.ndarray  # uint16 token ids, documents separated by <eos>
+    train: np.ndarray  # uint16 token ids, each document framed as <bos> text <eos>
     val: np.ndarray  # uint16
     n_documents: int
     sha256: str  # of train bytes + val bytes (little-endian uint16)
@@ -119,14 +119,12 @@ def _encode(tokenizer: Any, text: str) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.uint16)
 
 
-def _join(pieces: list[np.ndarray], eos: int | None) -> np.ndarray:
-    """Concatenate documents with <eos> between them, so the model learns where a document ends."""
-    parts: list[np.ndarray] = []
-    sep = np.array([eos], dtype=np.uint16) if eos is not None else None
-    for i, piece in enumerate(pieces):
-        if i and sep is not None:
-            parts.append(sep)
-        parts.append(piece)
+def _join(pieces: list[np.ndarray], bos: int | None, eos: int | None) -> np.ndarray:
+    """Frame each document as <bos> text <eos>: the model learns where documents start and end, and a
+    prompt encoded with <bos> (as generation does) looks like the start of a training document."""
+    head = np.array([bos], dtype=np.uint16) if bos is not None else np.zeros(0, dtype=np.uint16)
+    tail = np.array([eos], dtype=np.uint16) if eos is not None else np.zeros(0, dtype=np.uint16)
+    parts = [p for piece in pieces for p in (head, piece, tail)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
 
@@ -193,8 +191,8 @@ def load_corpus(
             train_docs.append(ids[:cut])
             if cut < len(ids):
                 val_docs.append(ids[cut:])
-    train = _join(train_docs, tokenizer.eos_id)
-    val = _join(val_docs, tokenizer.eos_id)
+    train = _join(train_docs, tokenizer.bos_id, tokenizer.eos_id)
+    val = _join(val_docs, tokenizer.bos_id, tokenizer.eos_id)
     if not train.size or not val.size:
         raise DataError(f"corpus too small to split: {sum(len(i) for _, i in encoded)} tokens in total")
 

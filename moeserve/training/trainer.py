@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from moeserve.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moeserve.checkpoint import CheckpointError, load_checkpoint, load_into, save_checkpoint
 from moeserve.config import MoEConfig, preset
 from moeserve.runtime.device import cpu_has_fast_bf16
 from moeserve.runtime.model import Transformer
@@ -186,7 +186,7 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
             raise CheckpointError(f"{out}: has no train_state.safetensors to resume from (a final export?)")
         if ckpt.config != cfg:
             raise CheckpointError(f"{out}/config.json differs from the requested model config; resume with the same flags")
-        model.load_state_dict(ckpt.state_dict)
+        load_into(model, ckpt)
         _restore_train_state(adamw, omoe, ckpt.train_state, ckpt.train_meta)
         start = int(ckpt.train_meta["step"])
     optimizer = omoe or adamw

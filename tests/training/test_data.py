@@ -9,6 +9,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+
+from moeserve.tokenizer import ByteTokenizer
 import torch
 
 from moeserve.training.data import (
@@ -52,14 +54,15 @@ def _write_docs(tmp_path, n):
 
 
 def _docs_of(ids: np.ndarray) -> list[bytes]:
+    """Split a stream of <bos> text <eos> frames back into the documents' bytes."""
     out, cur = [], []
     for t in ids.tolist():
-        if t == EOS:
-            out.append(bytes(cur))
+        if t == ByteTokenizer.bos_id:
             cur = []
+        elif t == EOS:
+            out.append(bytes(cur))
         else:
             cur.append(t)
-    out.append(bytes(cur))
     return out
 
 
@@ -83,7 +86,8 @@ def test_few_documents_split_within_each_document(tmp_path):
     p = tmp_path / "one.txt"
     p.write_text("x" * 100, encoding="utf-8")
     c = load_corpus([p], val_fraction=0.1)
-    assert len(c.train) == 90 and len(c.val) == 10 and c.n_documents == 1
+    # 90 and 10 bytes of text, each framed as <bos> text <eos>
+    assert len(c.train) == 92 and len(c.val) == 12 and c.n_documents == 1
 
 
 def test_sha256_changes_with_content(tmp_path):
@@ -99,7 +103,9 @@ def test_jsonl_documents_and_eos(tmp_path):
     p.write_text("\n".join(json.dumps({"body": f"row {i}"}) for i in range(3)) + "\n", encoding="utf-8")
     c = load_corpus([p], text_field="body", val_fraction=0.5)
     assert c.n_documents == 3
-    assert int((c.train == EOS).sum()) == 2  # eos between documents, not after the last
+    # fewer than 10 documents: each is split in two, so train holds 3 framed pieces <bos> text <eos>
+    assert int((c.train == EOS).sum()) == 3 and int((c.train == ByteTokenizer.bos_id).sum()) == 3
+    assert c.train[0] == ByteTokenizer.bos_id and c.train[-1] == EOS
 
 
 @pytest.mark.parametrize(
