@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from moeserve.checkpoint import CheckpointError, load_checkpoint, load_into, save_checkpoint
-from moeserve.config import MoEConfig, preset
+from moeserve.config import MoEConfig
 from moeserve.runtime.device import cpu_has_fast_bf16
 from moeserve.runtime.model import Transformer
 from moeserve.training.data import Batcher, Corpus, bits_per_byte, eval_batches, load_corpus, unigram_bits_per_byte
@@ -171,7 +171,7 @@ def train(cfg: MoEConfig, tc: TrainConfig, out: str | Path, *, resume: bool = Fa
 def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: bool,
            corpus: Corpus | None) -> dict[str, Any]:
     if out.exists() and any(out.iterdir()) and not resume:
-        raise FileExistsError(f"{out} already exists and is not empty; pass resume to continue it, or choose another --out")
+        raise FileExistsError(f"{out} already exists and is not empty; pass --resume to continue it, or choose another --out")
     torch.manual_seed(tc.seed)
     seq_len = tc.seq_len or cfg.max_seq_len
     if seq_len > cfg.max_seq_len:
@@ -179,16 +179,20 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
     corpus = corpus or load_corpus(tc.data or None, text_field=tc.text_field)
     model = Transformer(cfg)
     adamw, omoe = _make_optimizer(model, tc)
-    start = 0
+    start, train_seconds = 0, 0.0
     if resume and (out / "config.json").exists():
         ckpt = load_checkpoint(out, load_train_state=True)
         if ckpt.train_state is None:
             raise CheckpointError(f"{out}: has no train_state.safetensors to resume from (a final export?)")
         if ckpt.config != cfg:
             raise CheckpointError(f"{out}/config.json differs from the requested model config; resume with the same flags")
+        trained_on = ckpt.manifest.get("recipe", {}).get("corpus_sha256")
+        if trained_on != corpus.sha256:
+            raise CheckpointError(f"{out} was trained on corpus sha256 {str(trained_on)[:12]}, not on this data "
+                                  f"({corpus.sha256[:12]}); resume with the same --data")
         load_into(model, ckpt)
         _restore_train_state(adamw, omoe, ckpt.train_state, ckpt.train_meta)
-        start = int(ckpt.train_meta["step"])
+        start, train_seconds = int(ckpt.train_meta["step"]), float(ckpt.train_meta.get("train_seconds", 0.0))
     optimizer = omoe or adamw
     amp = autocast_dtype(tc)
     batcher = Batcher(corpus.train, tc.batch_size, seq_len, tc.seed)
@@ -201,12 +205,12 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "autocast": str(amp).replace("torch.", "") if amp else "float32",
     }
-    metrics: dict[str, Any] = {"unigram_bits_per_byte": unigram}
+    metrics: dict[str, Any] = {"unigram_bits_per_byte": unigram, "train_seconds": train_seconds}
     for r in records:  # carry the last evaluation across a resume
         if "val_loss" in r:
             metrics.update(val_loss=r["val_loss"], val_bits_per_byte=r["val_bits_per_byte"], step=r["step"])
 
-    def save(step: int, final: bool) -> None:
+    def save(step: int) -> None:
         state, meta = _train_state(adamw, omoe)
         meta.update(step=step, train_seconds=metrics.get("train_seconds", 0.0))
         save_checkpoint(out, cfg, model.state_dict(), recipe=recipe, metrics=metrics, train_state=state,
@@ -214,7 +218,7 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
         _write_log(log_path, records)
 
     model.train()
-    t_start = time.perf_counter() - metrics.get("train_seconds", 0.0)
+    t_start = time.perf_counter() - train_seconds
     bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not progress, desc="train",
                unit="step", mininterval=1.0, dynamic_ncols=True)
     for step in bar:
@@ -249,12 +253,6 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
         records.append(rec)
         metrics["train_seconds"] = time.perf_counter() - t_start
         if step + 1 == tc.steps or (tc.save_every and (step + 1) % tc.save_every == 0):
-            save(step + 1, final=step + 1 == tc.steps)
+            save(step + 1)
     bar.close()
-    if start >= tc.steps and not (out / "config.json").exists():
-        save(start, final=True)
     return metrics
-
-
-def train_preset(name: str, out: str | Path, tc: TrainConfig | None = None, **overrides: Any) -> dict[str, Any]:
-    return train(preset(name, **overrides), tc or TrainConfig(), out)

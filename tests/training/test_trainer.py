@@ -105,3 +105,12 @@ def test_lr_schedule_warmup_and_decay():
 def test_train_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**{field: value})
+
+
+def test_resume_on_other_data_is_refused(tmp_path, corpus):
+    out = tmp_path / "e"
+    train(preset("tiny"), _tc(steps=2, eval_every=2), out, progress=False, corpus=corpus)
+    text = tmp_path / "other.txt"
+    text.write_text("a different corpus entirely\n" * 400)
+    with pytest.raises(Exception, match="same --data"):
+        train(preset("tiny"), _tc(steps=4, eval_every=2, data=[str(text)]), out, resume=True, progress=False)
