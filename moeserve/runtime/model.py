@@ -177,7 +177,10 @@ class Transformer(nn.Module):
         for block in self.layers:
             x = block(x, cos, sin, input_pos, mask, is_causal)
         x = self.norm(x)
-        aux = [layer.last_aux for layer in self.moe_layers]
+        aux = []
+        for layer in self.moe_layers:  # hand the aux over: a layer holding graph tensors would block deepcopy
+            aux.append(layer.last_aux)
+            layer.last_aux = None
         if self.cfg.task == "classify":
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
         weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight

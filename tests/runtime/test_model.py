@@ -308,3 +308,15 @@ def test_bidirectional_model_with_cache_ignores_unwritten_slots():
     cached = model(ids, torch.arange(8)).logits
     model.clear_cache()
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+
+
+def test_model_deepcopies_after_a_training_forward():
+    """EMA and evaluation copies deepcopy the model; no graph tensor may stay behind in a layer."""
+    import copy
+
+    model = Transformer(preset("tiny", router="vq"))
+    out = model(torch.randint(0, 256, (2, 8)))
+    out.logits.float().mean().backward()
+    assert len(out.aux) == 2 and all(a.counts.sum() > 0 for a in out.aux)
+    clone = copy.deepcopy(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), clone.state_dict().values()))
