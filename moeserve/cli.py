@@ -80,7 +80,10 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moeserve import __version__
+
     p = argparse.ArgumentParser(prog="moeserve", description="Train, inspect and run sparse Mixture-of-Experts models.")
+    p.add_argument("--version", action="version", version=f"moeserve {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train an MoE language model and write a checkpoint",
