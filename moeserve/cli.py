@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moeserve {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"moeserve {args.command}: interrupted", file=sys.stderr)
+        hint = {"train": "; the last checkpoint (--save-every) continues with --resume",
+                "generate": "; rerun to continue training the default model from its last checkpoint"}
+        print(f"moeserve {args.command}: interrupted{hint.get(args.command, '')}", file=sys.stderr)
         return 130
 
 

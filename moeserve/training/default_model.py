@@ -21,7 +21,9 @@ from moeserve.training.trainer import TrainConfig, train
 
 DEFAULT_PRESET = "small"
 DEFAULT_ROUTER = "xmoe"
-DEFAULT_TRAIN = TrainConfig(steps=300, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, eval_every=100)
+# save_every: an interrupted first run (Ctrl-C while a user waits) picks up from its last checkpoint.
+DEFAULT_TRAIN = TrainConfig(steps=300, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, eval_every=100,
+                            save_every=100)
 
 
 def default_config() -> MoEConfig:
