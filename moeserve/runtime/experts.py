@@ -31,6 +31,18 @@ def expert_hidden(x_ND: Tensor, w1_FD: Tensor, w3_FD: Tensor | None) -> Tensor:
     return F.silu(x_ND @ w1_FD.T) * (x_ND @ w3_FD.T)
 
 
+def expert_forward(e: int, x_ND: Tensor, w1_FD: Tensor, w2_DF: Tensor, w3_FD: Tensor | None,
+                   observer: InputObserver | None) -> Tensor:
+    """Expert e on the rows routed to it; the observer sees each linear map's input rows."""
+    h_NF = expert_hidden(x_ND, w1_FD, w3_FD)
+    if observer is not None:
+        observer(e, "w1", x_ND)
+        if w3_FD is not None:
+            observer(e, "w3", x_ND)
+        observer(e, "w2", h_NF)
+    return h_NF @ w2_DF.T
+
+
 def moe_reference(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
                   w3_EFD: Tensor | None = None, keep_TK: Tensor | None = None,
                   observer: InputObserver | None = None) -> Tensor:
@@ -41,14 +53,7 @@ def moe_reference(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD:
         tok_N, slot_N = torch.where((expert_ids_TK == e) & selected_TK)
         if tok_N.numel() == 0:
             continue
-        x_ND = x_TD[tok_N]
-        h_NF = expert_hidden(x_ND, w1_EFD[e], None if w3_EFD is None else w3_EFD[e])
-        if observer is not None:
-            observer(e, "w1", x_ND)
-            if w3_EFD is not None:
-                observer(e, "w3", x_ND)
-            observer(e, "w2", h_NF)
-        y_ND = h_NF @ w2_EDF[e].T
+        y_ND = expert_forward(e, x_TD[tok_N], w1_EFD[e], w2_EDF[e], None if w3_EFD is None else w3_EFD[e], observer)
         out_TD.index_add_(0, tok_N, (y_ND * gates_TK[tok_N, slot_N, None].to(y_ND.dtype)).to(out_TD.dtype))
     return out_TD
 
@@ -74,13 +79,7 @@ def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Te
     for e, x_ND in enumerate(x_TD[tok_N].split(counts)):
         if x_ND.shape[0] == 0:
             continue
-        h_NF = expert_hidden(x_ND, w1s[e], w3s[e])
-        if observer is not None:
-            observer(e, "w1", x_ND)
-            if w3s[e] is not None:
-                observer(e, "w3", x_ND)
-            observer(e, "w2", h_NF)
-        ys.append(h_NF @ w2s[e].T)
+        ys.append(expert_forward(e, x_ND, w1s[e], w2s[e], w3s[e], observer))
     out_TD = torch.zeros_like(x_TD)
     if ys:
         y_ND = torch.cat(ys)
