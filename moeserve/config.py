@@ -40,6 +40,7 @@ class MoEConfig:
     n_kv_heads: int | None = None  # None = n_heads (multi-head); fewer = grouped-query, smaller KV cache
     max_seq_len: int = 256  # longest context; sizes the RoPE table and the KV cache
     rope_theta: float = 10000.0
+    sliding_window: int | None = None  # attend to at most this many latest positions (Mixtral); None = all
     norm: str = "rmsnorm"  # rmsnorm (Mixtral) or layernorm (BERT-style encoders of the X-MoE paper)
     norm_eps: float = 1e-5
     causal: bool = True  # False: bidirectional attention, for classifiers
@@ -153,6 +154,8 @@ class MoEConfig:
             positive_int(name)
         for name in ("rope_theta", "norm_eps", "init_std", "xmoe_expert_norm", "vq_beta"):
             positive_float(name)
+        if self.sliding_window is not None:
+            positive_int("sliding_window")
         for name in ("capacity_factor", "xmoe_tau_init", "balance_tau"):
             positive_float(name, allow_none=True)
         for name in ("balance_alpha", "vq_alpha"):

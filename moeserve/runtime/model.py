@@ -60,20 +60,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.cache: KVCache | None = None
 
-    def forward(self, x_BSD: Tensor, cos_SDh: Tensor, sin_SDh: Tensor, input_pos_S: Tensor,
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, input_pos_S: Tensor,
                 mask: Tensor | None, is_causal: bool) -> Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos_SDh, sin_SDh), apply_rope(k, cos_SDh, sin_SDh)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(input_pos_S, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -93,8 +91,10 @@ class Block(nn.Module):
         self.ffn: nn.Module = MoELayer(cfg) if is_moe else FeedForward(cfg.d_model, cfg.d_ff, cfg.expert_act)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor | None,
-                is_causal: bool) -> Tensor:
+                is_causal: bool, token_mask: Tensor | None = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, is_causal)
+        if isinstance(self.ffn, MoELayer):
+            return h + self.ffn(self.ffn_norm(h), token_mask)
         return h + self.ffn(self.ffn_norm(h))
 
 
@@ -145,6 +145,13 @@ class Transformer(nn.Module):
             if hasattr(layer.router, "constrain_"):
                 layer.router.constrain_()
 
+    @torch.no_grad()
+    def prepare_inference(self, **kwargs) -> None:
+        """Lay out every MoE layer for inference (fused, packed experts; VQ tables); kwargs go to
+        Experts.prepare_inference. Call again after changing weights, dtype or device."""
+        for layer in self.moe_layers:
+            layer.prepare_inference(**kwargs)
+
     # ---- KV cache -------------------------------------------------------------------------
     def setup_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> None:
         max_len = max_len or self.cfg.max_seq_len
@@ -161,21 +168,28 @@ class Transformer(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, input_pos: Tensor | None = None,
-                attention_mask: Tensor | None = None) -> ModelOutput:
-        """input_ids [B, S]; input_pos [S] positions (default 0..S-1; with a cache, where to write);
-        attention_mask [B, L] with 1 for real tokens and 0 for padding (L = S, or the cache length)."""
+                attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> ModelOutput:
+        """input_ids [B, S]; input_pos [S]: the positions of these tokens, and with a cache the slots they
+        are written to (default 0..S-1); attention_mask [B, L]: 1 for real tokens, 0 for padding (L = S,
+        or the cache length); padding is never attended to and never routed to an expert;
+        position_ids [B, S]: RoPE positions where they differ per row (a left-padded batch), else input_pos."""
         B, S = input_ids.shape
         if input_pos is None:
             input_pos = torch.arange(S, device=input_ids.device)
-        if int(input_pos[-1]) >= self.cfg.max_seq_len:
-            raise ValueError(f"position {int(input_pos[-1])} is past max_seq_len={self.cfg.max_seq_len}")
+        pos = input_pos[None] if position_ids is None else position_ids
+        if int(pos.max()) >= self.cfg.max_seq_len or int(input_pos[-1]) >= self.cfg.max_seq_len:
+            raise ValueError(f"position {int(max(pos.max(), input_pos[-1]))} is past max_seq_len={self.cfg.max_seq_len}")
         cache = self.layers[0].attention.cache
-        mask = self._mask(input_pos, attention_mask, cache.k.shape[2] if cache is not None else S)
+        L = cache.k.shape[2] if cache is not None else S
+        mask = self._mask(input_pos, attention_mask, L, cached=cache is not None)
+        token_mask = None
+        if attention_mask is not None:
+            token_mask = attention_mask.bool() if cache is None else attention_mask.bool()[:, input_pos]
         is_causal = self.cfg.causal and cache is None
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # [B|1, 1, S, Dh]
         x = self.tok_embeddings(input_ids)
         for block in self.layers:
-            x = block(x, cos, sin, input_pos, mask, is_causal)
+            x = block(x, cos, sin, input_pos, mask, is_causal, token_mask)
         x = self.norm(x)
         aux = []
         for layer in self.moe_layers:  # hand the aux over: a layer holding graph tensors would block deepcopy
@@ -186,14 +200,17 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
         return ModelOutput(F.linear(x, weight), aux)
 
-    def _mask(self, input_pos_S: Tensor, attention_mask_BL: Tensor | None, L: int) -> Tensor | None:
+    def _mask(self, input_pos_S: Tensor, attention_mask_BL: Tensor | None, L: int, cached: bool) -> Tensor | None:
         """Boolean [B|1, 1, S, L] mask, or None when SDPA's own causal flag (or nothing) suffices."""
-        cache = self.layers[0].attention.cache
-        if attention_mask_BL is None and cache is None:
+        window = self.cfg.sliding_window if self.cfg.causal else None
+        windowed = window is not None and int(input_pos_S[-1]) >= window  # some query cannot see all before it
+        if attention_mask_BL is None and not cached and not windowed:
             return None
         k_pos_L = torch.arange(L, device=input_pos_S.device)
         if self.cfg.causal:
             allowed = k_pos_L[None, :] <= input_pos_S[:, None]
+            if windowed:  # Mistral / Mixtral: key j is visible from query i when i - window < j <= i
+                allowed = allowed & (k_pos_L[None, :] > input_pos_S[:, None] - window)
         else:  # bidirectional: every written position, never the cache's unwritten tail
             allowed = (k_pos_L <= input_pos_S.max())[None, :].expand(input_pos_S.shape[0], L)
         allowed = allowed[None, None]

@@ -23,7 +23,7 @@ from moeserve.runtime.routing import Routing, VectorQuantizer, capacity_keep, ma
 
 @dataclass
 class MoEAux:
-    counts: Tensor  # [E] tokens routed to each expert in this forward (kept assignments only)
+    counts: Tensor | None  # [E] tokens routed to each expert in this forward (kept assignments only)
     routing: Routing | None  # the continuous router's decision; None for the discrete VQ layer
     codes: Tensor | None = None  # [T] VQ code = expert of each token
     z: Tensor | None = None  # [T, C] VQ encoder output
@@ -44,6 +44,32 @@ class MoELayer(nn.Module):
         )
         self.mix = nn.Linear(cfg.d_model, 2, bias=False) if is_vq and cfg.vq_mode == "mixed" else None
         self.last_aux: MoEAux | None = None
+        self.table: Tensor | None = None  # [E, D] f_j(x~_j) for VQ code layers; set by prepare_inference
+        self.count_load = True  # the bincount of MoEAux.counts; off only to measure what it costs
+
+    @torch.no_grad()
+    def prepare_inference(self, **kwargs) -> None:
+        """Inference layout of the experts (experts.py) and, for VQ with vq_input='code', the table:
+        x~ = up(v_k) is one of E vectors, so f_k(x~) is too (paper 002, eq. 5: the discrete-only
+        layer is a lookup)."""
+        self.experts.prepare_inference(**kwargs)
+        self.table = None
+        if self.quantizer is not None and self.cfg.vq_input == "code":
+            q = self.quantizer
+            v_EC = q.vectors().to(self.experts.w1.dtype)
+            x_tilde_ED = q.up(v_EC) if q.up is not None else v_EC
+            self.table = self.experts(x_tilde_ED, torch.arange(self.n_experts, device=v_EC.device)[:, None],
+                                      torch.ones(self.n_experts, 1, dtype=x_tilde_ED.dtype, device=v_EC.device))
+
+    def _discrete(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """VQ's discrete path: (f_k(x~) [T, D], codes, z, v); a table lookup when one was built."""
+        if self.table is not None and not torch.is_grad_enabled():
+            z = self.quantizer.encode(x_TD)
+            codes_T = self.quantizer.nearest(z)
+            return self.table[codes_T], codes_T, z, self.quantizer.vectors()[codes_T].to(z.dtype)
+        codes_T, x_tilde_TD, z, v = self.quantizer(x_TD)
+        ones_T1 = torch.ones(x_TD.shape[0], 1, dtype=x_TD.dtype, device=x_TD.device)
+        return self.experts(x_tilde_TD, codes_T[:, None], ones_T1), codes_T, z, v
 
     def _route(self, x_TD: Tensor) -> Routing:
         routing = self.router(x_TD)
@@ -52,16 +78,20 @@ class MoELayer(nn.Module):
             routing.keep = capacity_keep(routing.expert_ids, self.n_experts, capacity)
         return routing
 
-    def forward(self, x_BSD: Tensor) -> Tensor:
+    def forward(self, x_BSD: Tensor, token_mask_BS: Tensor | None = None) -> Tensor:
+        """token_mask_BS: False for padding, which is neither routed nor counted and comes out as zeros."""
+        if token_mask_BS is not None and not bool(token_mask_BS.all()):
+            keep_T = token_mask_BS.reshape(-1)
+            y_TD = x_BSD.new_zeros(keep_T.shape[0], x_BSD.shape[-1])
+            y_TD[keep_T] = self.forward(x_BSD.reshape(-1, x_BSD.shape[-1])[keep_T][None])[0]
+            return y_TD.reshape(x_BSD.shape)
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = codes_T = z = v = None
         if self.quantizer is None:
             routing = self._route(x_TD)
             y_TD = self.experts(x_TD, routing.expert_ids, routing.gates, routing.keep)
         else:
-            codes_T, x_tilde_TD, z, v = self.quantizer(x_TD)
-            ones_T1 = torch.ones(x_TD.shape[0], 1, dtype=x_TD.dtype, device=x_TD.device)
-            discrete_TD = self.experts(x_tilde_TD, codes_T[:, None], ones_T1)
+            discrete_TD, codes_T, z, v = self._discrete(x_TD)
             if self.mix is None:
                 y_TD = discrete_TD
             else:
@@ -69,7 +99,8 @@ class MoELayer(nn.Module):
                 continuous_TD = self.experts(x_TD, routing.expert_ids, routing.gates, routing.keep)
                 g_T2 = self.mix(x_TD).float().softmax(dim=-1).to(x_TD.dtype)
                 y_TD = g_T2[:, :1] * continuous_TD + g_T2[:, 1:] * discrete_TD
-        self.last_aux = MoEAux(self._counts(routing, codes_T), routing, codes_T, z, v)
+        counts = self._counts(routing, codes_T) if self.count_load else None
+        self.last_aux = MoEAux(counts, routing, codes_T, z, v)
         return y_TD.reshape(x_BSD.shape)
 
     def _counts(self, routing: Routing | None, codes_T: Tensor | None) -> Tensor:
