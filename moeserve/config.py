@@ -23,7 +23,7 @@ TASKS = ("lm", "classify")
 VQ_MODES = ("mixed", "discrete")
 VQ_INPUTS = ("code", "blend")
 VQ_DISTANCES = ("l2", "cosine")
-TOKENIZERS = ("byte", "hf")
+TOKENIZERS = ("byte", "hf", "none")
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,7 @@ class MoEConfig:
     init_std: float = 0.02
     task: str = "lm"  # lm: next-token head; classify: mean-pooled class head
     n_classes: int = 0  # classify only
-    tokenizer: str = "byte"  # byte (built in) or hf (tokenizer.json in the checkpoint)
+    tokenizer: str = "byte"  # byte (built in), hf (tokenizer.json in the checkpoint), none (token ids only)
 
     # --- MoE layers ---
     moe_layers: list[int] | None = None  # indices of layers whose FFN is an MoE; None = every layer
