@@ -79,6 +79,18 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     return bench_train_main(args)
 
 
+def cmd_bench_layer(args: argparse.Namespace) -> int:
+    from moeserve.bench.layer import main as bench_layer_main
+
+    return bench_layer_main(args)
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from moeserve.bench.engine import main as bench_engine_main
+
+    return bench_engine_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moeserve import __version__
 
@@ -140,6 +152,30 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", type=Path, help="write the report as JSON")
     bt.add_argument("--quiet", action="store_true")
     bt.set_defaults(func=cmd_bench_train)
+    bl = bsub.add_parser("layer", help="one MoE layer: moeserve's dispatch paths vs the reference loop and "
+                         "transformers", description="Time one MoE layer (same weights) across implementations "
+                         "and token counts, beside a dense GEMM of the same FLOPs.")
+    bl.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 1024], help="token counts (default: 1 8 128 1024)")
+    bl.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
+    bl.add_argument("--d-model", type=int, default=512, help="D (default: 512)")
+    bl.add_argument("--d-ff", type=int, default=1408, help="F (default: 1408)")
+    bl.add_argument("--experts", type=int, default=8, help="E (default: 8)")
+    bl.add_argument("--top-k", type=int, default=2, help="k (default: 2)")
+    bl.add_argument("--min-time", type=float, default=0.3, help="seconds of timed runs per cell (default: 0.3)")
+    bl.add_argument("--sweep", action="store_true", help="instead: find where the grouped path overtakes gather")
+    bl.add_argument("--json", type=Path, help="write the report as JSON")
+    bl.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    bl.set_defaults(func=cmd_bench_layer)
+    be = bsub.add_parser("engine", help="greedy generation end to end: the Engine vs transformers' generate",
+                         description="Greedy batch-1 generation on a Mixtral checkpoint (default: a small random "
+                         "one written by transformers), moeserve's Engine against transformers' generate.")
+    be.add_argument("--checkpoint", type=Path, help="a Hugging Face Mixtral directory (default: a tiny random one)")
+    be.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
+    be.add_argument("--new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    be.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: 16)")
+    be.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (default: 3)")
+    be.add_argument("--json", type=Path, help="write the report as JSON")
+    be.set_defaults(func=cmd_bench_engine)
     return p
 
 
