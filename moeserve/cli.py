@@ -73,6 +73,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    from moeserve.scoring import ScoreConfig, score_file
+
+    cfg = ScoreConfig(
+        input=args.input, output=args.output, format=args.format, text_field=args.text_field, id_field=args.id_field,
+        dtype=args.dtype, device=args.device, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
+        chunk_size=args.chunk_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
+    )
+    summary = score_file(args.checkpoint, cfg, log=lambda msg: print(f"moeserve score: {msg}", file=sys.stderr))
+    if summary.already_complete:
+        print(f"moeserve score: {summary.output} is already complete ({summary.records} records); nothing to do",
+              file=sys.stderr)
+    else:
+        print(f"moeserve score: scored {summary.scored}, errors {summary.errors} -> {summary.output}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from moeserve.bench.train import main as bench_train_main
 
@@ -141,6 +158,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("score", help="score a file of texts: log-probability and bits per byte, one JSON line each",
+                       description="Score every record of a JSONL or text file with a language model: one output "
+                       "line per record, in input order, keyed by its id; a bad record gives an error line and the "
+                       "run goes on. The output is written to OUTPUT.partial and renamed when complete; an "
+                       "interrupted run continues with --resume and writes exactly what an uninterrupted one would.")
+    s.add_argument("checkpoint", type=Path, help="checkpoint directory (a language model)")
+    s.add_argument("--input", type=Path, required=True, metavar="FILE",
+                   help="JSONL (one object per line) or text (one record per non-blank line) file")
+    s.add_argument("--output", type=Path, required=True, metavar="FILE",
+                   help="JSONL file to write: {id, logprob, n_tokens, bits_per_byte} or {id, error} per record")
+    s.add_argument("--format", default="auto", choices=("auto", "jsonl", "text"),
+                   help="input format (default: auto: .jsonl and .json are JSONL, anything else text)")
+    s.add_argument("--text-field", default="text", metavar="NAME",
+                   help="JSONL field holding the text (default: text)")
+    s.add_argument("--id-field", default="id", metavar="NAME", help="JSONL field holding the id (default: id; "
+                   "without it, the 1-based line number)")
+    s.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
+                   help="weights and activations (default: float32, for reproducible scores; auto: bf16 on GPUs "
+                   "and CPUs with fast bf16)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: auto: a GPU if there is one)")
+    s.add_argument("--batch-size", type=int, default=64, metavar="N", help="most rows per forward pass (default: 64)")
+    s.add_argument("--batch-tokens", type=int, default=16384, metavar="N",
+                   help="most tokens per forward pass, padding included (default: 16384)")
+    s.add_argument("--chunk-size", type=int, default=256, metavar="N", help="records per committed chunk; batches "
+                   "are formed within a chunk, sorted by length (default: 256)")
+    again = s.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue an interrupted run from OUTPUT.partial "
+                       "(refused if the input or settings differ)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start again even if OUTPUT or OUTPUT.partial exists (OUTPUT is replaced at the end)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_score)
     b = sub.add_parser("bench", help="benchmarks, measured against a baseline in the same run")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     bt = bsub.add_parser("train", help="train each routing method on the same data and compare bits per byte")
@@ -190,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         hint = {"train": "; the last checkpoint (--save-every) continues with --resume",
+                "score": "; rerun with --resume to continue from the last completed chunk",
                 "generate": "; rerun to continue training the default model from its last checkpoint"}
         print(f"moeserve {args.command}: interrupted{hint.get(args.command, '')}", file=sys.stderr)
         return 130

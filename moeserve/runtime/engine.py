@@ -124,6 +124,10 @@ class Score:
     n_tokens: int  # tokens scored (the <bos> that conditions the first is not one of them)
     bits_per_byte: float  # -logprob / ln 2 / UTF-8 bytes of the text
 
+    @classmethod
+    def of(cls, logprob: float, n_tokens: int, text: str) -> "Score":
+        return cls(logprob, n_tokens, -logprob / math.log(2) / len(text.encode("utf-8")))
+
     def as_dict(self) -> dict:
         return {"logprob": self.logprob, "n_tokens": self.n_tokens, "bits_per_byte": self.bits_per_byte}
 
@@ -214,6 +218,10 @@ class Engine:
             raise EngineError(f"{what} must be a string, got {type(text).__name__}")
         if not text:
             raise EngineError(f"{what} is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise EngineError(f"{what} is not valid Unicode ({e.reason} at character {e.start})") from e
         ids = self._tok().encode(text, bos=True)
         if len(ids) > self.cfg.max_seq_len:
             raise EngineError(f"{what} is {len(ids)} tokens; the model's context is {self.cfg.max_seq_len}")
@@ -356,10 +364,7 @@ class Engine:
     def score(self, texts: list[str]) -> list[Score]:
         """Per text: log-probability, tokens scored, bits per UTF-8 byte."""
         rows = [self.encode(t, f"text {i}") for i, t in enumerate(texts)]
-        scores = []
-        for (lp, n), t in zip(self.score_ids(rows), texts):
-            scores.append(Score(lp, n, -lp / math.log(2) / len(t.encode("utf-8"))))
-        return scores
+        return [Score.of(lp, n, t) for (lp, n), t in zip(self.score_ids(rows), texts)]
 
     # ---- classification and routes -------------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,378 @@
+"""Batch offline scoring (DESIGN.md, "Batch offline scoring"): a file of texts in, one JSON line per
+record out, in input order, keyed by the record's id.
+
+Per chunk of `chunk_size` records, in input order:
+  read (each line parsed; a bad one becomes an error record, the run goes on)
+  -> encode (Engine.encode: not a string, empty, longer than the context are error records too)
+  -> batch (sorted by token length, up to batch_size rows and batch_tokens padded tokens)
+  -> Engine.score_ids -> the chunk's lines written in input order, fsynced -> progress committed.
+
+Chunk boundaries depend only on record counts, so a resumed run forms exactly the batches an
+uninterrupted one would, and writes byte-identical output. Next to OUTPUT while a run is under way:
+  OUTPUT.partial        the lines so far; renamed to OUTPUT once every record is written
+  OUTPUT.progress.json  what is committed (records_done, bytes_written, where the input resumes) and
+                        what it was computed from (input sha256, checkpoint, settings); replaced
+                        atomically after each chunk, so a kill at any point loses only the chunk in
+                        flight, whose half-written lines past bytes_written --resume cuts off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from tqdm import tqdm
+
+from moeserve.runtime.engine import Engine, EngineError, Score
+
+FORMATS = ("auto", "jsonl", "text")
+JSONL_SUFFIXES = (".jsonl", ".json")
+PROGRESS_VERSION = 1
+_BOM = b"\xef\xbb\xbf"
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+@dataclass
+class ScoreConfig:
+    input: Path
+    output: Path
+    format: str = "auto"  # jsonl, text (one record per non-blank line), or auto: .jsonl/.json are JSONL
+    text_field: str = "text"  # JSONL: the field holding the text
+    id_field: str = "id"  # JSONL: the field holding the id; without it, the 1-based line number
+    dtype: str = "float32"  # float32: scores that reproduce across machines; auto: bf16 where it is fast
+    device: str = "auto"
+    batch_size: int = 64  # rows per forward: more amortises per-call overhead, costs activation memory
+    batch_tokens: int = 16384  # tokens per forward, padding included: bounds memory whatever the lengths
+    chunk_size: int = 256  # records per commit: smaller loses less to a crash, fsyncs more often
+    resume: bool = False  # continue OUTPUT.partial from its progress file
+    overwrite: bool = False  # start again even if OUTPUT or OUTPUT.partial exists
+    progress: bool = True  # tqdm bar on stderr (tqdm also hides it when stderr is not a terminal)
+
+    def __post_init__(self) -> None:
+        self.input, self.output = Path(self.input), Path(self.output)
+        if self.format not in FORMATS:
+            raise ValueError(f"format = {self.format!r}: expected one of {', '.join(FORMATS)}")
+        for name in ("batch_size", "batch_tokens", "chunk_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
+        for name in ("text_field", "id_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} = {getattr(self, name)!r}: expected a non-empty field name")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite both set: --resume continues a run, --overwrite starts again")
+
+    @property
+    def resolved_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        return "jsonl" if self.input.suffix.lower() in JSONL_SUFFIXES else "text"
+
+    @property
+    def partial(self) -> Path:
+        return self.output.with_name(self.output.name + ".partial")
+
+    @property
+    def progress_file(self) -> Path:
+        return self.output.with_name(self.output.name + ".progress.json")
+
+
+@dataclass
+class ScoreSummary:
+    output: Path
+    records: int  # records in the input
+    scored: int  # output lines with a score
+    errors: int  # output lines with an error
+    resumed_at: int = 0  # records already done when this run started
+    already_complete: bool = False  # --resume found OUTPUT finished; nothing was computed
+
+
+@dataclass
+class Record:
+    line: int  # 1-based line number in the input
+    id: Any  # the record's id field, else its line number
+    text: Any  # what to score; checked by Engine.encode
+    error: str | None  # set when the line itself is bad (not UTF-8, not JSON, not an object, no text)
+    end: int  # byte offset just past the line: where a resumed run continues reading
+
+
+# ---- input -----------------------------------------------------------------------------------
+@dataclass
+class InputInfo:
+    sha256: str
+    size: int
+    records: int  # non-blank lines
+
+
+def scan_input(path: Path) -> InputInfo:
+    """One pass over the input: its sha256 (a resume must read the same bytes) and its record count
+    (the progress bar's total)."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: input file does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path}: input is not a regular file")
+    h, size, records = hashlib.sha256(), 0, 0
+    try:
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f):
+                h.update(raw)
+                size += len(raw)
+                records += bool((raw[3:] if i == 0 and raw.startswith(_BOM) else raw).strip())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the input ({e.strerror or e})") from e
+    return InputInfo(h.hexdigest(), size, records)
+
+
+def _parse(body: bytes, line: int, end: int, fmt: str, text_field: str, id_field: str) -> Record:
+    try:
+        s = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Record(line, line, None, f"line {line}: not valid UTF-8 ({e.reason} at byte {e.start})", end)
+    if fmt == "text":
+        return Record(line, line, s, None, end)
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        return Record(line, line, None, f"line {line}: invalid JSON ({e.msg} at column {e.colno})", end)
+    if not isinstance(obj, dict):
+        return Record(line, line, None, f"line {line}: expected a JSON object, got {_JSON_TYPES[type(obj)]}", end)
+    rid = obj.get(id_field, line)
+    if text_field not in obj:
+        return Record(line, rid, None, f"line {line}: no {text_field!r} field", end)
+    text = obj[text_field]
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")  # JSON can spell lone surrogates ("\ud800"), which no tokenizer can encode
+        except UnicodeEncodeError as e:
+            return Record(line, rid, None, f"line {line}: field {text_field!r} is not valid Unicode ({e.reason} "
+                                           f"at character {e.start})", end)
+    return Record(line, rid, text, None, end)
+
+
+def read_records(path: Path, fmt: str, text_field: str = "text", id_field: str = "id", *,
+                 start: int = 0, line: int = 0) -> Iterator[Record]:
+    """The records of `path` from byte offset `start` (just past line `line`); blank lines are not records."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        end = start
+        for raw in f:
+            line += 1
+            end += len(raw)
+            body = raw[:-1] if raw.endswith(b"\n") else raw
+            body = body[:-1] if body.endswith(b"\r") else body
+            if line == 1 and body.startswith(_BOM):  # a UTF-8 byte-order mark is not text
+                body = body[3:]
+            if body.strip():
+                yield _parse(body, line, end, fmt, text_field, id_field)
+
+
+def _chunks(records: Iterable[Record], n: int) -> Iterator[list[Record]]:
+    it = iter(records)
+    while chunk := list(islice(it, n)):
+        yield chunk
+
+
+# ---- batching and scoring ----------------------------------------------------------------------
+def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Indices into `lengths`, shortest first, cut into batches of at most `batch_size` rows and
+    `batch_tokens` tokens once padded to the batch's longest row (a row longer than that goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:  # ascending: the row being added is the batch's longest
+        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * lengths[i] > batch_tokens):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def score_chunk(engine: Engine, chunk: list[Record], cfg: ScoreConfig) -> list[dict]:
+    """One output object per record, in the chunk's order."""
+    out: list[dict | None] = [None] * len(chunk)
+    rows: list[list[int]] = []
+    where: list[int] = []  # rows[k] is chunk[where[k]]
+    for j, r in enumerate(chunk):
+        if r.error is not None:
+            out[j] = {"id": r.id, "error": r.error}
+            continue
+        what = f"line {r.line}" if cfg.resolved_format == "text" else f"line {r.line}: field {cfg.text_field!r}"
+        try:
+            rows.append(engine.encode(r.text, what))
+        except EngineError as e:
+            out[j] = {"id": r.id, "error": str(e)}
+            continue
+        where.append(j)
+    for batch in plan_batches([len(row) for row in rows], cfg.batch_size, cfg.batch_tokens):
+        for k, (logprob, n) in zip(batch, engine.score_ids([rows[k] for k in batch])):
+            r = chunk[where[k]]
+            out[where[k]] = {"id": r.id, **Score.of(logprob, n, r.text).as_dict()}
+    return out  # type: ignore[return-value]
+
+
+# ---- progress file -----------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    if os.name == "posix":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _checkpoint_fingerprint(path: Path | None) -> str | None:
+    """sha256 over the checkpoint's config and manifest (which holds every weight file's sha256)."""
+    if path is None:
+        return None
+    h = hashlib.sha256()
+    for name in ("config.json", "moeserve.json", "model.safetensors.index.json"):
+        if (path / name).is_file():
+            h.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _identity(cfg: ScoreConfig, info: InputInfo, engine: Engine) -> dict:
+    """Everything a resume must match, with the paths for the messages."""
+    return {
+        "version": PROGRESS_VERSION,
+        "input": str(cfg.input.absolute()), "input_sha256": info.sha256, "input_size": info.size,
+        "records_total": info.records,
+        "checkpoint": str(engine.path) if engine.path is not None else engine.name,
+        "checkpoint_sha256": _checkpoint_fingerprint(engine.path),
+        "settings": {"format": cfg.resolved_format, "text_field": cfg.text_field, "id_field": cfg.id_field,
+                     "dtype": str(engine.dtype).removeprefix("torch."), "device": engine.device.type,
+                     "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens},
+    }
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    diffs = []
+    if old.get("version") != new["version"]:
+        return [f"progress file version {old.get('version')!r}, this moeserve writes {new['version']}"]
+    if old.get("input_sha256") != new["input_sha256"]:
+        diffs.append(f"input: {new['input']} (sha256 {new['input_sha256'][:12]}...) is not the file the run "
+                     f"read ({old.get('input')}, sha256 {str(old.get('input_sha256'))[:12]}...)")
+    if old.get("checkpoint_sha256") != new["checkpoint_sha256"]:
+        diffs.append(f"checkpoint: {new['checkpoint']} is not the checkpoint the run used ({old.get('checkpoint')})")
+    for k, v in new["settings"].items():
+        if old.get("settings", {}).get(k) != v:
+            diffs.append(f"{k}: {old.get('settings', {}).get(k)!r} in the run, {v!r} now")
+    return diffs
+
+
+# ---- the run ---------------------------------------------------------------------------------
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def _check_paths(cfg: ScoreConfig, info: InputInfo) -> ScoreSummary | None:
+    """Refuse to clobber; a summary if --resume finds the output already complete."""
+    if not cfg.output.parent.is_dir():
+        raise FileNotFoundError(f"{cfg.output.parent}: output directory does not exist")
+    if cfg.output.is_dir():
+        raise ValueError(f"{cfg.output}: output is a directory; expected a file path")
+    if cfg.output.resolve() == cfg.input.resolve():
+        raise ValueError(f"{cfg.output}: output is the input file")
+    interrupted = cfg.partial.is_file() and cfg.progress_file.is_file()
+    if cfg.resume and cfg.output.exists() and not interrupted:  # (an interrupted --overwrite leaves both)
+        n = _count_lines(cfg.output)
+        if n != info.records:
+            raise ValueError(f"{cfg.output}: exists with {n} lines but {cfg.input} has {info.records} records; "
+                             f"it is not this input's output (--overwrite to score again)")
+        cfg.progress_file.unlink(missing_ok=True)  # a crash between the final rename and this cleanup
+        return ScoreSummary(cfg.output, info.records, 0, 0, info.records, already_complete=True)
+    if not (cfg.resume or cfg.overwrite):
+        for p in (cfg.output, cfg.partial):
+            if p.exists():
+                raise FileExistsError(f"{p}: already exists; pass --resume to continue an interrupted run or "
+                                      f"--overwrite to start again")
+    return None
+
+
+def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine: Engine | None = None,
+               log: Callable[[str], None] = lambda msg: None) -> ScoreSummary:
+    """Score every record of cfg.input into cfg.output (see the module docstring). `engine`, when given,
+    is used instead of loading `checkpoint`."""
+    info = scan_input(cfg.input)
+    if (done := _check_paths(cfg, info)) is not None:
+        return done
+    if engine is None:
+        engine = Engine.load(checkpoint, dtype=cfg.dtype, device=cfg.device)
+    if engine.cfg.task != "lm":
+        raise ValueError(f"{engine.path or engine.name} is a '{engine.cfg.task}' model; scoring needs a language model")
+    if engine.tokenizer is None:
+        raise ValueError(f"{engine.path or engine.name} has no tokenizer (no tokenizer.json); cannot score text")
+
+    identity = _identity(cfg, info, engine)
+    state = {"records_done": 0, "bytes_written": 0, "input_offset": 0, "input_line": 0, "scored": 0, "errors": 0}
+    resuming = cfg.resume and cfg.progress_file.exists()
+    if resuming:
+        try:
+            old = json.loads(cfg.progress_file.read_text(encoding="utf-8"))
+            state = {k: int(old[k]) for k in state}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{cfg.progress_file}: unreadable progress file ({e}); --overwrite to start again") from e
+        if diffs := _differences(old, identity):
+            raise ValueError(f"cannot resume from {cfg.progress_file}: " + "; ".join(diffs) +
+                             ". Rerun with the run's settings, or --overwrite to start again")
+        if not cfg.partial.is_file() or cfg.partial.stat().st_size < state["bytes_written"]:
+            raise ValueError(f"{cfg.partial}: missing or shorter than the {state['bytes_written']} bytes "
+                             f"{cfg.progress_file.name} says were written; --overwrite to start again")
+        log(f"resuming at record {state['records_done'] + 1} of {info.records}")
+    elif cfg.resume:
+        log(f"no {cfg.progress_file.name} to resume from; starting from the first record")
+
+    def commit() -> None:
+        _write_atomic(cfg.progress_file, json.dumps({**identity, **state}, indent=1) + "\n")
+
+    if not resuming:
+        commit()  # before the first line: a resume after a kill anywhere from here finds the settings
+    bar = tqdm(total=info.records, initial=state["records_done"], unit="rec", file=sys.stderr,
+               disable=None if cfg.progress else True, desc="score")
+    resumed_at = state["records_done"]
+    with open(cfg.partial, "r+b" if resuming else "wb") as f, bar:
+        if resuming:
+            f.truncate(state["bytes_written"])  # drops the half-written chunk a kill left
+            os.fsync(f.fileno())
+            f.seek(state["bytes_written"])
+        records = read_records(cfg.input, cfg.resolved_format, cfg.text_field, cfg.id_field,
+                               start=state["input_offset"], line=state["input_line"])
+        for chunk in _chunks(records, cfg.chunk_size):
+            results = score_chunk(engine, chunk, cfg)
+            data = b"".join(json.dumps(r).encode("ascii") + b"\n" for r in results)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            n_err = sum("error" in r for r in results)
+            state["records_done"] += len(chunk)
+            state["bytes_written"] += len(data)
+            state["input_offset"], state["input_line"] = chunk[-1].end, chunk[-1].line
+            state["scored"] += len(chunk) - n_err
+            state["errors"] += n_err
+            commit()
+            bar.update(len(chunk))
+    os.replace(cfg.partial, cfg.output)
+    _fsync_dir(cfg.output.parent)
+    cfg.progress_file.unlink()
+    _fsync_dir(cfg.output.parent)
+    return ScoreSummary(cfg.output, info.records, state["scored"], state["errors"], resumed_at)
