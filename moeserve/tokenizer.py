@@ -2,12 +2,18 @@
 
 The byte tokenizer needs no vocabulary file and no download, encodes any text losslessly, and makes
 bits-per-byte a direct function of the loss (one token = one byte).
+
+`load_checkpoint_tokenizer(path, config)` is what loaders call: the tokenizer a checkpoint's config
+names, with a Hugging Face config's bos/eos token ids, or None for a checkpoint without one.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from moeserve.config import MoEConfig
 
 
 class Tokenizer(Protocol):
@@ -41,17 +47,25 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's tokenizer.json, read with the `tokenizers` package (no download)."""
+    """A checkpoint's tokenizer.json, read with the `tokenizers` package (no download).
 
-    def __init__(self, path: str | Path, bos_token: str | None = "<s>", eos_token: str | None = "</s>"):
+    bos_id / eos_id, where given (a Hugging Face config.json's bos_token_id / eos_token_id), win over
+    looking up the bos_token / eos_token strings in the vocabulary."""
+
+    def __init__(self, path: str | Path, bos_token: str | None = "<s>", eos_token: str | None = "</s>", *,
+                 bos_id: int | None = None, eos_id: int | None = None):
         try:
             from tokenizers import Tokenizer as _Tok
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(f"{path} needs the 'tokenizers' package: pip install tokenizers") from e
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
-        self.bos_id = self._tok.token_to_id(bos_token) if bos_token else None
-        self.eos_id = self._tok.token_to_id(eos_token) if eos_token else None
+        for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"{path}: {name} = {value!r}: expected a token id in [0, {self.vocab_size})")
+        self.bos_id = bos_id if bos_id is not None else self._tok.token_to_id(bos_token) if bos_token else None
+        self.eos_id = eos_id if eos_id is not None else self._tok.token_to_id(eos_token) if eos_token else None
         self.pad_id = self.eos_id if self.eos_id is not None else 0
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
@@ -62,7 +76,9 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(kind: str, checkpoint_dir: str | Path | None = None) -> Tokenizer:
+def load_tokenizer(kind: str, checkpoint_dir: str | Path | None = None, *, bos_id: int | None = None,
+                   eos_id: int | None = None) -> Tokenizer:
+    """The tokenizer of `kind`; bos_id / eos_id apply to 'hf' only (the byte tokenizer's are fixed)."""
     if kind == "byte":
         return ByteTokenizer()
     if kind == "hf":
@@ -71,5 +87,18 @@ def load_tokenizer(kind: str, checkpoint_dir: str | Path | None = None) -> Token
         path = Path(checkpoint_dir) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: config says tokenizer 'hf' but there is no tokenizer.json")
-        return HFTokenizer(path)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte' or 'hf'")
+        return HFTokenizer(path, bos_id=bos_id, eos_id=eos_id)
+    if kind == "none":
+        raise ValueError(f"{checkpoint_dir or 'this checkpoint'}: has no tokenizer (tokenizer 'none', no "
+                         f"tokenizer.json); give token ids instead of text")
+    raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte', 'hf' or 'none'")
+
+
+def load_checkpoint_tokenizer(path: str | Path, config: MoEConfig) -> Tokenizer | None:
+    """The tokenizer of the checkpoint at `path` whose config is `config`; None when it has none.
+    A Hugging Face directory's config.json bos_token_id / eos_token_id (kept in config.extra) set the
+    special ids, not the '<s>' / '</s>' strings."""
+    if config.tokenizer == "none":
+        return None
+    return load_tokenizer(config.tokenizer, path, bos_id=config.extra.get("bos_token_id"),
+                          eos_id=config.extra.get("eos_token_id"))

@@ -201,7 +201,7 @@ def test_invalid_config_field(saved: Path) -> None:
     assert "n_experts" in str(e.value)
 
 
-def test_huggingface_config_is_not_imported_yet(saved: Path) -> None:
+def test_incomplete_huggingface_config_is_refused(saved: Path) -> None:
     (saved / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64}))
     with pytest.raises(CheckpointError, match="Hugging Face model_type 'mixtral'"):
         load_checkpoint(saved)

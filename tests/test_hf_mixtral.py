@@ -1,0 +1,280 @@
+"""Hugging Face Mixtral directories load as they are and compute what transformers computes.
+
+Every reference here is transformers' own MixtralForCausalLM, built tiny and random, saved with
+save_pretrained: the layouts it writes are the ones a user's directory has.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
+
+from moeserve.checkpoint import (  # noqa: E402
+    CheckpointError, describe, load_checkpoint, load_model, verify_checkpoint,
+)
+from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
+
+TOL = 1e-4  # fp32
+V = 211
+
+
+def hf_mixtral(tmp: Path, save_kwargs: dict | None = None, seed: int = 0, **overrides) -> MixtralForCausalLM:
+    """A tiny random Mixtral, saved to `tmp` by transformers itself."""
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    model = MixtralForCausalLM(MixtralConfig(**{**cfg, **overrides})).eval()
+    model.save_pretrained(tmp, **(save_kwargs or {}))
+    return model
+
+
+def saved_keys(path: Path) -> set[str]:
+    keys: set[str] = set()
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def assert_logits_match(path: Path, hf: MixtralForCausalLM, shapes=((1, 5), (3, 17))) -> None:
+    model, _ = load_model(path)
+    with torch.no_grad():
+        for shape in shapes:
+            ids = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(sum(shape)))
+            ours, theirs = model(ids).logits, hf(ids).logits
+            assert ours.shape == theirs.shape == (*shape, V)
+            torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+
+
+def edit_config(path: Path, **changes) -> None:
+    data = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    (path / "config.json").write_text(json.dumps(data))
+
+
+# ---- logits parity --------------------------------------------------------------------------------
+def test_default_save_is_per_expert_and_matches(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path)
+    keys = saved_keys(tmp_path)
+    # transformers 5 fuses experts in memory but save_pretrained writes the original per-expert names
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys
+    assert "model.layers.0.block_sparse_moe.gate.weight" in keys
+    assert not any("gate_up_proj" in k for k in keys)
+    assert_logits_match(tmp_path, hf)
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.manifest == {"format": "hf-mixtral"} and ckpt.train_state is None
+    cfg = ckpt.config
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.d_ff, cfg.n_experts, cfg.top_k) == \
+        (64, 2, 4, 2, 96, 4, 2)
+    assert cfg.router == "softmax" and cfg.renormalize and cfg.expert_act == "swiglu" and cfg.rope_theta == 1e6
+    assert cfg.tokenizer == "none" and not cfg.tie_embeddings and cfg.sliding_window is None
+
+
+def test_fused_layout_matches(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path, {"save_original_format": False})
+    keys = saved_keys(tmp_path)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in keys and "model.layers.1.mlp.gate.weight" in keys
+    assert_logits_match(tmp_path, hf)
+
+
+def test_legacy_layout_under_mlp_name_matches(tmp_path: Path) -> None:
+    """transformers reads the MoE block as block_sparse_moe or mlp; both expert layouts under either."""
+    hf = hf_mixtral(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k.replace(".block_sparse_moe.", ".mlp."): v for k, v in state.items()},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert_logits_match(tmp_path, hf, shapes=((2, 7),))
+
+
+def test_sharded_save_loads(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path, {"max_shard_size": "100KB"})
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    assert_logits_match(tmp_path, hf, shapes=((2, 9),))
+
+
+def test_tied_embeddings(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path, tie_word_embeddings=True)
+    assert "lm_head.weight" not in saved_keys(tmp_path)
+    model, ckpt = load_model(tmp_path)
+    assert ckpt.config.tie_embeddings and not hasattr(model, "output")
+    assert_logits_match(tmp_path, hf, shapes=((2, 9),))
+
+
+def test_sliding_window_matches(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path, sliding_window=4)
+    assert load_checkpoint(tmp_path).config.sliding_window == 4
+    assert_logits_match(tmp_path, hf, shapes=((2, 13),))
+    ids = torch.randint(0, V, (1, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the window changes the answer: the test above is not vacuous
+        full = MixtralForCausalLM(hf.config.__class__(**{**hf.config.to_dict(), "sliding_window": None}))
+        full.load_state_dict(hf.state_dict())
+        assert (full.eval()(ids).logits - hf(ids).logits).abs().max() > 1e-3
+
+
+def test_old_style_rope_theta(tmp_path: Path) -> None:
+    """Configs written before transformers 5 keep rope_theta at the top level, without rope_parameters."""
+    hf = hf_mixtral(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    edit_config(tmp_path, rope_parameters=..., rope_theta=500.0, rope_scaling=None)
+    assert load_checkpoint(tmp_path).config.rope_theta == 500.0
+    assert_logits_match(tmp_path, hf, shapes=((1, 30),))
+
+
+def test_inference_layout_matches(tmp_path: Path) -> None:
+    """The fused / packed expert layout the engine runs (prepare_inference) on imported weights."""
+    hf = hf_mixtral(tmp_path)
+    model, _ = load_model(tmp_path)
+    model.prepare_inference()
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
+        torch.testing.assert_close(model(ids[:1, :1]).logits, hf(ids[:1, :1]).logits, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_kv_cached_decode_matches_full_forward(tmp_path: Path, window: int | None) -> None:
+    hf = hf_mixtral(tmp_path, sliding_window=window)
+    model, _ = load_model(tmp_path)
+    n, prefill = 12, 5
+    ids = torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = hf(ids).logits
+        model.setup_cache(1, n)
+        out = model(ids[:, :prefill], input_pos=torch.arange(prefill)).logits
+        torch.testing.assert_close(out, reference[:, :prefill], atol=TOL, rtol=0)
+        for pos in range(prefill, n):
+            step = model(ids[:, pos:pos + 1], input_pos=torch.tensor([pos])).logits[:, -1]
+            torch.testing.assert_close(step, reference[:, pos], atol=TOL, rtol=0)
+
+
+def test_bf16_weights_load(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path / "fp32").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16")
+    ckpt = load_checkpoint(tmp_path / "bf16")
+    assert ckpt.state_dict["layers.0.ffn.experts.w1"].dtype == torch.bfloat16  # as stored; the engine casts
+    assert_logits_match(tmp_path / "bf16", hf.float(), shapes=((1, 6),))
+
+
+# ---- describe / inspect -----------------------------------------------------------------------------
+def test_describe_and_verify(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path, {"max_shard_size": "100KB"})
+    text = describe(tmp_path)
+    n = sum(p.numel() for p in hf.parameters())
+    assert "format: hf-mixtral" in text and "  d_model = 64" in text and "hashes: none" in text
+    assert f"total: {n / 1e6:.2f}M ({n:,})" in text
+    assert "model.safetensors.index.json" in text
+    with pytest.raises(CheckpointError, match="Hugging Face directory .* no hashes to verify"):
+        verify_checkpoint(tmp_path)
+
+
+# ---- refusals -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+    ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu': expected 'silu'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "rope_type 'linear'"),
+    ({"rope_parameters": ..., "rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.*rope_type 'yarn'"),
+    ({"head_dim": 32}, "'head_dim' = 32: expected hidden_size / num_attention_heads = 16"),
+    ({"attention_bias": True}, "'attention_bias' = True: not supported"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "'quantization_config'"),
+    ({"architectures": ["MixtralForSequenceClassification"]}, "'architectures'"),
+    ({"num_local_experts": ...}, "field 'num_local_experts' missing"),
+    ({"num_key_value_heads": 3}, "field 'num_key_value_heads' \\(moeserve 'n_kv_heads'\\) = 3"),
+    ({"num_experts_per_tok": 5}, "field 'num_experts_per_tok' \\(moeserve 'top_k'\\) = 5"),
+])
+def test_config_refused_by_name(tmp_path: Path, changes: dict, message: str) -> None:
+    hf_mixtral(tmp_path)
+    edit_config(tmp_path, **changes)
+    for call in (load_checkpoint, load_model, describe):
+        with pytest.raises(CheckpointError, match=message):
+            call(tmp_path)
+
+
+def rewrite(path: Path, edit) -> None:
+    state = load_file(str(path / "model.safetensors"))
+    edit(state)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("model.layers.1.self_attn.k_proj.weight"),
+     r"tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' missing \(expected shape \(32, 64\)\)"),
+    (lambda s: s.pop("model.layers.0.block_sparse_moe.experts.3.w2.weight"), r"experts\.3\.w2\.weight' missing"),
+    (lambda s: s.pop("lm_head.weight"), r"'lm_head\.weight' missing"),
+    (lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 32)}),
+     r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' has shape \(64, 32\), "
+     r"config\.json implies \(64, 64\)"),
+    (lambda s: s.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
+     r"unexpected tensor\(s\) \['model\.layers\.0\.self_attn\.q_proj\.bias'\]"),
+    (lambda s: s.update({"model.layers.0.block_sparse_moe.experts.4.w1.weight": torch.zeros(96, 64)}),
+     r"unexpected tensor\(s\) \['model\.layers\.0\.block_sparse_moe\.experts\.4\.w1\.weight'\]"),
+])
+def test_tensors_refused_by_name(tmp_path: Path, edit, message: str) -> None:
+    hf_mixtral(tmp_path)
+    rewrite(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(tmp_path)
+
+
+def test_wrong_fused_shape_names_the_tensor(tmp_path: Path) -> None:
+    hf_mixtral(tmp_path, {"save_original_format": False})
+    rewrite(tmp_path, lambda s: s.update({"model.layers.1.mlp.experts.gate_up_proj": torch.zeros(4, 96, 64)}))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.gate_up_proj' has shape "
+                                              r"\(4, 96, 64\), config\.json implies \(4, 192, 64\)"):
+        load_checkpoint(tmp_path)
+
+
+def test_pickle_only_directory_is_refused(tmp_path: Path) -> None:
+    hf_mixtral(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="refusing to load pickle file"):
+        load_model(tmp_path)
+
+
+# ---- tokenizer ------------------------------------------------------------------------------------------
+def write_tokenizer(path: Path) -> None:
+    """A WordLevel tokenizer.json whose specials are not '<s>' / '</s>': only the config's ids can find them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<bos>", "<eos>", "<end>", "hello", "world", "mixture", "of", "experts"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<bos>", "<eos>", "<end>"])
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_tokenizer_uses_config_ids(tmp_path: Path) -> None:
+    hf_mixtral(tmp_path, bos_token_id=1, eos_token_id=[3, 2])
+    write_tokenizer(tmp_path)
+    model, ckpt = load_model(tmp_path)
+    assert ckpt.config.tokenizer == "hf"
+    tok = load_checkpoint_tokenizer(tmp_path, ckpt.config)
+    assert isinstance(tok, HFTokenizer)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 3, 3)  # several eos ids: the first
+    assert tok.encode("hello mixture of experts", bos=True) == [1, 4, 6, 7, 8]
+    assert tok.decode([1, 4, 5, 3]) == "hello world"
+    explicit = load_tokenizer("hf", tmp_path, bos_id=1, eos_id=2)
+    assert (explicit.bos_id, explicit.eos_id) == (1, 2)
+    assert load_tokenizer("hf", tmp_path).bos_id is None  # no '<s>' in this vocabulary
+    with pytest.raises(ValueError, match=r"eos_id = 99: expected a token id in \[0, 9\)"):
+        load_tokenizer("hf", tmp_path, eos_id=99)
+
+
+def test_no_tokenizer_json(tmp_path: Path) -> None:
+    hf_mixtral(tmp_path)
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.config.tokenizer == "none" and ckpt.config.extra["eos_token_id"] == 2
+    assert load_checkpoint_tokenizer(tmp_path, ckpt.config) is None
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_tokenizer("none", tmp_path)
