@@ -55,20 +55,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moeserve.checkpoint import load_model
-    from moeserve.runtime.generate import sample
-    from moeserve.tokenizer import load_tokenizer
+    from moeserve.runtime.engine import Engine
 
     path = args.checkpoint
     if path is None:
         from moeserve.training.default_model import default_model_path
 
         path = default_model_path(progress=not args.quiet)
-    model, ckpt = load_model(path)
-    if ckpt.config.task != "lm":
-        raise ValueError(f"{path} is a '{ckpt.config.task}' model; generate needs a language model")
-    tok = load_tokenizer(ckpt.config.tokenizer, path)
-    text = sample(model, tok, args.prompt, args.max_tokens, args.temperature, seed=args.seed)
+    engine = Engine.load(path, dtype=args.dtype)
+    if engine.cfg.task != "lm":
+        raise ValueError(f"{path} is a '{engine.cfg.task}' model; generate needs a language model")
+    text = engine.generate(args.prompt, args.max_tokens, args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed)[0]
     print(args.prompt + text)
     return 0
 
@@ -154,8 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "trained on first use and cached)")
     g.add_argument("--prompt", default="def ", help="text to continue")
     g.add_argument("--max-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (default: 40)")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 

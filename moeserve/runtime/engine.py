@@ -31,7 +31,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-class EngineError(ValueError):
+class EngineError(ValueError):  # a ValueError, so the CLI reports it as a user error
     """A request the model cannot serve as asked (too long, empty, wrong task, no tokenizer)."""
 
 
