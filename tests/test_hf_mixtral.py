@@ -278,3 +278,38 @@ def test_no_tokenizer_json(tmp_path: Path) -> None:
     assert load_checkpoint_tokenizer(tmp_path, ckpt.config) is None
     with pytest.raises(ValueError, match="has no tokenizer"):
         load_tokenizer("none", tmp_path)
+
+
+# ---- the Engine on a Mixtral directory ----------------------------------------------------------
+@pytest.mark.parametrize("backend", ["eager", "grouped_mm"])
+def test_engine_greedy_32_tokens_equal_transformers_generate(tmp_path: Path, backend: str) -> None:
+    from moeserve.runtime.engine import Engine, SamplingParams
+
+    hf_mixtral(tmp_path, seed=3)
+    hf = MixtralForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, experts_implementation=backend).eval()
+    hf.generation_config.eos_token_id = None
+    engine = Engine.load(tmp_path, dtype="float32", device="cpu")
+    assert engine.tokenizer is None and engine.dtype == torch.float32
+    prompts = [[1, 17, 33, 5, 90], [1, 4], [1, 200, 3, 3, 3, 3, 3, 3, 3, 9]]
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                                 min_new_tokens=32, pad_token_id=0)[0, len(p):].tolist()
+        ours, _ = engine.generate_ids([p], SamplingParams(max_new_tokens=32, ignore_eos=True))
+        assert ours[0] == theirs
+    # The batch of unequal prompts gives each prompt the same 32 tokens.
+    batch, reasons = engine.generate_ids(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    alone = [engine.generate_ids([p], SamplingParams(max_new_tokens=32, ignore_eos=True))[0][0] for p in prompts]
+    assert batch == alone and reasons == ["length"] * 3
+
+
+def test_engine_text_api_needs_a_tokenizer(tmp_path: Path) -> None:
+    from moeserve.runtime.engine import Engine, EngineError
+
+    hf_mixtral(tmp_path)
+    engine = Engine.load(tmp_path, dtype="float32")
+    with pytest.raises(EngineError, match="has no tokenizer"):
+        engine.generate("hello")
+    logits = engine.forward(torch.tensor([[1, 2, 3]]))
+    assert logits.shape == (1, 3, V)
