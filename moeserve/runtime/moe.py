@@ -63,7 +63,7 @@ class MoELayer(nn.Module):
 
     def _discrete(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """VQ's discrete path: (f_k(x~) [T, D], codes, z, v); a table lookup when one was built."""
-        if self.table is not None and not torch.is_grad_enabled():
+        if self.table is not None and not self.training and not torch.is_grad_enabled():
             z = self.quantizer.encode(x_TD)
             codes_T = self.quantizer.nearest(z)
             return self.table[codes_T], codes_T, z, self.quantizer.vectors()[codes_T].to(z.dtype)
