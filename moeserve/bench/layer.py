@@ -181,28 +181,36 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep_gather_threshold(dtype: str = "bfloat16", shape: Shape = Shape(), max_tokens: int = 128,
-                           min_time: float = 0.2) -> dict:
-    """p50 of the gather and grouped paths at growing token counts: the crossover is the engine's
-    gather_max (counted in (token, expert) assignments)."""
+def sweep_gather_threshold(dtype: str = "bfloat16", shape: Shape = Shape(), max_tokens: int = 64,
+                           rounds: int = 200) -> dict:
+    """p50 of the gather and grouped paths at growing token counts, calls interleaved so that both see
+    the same machine state. gather_max (in tokens) is the last count before grouped first wins."""
     x_all = torch.randn(max_tokens, shape.d_model, dtype=DTYPES[dtype])
-    out = []
     paths = {}
     for name, kw in (("gather", dict(gather_max=1 << 30)), ("grouped", dict(gather_max=0))):
         layer = moeserve_layer(shape).to(DTYPES[dtype])
         layer.prepare_inference(**kw)
         paths[name] = layer
-    T = 1
+    out, T = [], 1
     while T <= max_tokens:
         x = x_all[:T][None]
+        times: dict[str, list[float]] = {name: [] for name in paths}
         with torch.inference_mode():
-            row = {"tokens": T, "assignments": T * shape.top_k}
-            for name, layer in paths.items():
-                row[f"{name}_ms"] = round(statistics.median(time_ms(lambda: layer(x), min_time)), 4)
-        out.append(row)
+            for layer in paths.values():
+                layer(x)
+            for _ in range(rounds):
+                for name, layer in paths.items():
+                    t0 = time.perf_counter()
+                    layer(x)
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        out.append({"tokens": T, **{f"{n}_ms": round(statistics.median(ts), 4) for n, ts in times.items()}})
         T *= 2
-    faster = [r["assignments"] for r in out if r["gather_ms"] <= r["grouped_ms"]]
-    return {"dtype": dtype, "rows": out, "gather_max": max(faster) if faster else 0}
+    gather_max = 0
+    for r in out:
+        if r["gather_ms"] > r["grouped_ms"]:
+            break
+        gather_max = r["tokens"]
+    return {"dtype": dtype, "rows": out, "gather_max": gather_max}
 
 
 def main(args) -> int:
@@ -210,7 +218,7 @@ def main(args) -> int:
         res = sweep_gather_threshold(args.dtypes[0])
         for r in res["rows"]:
             print(r)
-        print(f"gather path is faster up to {res['gather_max']} assignments ({res['dtype']})")
+        print(f"gather path is faster up to {res['gather_max']} tokens ({res['dtype']})")
         return 0
     report = bench_layer(args.tokens, args.dtypes, Shape(args.d_model, args.d_ff, args.experts, args.top_k),
                          args.min_time, progress=not args.quiet)

@@ -24,8 +24,8 @@ plain strided weight (MKL takes a slow path on AMD CPUs; see docs/benchmarks.md)
   table         discrete VQ with vq_input='code': f_k(x~) depends on x only through the code k,
                 so the layer is a gather from a precomputed [E, D] table (moe.py).
 
-The engine picks gather or grouped by the number of (token, expert) assignments; the threshold is
-measured (`moeserve bench layer`), not guessed.
+The engine picks gather or grouped by token count; the threshold is measured (`moeserve bench layer
+--sweep`: on this CPU gather wins at 1 token in bf16 and fp32 and ties at 2), not guessed.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class InferenceWeights:
     w2: list[Tensor]  # per expert [D, F]
     packed: bool = False  # w13 / w2 hold oneDNN-packed tensors
     grouped_mm: bool = False  # many-token path: one torch grouped_mm call instead of a loop over experts
-    gather_max: int = 16  # at most this many (token, expert) assignments: gather path; more: grouped
+    gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
 
@@ -162,12 +162,25 @@ def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, a
 
 
 def moe_gather(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
-    """Decode path: each expert that any token chose runs on just the rows that chose it."""
+    """Decode path: each expert that any token chose runs on just the rows that chose it. The
+    grouping is done in Python on the few ids (one device sync), which costs less than the
+    sort / unique / where kernels it replaces when there are only a handful of assignments."""
+    T, K = expert_ids_TK.shape
+    rows: dict[int, list[int]] = {}
+    for n, e in enumerate(expert_ids_TK.reshape(-1).tolist()):
+        rows.setdefault(e, []).append(n)
+    gates_N = gates_TK.reshape(-1).to(x_TD.dtype)
+    if T == 1:  # one token: no gather and no scatter, just a gated sum of its K experts
+        out_1D = None
+        for e, (n,) in rows.items():
+            y_1D = w.ffn(e, x_TD) * gates_N[n]
+            out_1D = y_1D if out_1D is None else out_1D + y_1D
+        return out_1D
     out_TD = torch.zeros_like(x_TD)
-    for e in torch.unique(expert_ids_TK).tolist():
-        tok_N, slot_N = torch.where(expert_ids_TK == e)
-        y_ND = w.ffn(e, x_TD[tok_N])
-        out_TD.index_add_(0, tok_N, y_ND * gates_TK[tok_N, slot_N, None].to(y_ND.dtype))
+    for e, ns in rows.items():
+        n_N = torch.tensor(ns, device=x_TD.device)
+        tok_N = n_N // K
+        out_TD.index_add_(0, tok_N, w.ffn(e, x_TD[tok_N]) * gates_N[n_N, None])
     return out_TD
 
 
@@ -228,7 +241,7 @@ class Experts(nn.Module):
         w = self.inference
         if w is None or keep_TK is not None or torch.is_grad_enabled():
             return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
-        if expert_ids_TK.numel() <= w.gather_max:
+        if x_TD.shape[0] <= w.gather_max:
             return moe_gather(x_TD, expert_ids_TK, gates_TK, w)
         return moe_grouped(x_TD, expert_ids_TK, gates_TK, w)
 
