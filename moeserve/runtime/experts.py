@@ -193,15 +193,20 @@ def moe_grouped(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: Infere
     gates_N = gates_TK.reshape(-1)[order]
     counts_E = torch.bincount(ids_N, minlength=w.n_experts)
     x_ND = x_TD[tok_N]
+    out_TD = torch.zeros_like(x_TD)
     if w.grouped_mm:
         offs = counts_E.cumsum(0).to(torch.int32)
         h_NF = w.activation(F.grouped_mm(x_ND, w.w13_EFD.transpose(1, 2), offs=offs))
         y_ND = F.grouped_mm(h_NF, w.w2_EFD.transpose(1, 2), offs=offs)
-    else:
-        ys = [w.ffn(e, xe) for e, xe in enumerate(x_ND.split(counts_E.tolist())) if xe.shape[0]]
-        y_ND = torch.cat(ys)
-    out_TD = torch.zeros_like(x_TD)
-    return out_TD.index_add_(0, tok_N, y_ND * gates_N[:, None].to(y_ND.dtype))
+        return out_TD.index_add_(0, tok_N, y_ND * gates_N[:, None].to(y_ND.dtype))
+    # One scatter per expert straight from its output: no concatenated [N, D] copy.
+    start = 0
+    for e, n in enumerate(counts_E.tolist()):
+        if n:
+            sl = slice(start, start + n)
+            out_TD.index_add_(0, tok_N[sl], w.ffn(e, x_ND[sl]) * gates_N[sl, None].to(x_TD.dtype))
+            start += n
+    return out_TD
 
 
 class Experts(nn.Module):
