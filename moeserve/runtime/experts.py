@@ -12,9 +12,8 @@ parameter once per expert would make autograd allocate a full-size zero gradient
 (E^2 F D memory traffic); unbinding it once gives each expert a view whose gradients are stacked once.
 
 Inference (no autograd) runs on `InferenceWeights`: gate and up of SwiGLU fused into one [2F, D]
-matrix per expert (one GEMM reads x once), and on x86 CPUs each matrix prepacked into oneDNN's
-blocked layout, which runs decode-sized GEMMs about 2x and fp32 GEMMs about 2.4x faster than the
-plain strided weight (MKL takes a slow path on AMD CPUs; see docs/benchmarks.md). Three paths:
+matrix per expert (one GEMM reads x once), on x86 CPUs each matrix prepacked for oneDNN (packing.py).
+Three paths:
 
   moe_gather    few tokens (decode): for each expert that was hit, gather its rows and run it.
                 No sort, no split; the cost is reading the hit experts' weights.
@@ -32,12 +31,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-import platform
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
 # Called as observer(expert, linear_map_name, inputs_NI) with the rows one linear map of one expert
 # received; the OMoE optimizer uses it to record each expert's mean inputs (paper 003, R step).
@@ -106,17 +106,6 @@ def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Te
     return out_TD
 
 
-def onednn_packing_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """oneDNN weight prepacking: x86 CPU builds of torch with mkldnn, for fp32 and bf16."""
-    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def _packed_linear(x_ND: Tensor, w_packed: Tensor) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x_ND, w_packed, None, "none", [], "")
-
-
 @dataclass
 class InferenceWeights:
     """One MoE layer's experts laid out for inference (see the module docstring)."""
@@ -136,7 +125,7 @@ class InferenceWeights:
         return len(self.w2)
 
     def ffn(self, e: int, x_ND: Tensor) -> Tensor:
-        linear = _packed_linear if self.packed else F.linear
+        linear = packed_linear if self.packed else F.linear
         return linear(self.activation(linear(x_ND, self.w13[e])), self.w2[e])
 
     def activation(self, h_NF: Tensor) -> Tensor:
@@ -152,8 +141,7 @@ def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, a
     w13_EFD = w1_EFD if w3_EFD is None else torch.cat([w1_EFD, w3_EFD], dim=1)
     w13_EFD, w2_EDF = w13_EFD.detach().contiguous(), w2_EDF.detach().contiguous()
     if pack:
-        w13 = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in w13_EFD]
-        w2 = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in w2_EDF]
+        w13, w2 = [pack_weight(w) for w in w13_EFD], [pack_weight(w) for w in w2_EDF]
     else:
         w13, w2 = list(w13_EFD.unbind(0)), list(w2_EDF.unbind(0))
     keep_stacked = grouped_mm or not pack

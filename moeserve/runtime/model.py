@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from moeserve.config import MoEConfig
 from moeserve.runtime.experts import FeedForward
 from moeserve.runtime.moe import MoEAux, MoELayer
+from moeserve.runtime.packing import onednn_packing_available, pack_linears_, pack_weight, packed_linear
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -29,9 +30,10 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tens
 
 
 def apply_rope(x_BHSDh: Tensor, cos_SDh: Tensor, sin_SDh: Tensor) -> Tensor:
+    """Rotate-half RoPE computed in x's dtype (as transformers does)."""
+    cos_SDh, sin_SDh = cos_SDh.to(x_BHSDh.dtype), sin_SDh.to(x_BHSDh.dtype)  # no-ops at inference
     x1, x2 = x_BHSDh.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x_BHSDh.float() * cos_SDh + rotated.float() * sin_SDh).to(x_BHSDh.dtype)
+    return x_BHSDh * cos_SDh + torch.cat([-x2, x1], dim=-1) * sin_SDh
 
 
 class KVCache(nn.Module):
@@ -45,8 +47,8 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos_S: Tensor, k_BGSDh: Tensor, v_BGSDh: Tensor) -> tuple[Tensor, Tensor]:
-        self.k[:, :, input_pos_S] = k_BGSDh.to(self.k.dtype)
-        self.v[:, :, input_pos_S] = v_BGSDh.to(self.v.dtype)
+        self.k[:, :, input_pos_S] = k_BGSDh
+        self.v[:, :, input_pos_S] = v_BGSDh
         return self.k, self.v
 
 
@@ -69,7 +71,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(input_pos_S, k, v)
-            k, v = k.to(q.dtype), v.to(q.dtype)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
@@ -115,6 +116,7 @@ class Transformer(nn.Module):
             self.classifier = nn.Linear(cfg.d_model, cfg.n_classes, bias=True)
         elif not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head_packed: Tensor | None = None  # tied LM head, packed by prepare_inference
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -146,19 +148,27 @@ class Transformer(nn.Module):
                 layer.router.constrain_()
 
     @torch.no_grad()
-    def prepare_inference(self, **kwargs) -> None:
-        """Lay out every MoE layer for inference (fused, packed experts; VQ tables); kwargs go to
-        Experts.prepare_inference. Call again after changing weights, dtype or device."""
+    def prepare_inference(self, pack: bool | None = None, **kwargs) -> None:
+        """Lay out the model for inference: fused experts and VQ tables in every MoE layer (kwargs go to
+        Experts.prepare_inference) and, where oneDNN packing is available (pack=None) or asked for, every
+        other linear map packed too (packing.py). Call again after changing weights, dtype or device."""
+        w = self.tok_embeddings.weight
+        pack = onednn_packing_available(w.device, w.dtype) if pack is None else pack
         for layer in self.moe_layers:
-            layer.prepare_inference(**kwargs)
+            layer.prepare_inference(pack=pack, **kwargs)
+        self.head_packed = None
+        if pack:
+            pack_linears_(self)
+            if self.cfg.task == "lm" and self.cfg.tie_embeddings:
+                self.head_packed = pack_weight(w)
 
     # ---- KV cache -------------------------------------------------------------------------
-    def setup_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> None:
+    def setup_cache(self, batch: int, max_len: int | None = None) -> None:
+        """A KV cache per layer in the model's dtype, for `batch` rows of up to `max_len` positions."""
         max_len = max_len or self.cfg.max_seq_len
         if max_len > self.cfg.max_seq_len:
             raise ValueError(f"cache length {max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-        dtype = dtype or self.tok_embeddings.weight.dtype
-        device = self.tok_embeddings.weight.device
+        dtype, device = self.tok_embeddings.weight.dtype, self.tok_embeddings.weight.device
         for b in self.layers:
             b.attention.cache = KVCache(batch, max_len, self.cfg.kv_heads, self.cfg.head_dim, dtype, device)
 
@@ -185,9 +195,10 @@ class Transformer(nn.Module):
         token_mask = None
         if attention_mask is not None:
             token_mask = attention_mask.bool() if cache is None else attention_mask.bool()[:, input_pos]
+            token_mask = None if bool(token_mask.all()) else token_mask  # one check here, not one per layer
         is_causal = self.cfg.causal and cache is None
-        cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # [B|1, 1, S, Dh]
         x = self.tok_embeddings(input_ids)
+        cos, sin = self.rope_cos[pos][:, None].to(x.dtype), self.rope_sin[pos][:, None].to(x.dtype)  # [B|1, 1, S, Dh]
         for block in self.layers:
             x = block(x, cos, sin, input_pos, mask, is_causal, token_mask)
         x = self.norm(x)
@@ -197,8 +208,11 @@ class Transformer(nn.Module):
             layer.last_aux = None
         if self.cfg.task == "classify":
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
-        weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
-        return ModelOutput(F.linear(x, weight), aux)
+        if self.head_packed is not None and not torch.is_grad_enabled():
+            return ModelOutput(packed_linear(x, self.head_packed), aux)
+        if self.cfg.tie_embeddings:
+            return ModelOutput(F.linear(x, self.tok_embeddings.weight), aux)
+        return ModelOutput(self.output(x), aux)
 
     def _mask(self, input_pos_S: Tensor, attention_mask_BL: Tensor | None, L: int, cached: bool) -> Tensor | None:
         """Boolean [B|1, 1, S, L] mask, or None when SDPA's own causal flag (or nothing) suffices."""

@@ -197,7 +197,7 @@ def calls(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    for name in ("moe_sorted", "moe_gather", "moe_grouped", "_packed_linear"):
+    for name in ("moe_sorted", "moe_gather", "moe_grouped", "packed_linear"):
         monkeypatch.setattr(experts_mod, name, spy(name, getattr(experts_mod, name)))
     monkeypatch.setattr(experts_mod.F, "grouped_mm", spy("grouped_mm", experts_mod.F.grouped_mm))
     return seen
@@ -412,7 +412,7 @@ def test_layer_inference_equals_reference(calls, name, K, path, pack):
             assert dispatch == want, msg
             if want:  # the kernels the fused layout promised
                 assert ("grouped_mm" in calls) == (path == "grouped_mm"), msg
-                assert ("_packed_linear" in calls) == (pack and path != "grouped_mm"), msg
+                assert ("packed_linear" in calls) == (pack and path != "grouped_mm"), msg
             if ROUTERS[name].get("router") == "vq" and B * S >= 64:  # the test means something
                 assert layer.last_aux.codes.unique().numel() >= E - 1, layer.last_aux.codes.bincount(minlength=E)
 

@@ -93,6 +93,7 @@ def test_eos_ends_a_row():
     with torch.no_grad():  # make <eos> the certain next token
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] *= 0
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] += 50 * eng.model.norm.weight.sign()
+    eng.model.prepare_inference()  # packed copies follow weight edits only when re-prepared
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=10)])[0]
     assert c.token_ids == [] and c.finish_reason == "stop"
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=3, ignore_eos=True)])[0]
