@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
     be.add_argument("--new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
     be.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: 16)")
-    be.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (default: 3)")
+    be.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds after one warm-up (default: 5)")
     be.add_argument("--json", type=Path, help="write the report as JSON")
     be.set_defaults(func=cmd_bench_engine)
     return p

@@ -33,18 +33,10 @@ def write_tiny_mixtral(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def _timed(fn, repeats: int) -> tuple[list[float], object]:
-    out = fn()  # warm-up (and the result we compare)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times, out
-
-
-def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16, repeats: int = 3,
+def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16, repeats: int = 5,
                  backends: tuple[str, ...] = ("eager", "grouped_mm"), checkpoint: Path | None = None) -> dict:
+    """Runs of the implementations are interleaved (one of each per round, after a warm-up of each),
+    so that drift in the machine's speed hits all of them alike; the median round is reported."""
     from transformers import MixtralForCausalLM
 
     rows = []
@@ -56,31 +48,39 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
             torch.manual_seed(1)
             prompt = torch.randint(0, engine.cfg.vocab_size, (1, prompt_len))
             params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-            times, ours = _timed(lambda: engine.generate_ids([prompt[0].tolist()], params)[0][0], repeats)
-            ours_tps = new_tokens / statistics.median(times)
-            rows.append({"dtype": dtype_name, "impl": "moeserve Engine", "tokens_per_s": round(ours_tps, 1),
-                         "p50_s": round(statistics.median(times), 4), "same_tokens": True})
+            impls = {"moeserve Engine": lambda: engine.generate_ids([prompt[0].tolist()], params)[0][0]}
             for backend in backends:
                 hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend).eval()
                 hf.generation_config.eos_token_id = None
                 hf.generation_config.pad_token_id = 0
 
-                def run():
+                def run(hf=hf):
                     with torch.inference_mode():
                         out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                           max_new_tokens=new_tokens, min_new_tokens=new_tokens)
                     return out[0, prompt_len:].tolist()
 
-                times, theirs = _timed(run, repeats)
-                tps = new_tokens / statistics.median(times)
-                same = sum(a == b for a, b in zip(ours, theirs))
-                rows.append({"dtype": dtype_name, "impl": f"transformers generate ({backend})",
-                             "tokens_per_s": round(tps, 1), "p50_s": round(statistics.median(times), 4),
-                             "same_tokens": theirs == ours, "matching_prefix": next(
-                                 (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours)),
-                             "tokens_equal": same, "speedup_of_moeserve": round(ours_tps / tps, 2)})
+                impls[f"transformers generate ({backend})"] = run
+            tokens = {name: fn() for name, fn in impls.items()}  # warm-up, and the tokens compared
+            times: dict[str, list[float]] = {name: [] for name in impls}
+            for _ in range(repeats):
+                for name, fn in impls.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            ours = tokens["moeserve Engine"]
+            ours_tps = new_tokens / statistics.median(times["moeserve Engine"])
+            for name in impls:
+                tps = new_tokens / statistics.median(times[name])
+                row = {"dtype": dtype_name, "impl": name, "tokens_per_s": round(tps, 1),
+                       "p50_s": round(statistics.median(times[name]), 4), "same_tokens": tokens[name] == ours}
+                if name != "moeserve Engine":
+                    row["matching_prefix"] = next((i for i, (a, b) in enumerate(zip(ours, tokens[name])) if a != b),
+                                                  len(ours))
+                    row["speedup_of_moeserve"] = round(ours_tps / tps, 2)
+                rows.append(row)
     return {"model": TINY_MIXTRAL if checkpoint is None else str(checkpoint), "new_tokens": new_tokens,
-            "prompt_len": prompt_len, "batch": 1, "machine": machine(), "results": rows}
+            "prompt_len": prompt_len, "batch": 1, "repeats": repeats, "machine": machine(), "results": rows}
 
 
 def markdown(report: dict) -> str:
