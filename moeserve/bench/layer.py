@@ -24,6 +24,7 @@ from moeserve.bench.train import machine
 from moeserve.config import MoEConfig
 from moeserve.runtime.experts import moe_reference
 from moeserve.runtime.moe import MoELayer
+from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -116,12 +117,21 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                 a @ w13
                 h @ w2
 
+            if onednn_packing_available("cpu", dtype):
+                p13, p2 = pack_weight(w13.T), pack_weight(w2.T)
+
+                def gemm_packed():
+                    packed_linear(a, p13)
+                    packed_linear(h, p2)
+
             impls: dict[str, Callable[[], torch.Tensor | None]] = {
                 "dense GEMM (same FLOPs)": gemm,
                 "reference loop": lambda: moe_reference(x_TD, routing.expert_ids, routing.gates, layer.experts.w1,
                                                         layer.experts.w2, layer.experts.w3),
                 "moeserve (auto)": lambda: layer(x_d),
             }
+            if onednn_packing_available("cpu", dtype):
+                impls["dense GEMM (same FLOPs), oneDNN packed"] = gemm_packed
             for name, kw in (("gather", dict(gather_max=1 << 30)), ("grouped", dict(gather_max=0)),
                              ("grouped_mm", dict(gather_max=0, grouped_mm=True))):
                 variant = moeserve_layer(shape).to(dtype)
@@ -162,7 +172,9 @@ def speedups(report: dict) -> list[dict]:
                     "hf_best": best["impl"] if best else None, "hf_best_ms": best["p50_ms"] if best else None,
                     "speedup_vs_hf_best": round(best["p50_ms"] / ours, 2) if best else None,
                     "speedup_vs_reference": round(rs["reference loop"]["p50_ms"] / ours, 2),
-                    "fraction_of_gemm": round(rs["dense GEMM (same FLOPs)"]["p50_ms"] / ours, 3)})
+                    "fraction_of_gemm": round(rs["dense GEMM (same FLOPs)"]["p50_ms"] / ours, 3),
+                    "fraction_of_packed_gemm": round(rs["dense GEMM (same FLOPs), oneDNN packed"]["p50_ms"] / ours, 3)
+                    if "dense GEMM (same FLOPs), oneDNN packed" in rs else None})
     return out
 
 
@@ -173,11 +185,12 @@ def markdown(report: dict) -> str:
         err = "-" if r["max_abs_err_vs_fp32"] is None else f"{r['max_abs_err_vs_fp32']:.1e}"
         lines.append(f"| {r['dtype']} | {r['tokens']} | {r['impl']} | {r['p50_ms']:.3f} | {r['p90_ms']:.3f} | "
                      f"{r['gflops']:.0f} | {err} |")
-    lines += ["", "| dtype | T | moeserve ms | transformers best | x transformers best | x reference | of GEMM |",
-              "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    lines += ["", "| dtype | T | moeserve ms | transformers best | x transformers best | x reference | of GEMM "
+              "| of packed GEMM |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for s in speedups(report):
         lines.append(f"| {s['dtype']} | {s['tokens']} | {s['moeserve_ms']:.3f} | {s['hf_best']} {s['hf_best_ms']} | "
-                     f"{s['speedup_vs_hf_best']} | {s['speedup_vs_reference']} | {s['fraction_of_gemm']:.0%} |")
+                     f"{s['speedup_vs_hf_best']} | {s['speedup_vs_reference']} | {s['fraction_of_gemm']:.0%} | "
+                     + (f"{s['fraction_of_packed_gemm']:.0%} |" if s["fraction_of_packed_gemm"] else "- |"))
     return "\n".join(lines)
 
 
