@@ -39,7 +39,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     so that drift in the machine's speed hits all of them alike; the median round is reported."""
     from transformers import MixtralForCausalLM
 
-    rows = []
+    rows, costs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint or write_tiny_mixtral(Path(tmp) / "tiny-mixtral")
         for dtype_name in dtypes:
@@ -68,6 +68,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
+            accounting = accounting_cost(engine)
             ours = tokens["moeserve Engine"]
             ours_tps = new_tokens / statistics.median(times["moeserve Engine"])
             for name in impls:
@@ -79,8 +80,33 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                                                   len(ours))
                     row["speedup_of_moeserve"] = round(ours_tps / tps, 2)
                 rows.append(row)
-    return {"model": TINY_MIXTRAL if checkpoint is None else str(checkpoint), "new_tokens": new_tokens,
+            for a in accounting:
+                a["dtype"] = dtype_name
+            costs.extend(accounting)
+    return {"accounting": costs, "model": TINY_MIXTRAL if checkpoint is None else str(checkpoint), "new_tokens": new_tokens,
             "prompt_len": prompt_len, "batch": 1, "repeats": repeats, "machine": machine(), "results": rows}
+
+
+def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: int = 200) -> list[dict]:
+    """p50 of Engine.forward with expert-load accounting on and off (the per-layer bincount and the
+    engine's add into its counter), rounds interleaved."""
+    rows = []
+    for T in tokens:
+        ids = torch.randint(0, engine.cfg.vocab_size, (1, T))
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds + 5):
+            for on in (True, False):
+                for layer in engine.model.moe_layers:
+                    layer.count_load = on
+                t0 = time.perf_counter()
+                engine.forward(ids)
+                times[on].append(time.perf_counter() - t0)
+        for layer in engine.model.moe_layers:
+            layer.count_load = True
+        on, off = (statistics.median(times[k][5:]) * 1e3 for k in (True, False))
+        rows.append({"tokens": T, "on_ms": round(on, 4), "off_ms": round(off, 4),
+                     "overhead_pct": round(100 * (on - off) / off, 2)})
+    return rows
 
 
 def markdown(report: dict) -> str:
@@ -90,6 +116,10 @@ def markdown(report: dict) -> str:
         same = "yes" if r["same_tokens"] else f"no (first {r.get('matching_prefix')} equal)"
         lines.append(f"| {r['dtype']} | {r['impl']} | {r['tokens_per_s']} | {r['p50_s']} | {same} | "
                      f"{r.get('speedup_of_moeserve', '-')} |")
+    lines += ["", "Expert-load accounting (Engine.forward, on vs off):", "",
+              "| dtype | tokens | on ms | off ms | overhead |", "| --- | ---: | ---: | ---: | ---: |"]
+    for a in report["accounting"]:
+        lines.append(f"| {a['dtype']} | {a['tokens']} | {a['on_ms']} | {a['off_ms']} | {a['overhead_pct']}% |")
     return "\n".join(lines)
 
 
