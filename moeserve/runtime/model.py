@@ -30,10 +30,10 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tens
 
 
 def apply_rope(x_BHSDh: Tensor, cos_SDh: Tensor, sin_SDh: Tensor) -> Tensor:
-    """Rotate-half RoPE computed in x's dtype (as transformers does)."""
-    cos_SDh, sin_SDh = cos_SDh.to(x_BHSDh.dtype), sin_SDh.to(x_BHSDh.dtype)  # no-ops at inference
+    """Rotate-half RoPE, computed in the tables' dtype: the model's own dtype (as transformers does), which
+    is fp32 under training's autocast, where q and k arrive in bf16."""
     x1, x2 = x_BHSDh.chunk(2, dim=-1)
-    return x_BHSDh * cos_SDh + torch.cat([-x2, x1], dim=-1) * sin_SDh
+    return (x_BHSDh * cos_SDh + torch.cat([-x2, x1], dim=-1) * sin_SDh).to(x_BHSDh.dtype)
 
 
 class KVCache(nn.Module):
