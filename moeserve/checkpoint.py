@@ -68,7 +68,7 @@ def _sha256(file: Path) -> str:  # streamed: a multi-GB shard is never held in m
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file's data, or a directory's entries (renames), to disk; Windows cannot open directories."""
     if os.name == "posix" or not path.is_dir():
         fd = os.open(path, os.O_RDONLY)
@@ -393,7 +393,7 @@ def _swap_in(tmp: Path, out: Path) -> None:
         if old is not None:
             _rename(old, out)  # put the previous checkpoint back before reporting the failure
         raise
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -449,7 +449,7 @@ def save_checkpoint(
         (tmp / MANIFEST_FILE).write_text(_dumps(manifest, MANIFEST_FILE), encoding="utf-8")
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n", encoding="utf-8")
         for name in [*written, MANIFEST_FILE, CONFIG_FILE, "."]:
-            _fsync(tmp / name)
+            fsync_path(tmp / name)
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
+from moeserve.checkpoint import fsync_path
 from moeserve.runtime.engine import Engine, EngineError, Score
 
 FORMATS = ("auto", "jsonl", "text")
@@ -220,15 +221,6 @@ def score_chunk(engine: Engine, chunk: list[Record], cfg: ScoreConfig) -> list[d
 
 
 # ---- progress file -----------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -236,7 +228,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _checkpoint_fingerprint(path: Path | None) -> str | None:
@@ -372,7 +364,7 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
             commit()
             bar.update(len(chunk))
     os.replace(cfg.partial, cfg.output)
-    _fsync_dir(cfg.output.parent)
+    fsync_path(cfg.output.parent)
     cfg.progress_file.unlink()
-    _fsync_dir(cfg.output.parent)
+    fsync_path(cfg.output.parent)
     return ScoreSummary(cfg.output, info.records, state["scored"], state["errors"], resumed_at)

@@ -14,11 +14,9 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from moeserve.bench.train import machine
 from moeserve.config import MoEConfig

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from moeserve.config import MoEConfig
