@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -136,138 +136,19 @@ def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     if (foreign := _foreign_format(raw)) is not None:
-        return _mixtral_config(raw, path), foreign
+        from moeserve.hf_mixtral import mixtral_config
+
+        return mixtral_config(raw, path), foreign
     try:
         return MoEConfig.from_dict(raw), None
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{file}: {e}") from e
 
 
-# ---- Hugging Face Mixtral ------------------------------------------------------------------------
-# MoEConfig field <- transformers MixtralConfig field, for the fields that are copied as they are.
-_MIXTRAL_FIELDS = {
-    "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "d_ff": "intermediate_size", "n_experts": "num_local_experts",
-    "top_k": "num_experts_per_tok", "n_kv_heads": "num_key_value_heads",
-    "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings", "sliding_window": "sliding_window",
-}
-# MixtralConfig's defaults for the fields a config.json may leave out (transformers 5.23); sizes have none here.
-_MIXTRAL_DEFAULTS = {"num_key_value_heads": None, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
-                     "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6}
-
-
-def _mixtral_config(raw: dict, path: Path) -> MoEConfig:
-    """MoEConfig of a Hugging Face Mixtral config.json: softmax over all experts, top-k, renormalised
-    (Mixtral's router), SwiGLU experts, RMSNorm, rotate-half RoPE. Every field that would change the
-    math and that the Transformer does not implement is refused by name, never ignored."""
-
-    def fail(problem: str) -> NoReturn:
-        raise CheckpointError(f"{path / CONFIG_FILE}: Hugging Face model_type 'mixtral': {problem}")
-
-    raw = {**raw, "num_local_experts": raw.get("num_local_experts", raw.get("num_experts"))}  # alias in transformers
-    if (arch := raw.get("architectures")) is not None and arch != ["MixtralForCausalLM"]:
-        fail(f"field 'architectures' = {arch!r}: expected ['MixtralForCausalLM'] (a language-model head)")
-    if (act := raw.get("hidden_act", "silu")) != "silu":
-        fail(f"field 'hidden_act' = {act!r}: expected 'silu' (SwiGLU experts)")
-    for name in ("attention_bias", "mlp_bias", "quantization_config"):
-        if raw.get(name):
-            fail(f"field {name!r} = {raw[name]!r}: not supported (expected it absent, null or false)")
-    theta = raw.get("rope_theta")
-    for name in ("rope_parameters", "rope_scaling"):  # transformers 5 / earlier
-        if (rope := raw.get(name)) is None:
-            continue
-        if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-            fail(f"field {name!r} = {rope!r}: expected one object with 'rope_type' (one RoPE for every layer)")
-        if (kind := rope.get("rope_type", rope.get("type", "default"))) != "default":
-            fail(f"field {name!r} has rope_type {kind!r}: only 'default' RoPE is supported")
-        theta = rope.get("rope_theta", theta)
-    heads, width = raw.get("num_attention_heads"), raw.get("hidden_size")
-    if raw.get("head_dim") is not None and isinstance(heads, int) and isinstance(width, int) and heads > 0 \
-            and raw["head_dim"] != width // heads:
-        fail(f"field 'head_dim' = {raw['head_dim']!r}: expected hidden_size / num_attention_heads = {width // heads}")
-    fields: dict = {}
-    for ours, theirs in _MIXTRAL_FIELDS.items():
-        if raw.get(theirs) is None and theirs not in _MIXTRAL_DEFAULTS:
-            fail(f"field {theirs!r} missing")
-        fields[ours] = raw[theirs] if raw.get(theirs) is not None else _MIXTRAL_DEFAULTS[theirs]
-    eos = raw.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # several stop ids: the first is the tokenizer's eos
-    for name, value in (("bos_token_id", raw.get("bos_token_id")), ("eos_token_id", eos)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            fail(f"field {name!r} = {raw.get(name)!r}: expected a token id (integer >= 0) or null")
-    try:
-        return MoEConfig(
-            **fields, rope_theta=float(theta if theta is not None else _MIXTRAL_DEFAULTS["rope_theta"]),
-            norm="rmsnorm", causal=True, task="lm", expert_act="swiglu", router="softmax", renormalize=True,
-            tokenizer="hf" if (path / TOKENIZER_FILE).is_file() else "none",
-            extra={"hf_model_type": "mixtral", "bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos},
-        )
-    except (ConfigError, TypeError, ValueError) as e:
-        msg = str(e)
-        for ours, theirs in _MIXTRAL_FIELDS.items():
-            msg = msg.replace(f"config field '{ours}'", f"field '{theirs}' (moeserve '{ours}')")
-        fail(msg)
-
-
-def _from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: dict[str, Path],
-                  where: Path) -> dict[str, torch.Tensor]:
-    """Hugging Face Mixtral tensors -> the Transformer's state_dict names and [E, out, in] expert stacks.
-
-    Two expert layouts are read: per expert `block_sparse_moe.experts.{e}.w1|w2|w3.weight` (w1 gate,
-    w3 up, w2 down: what save_pretrained writes by default, and every Mixtral before transformers 5),
-    and fused `experts.gate_up_proj` [E, 2F, D] (gate rows first) + `experts.down_proj` [E, D, F]
-    (transformers 5's modules, saved with save_original_format=False). transformers reads the MoE
-    block as `block_sparse_moe` or `mlp`; so does this. `tensors` is consumed: each expert's matrices
-    are freed once stacked. RoPE is rotate-half in both, so q and k need no permutation."""
-    src: dict[str, tuple[str, torch.Tensor]] = {}
-    for name in list(tensors):
-        canon = re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", name)
-        if canon in src:
-            raise CheckpointError(f"{where}: tensors {src[canon][0]!r} and {name!r} are the same Mixtral weight")
-        src[canon] = (name, tensors.pop(name))
-
-    def take(canon: str, *shape: int) -> torch.Tensor:
-        if canon not in src:
-            raise CheckpointError(f"{where}: Mixtral tensor {canon!r} missing (expected shape {shape})")
-        name, t = src.pop(canon)
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                  f"config.json implies {shape}")
-        return t
-
-    c = config
-    D, F, E, V, q, kv = c.d_model, c.d_ff, c.n_experts, c.vocab_size, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
-    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D), "norm.weight": take("model.norm.weight", D)}
-    if not c.tie_embeddings:
-        out["output.weight"] = take("lm_head.weight", V, D)
-    elif "lm_head.weight" in src:  # tied: transformers ties the head to the embedding and ignores a saved copy
-        take("lm_head.weight", V, D)
-    for i in range(c.n_layers):
-        p, m, o = f"model.layers.{i}.", f"model.layers.{i}.block_sparse_moe.", f"layers.{i}."
-        out[o + "attention_norm.weight"] = take(p + "input_layernorm.weight", D)
-        out[o + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight", D)
-        for ours, theirs, shape in (("wq", "q_proj", (q, D)), ("wk", "k_proj", (kv, D)), ("wv", "v_proj", (kv, D)),
-                                    ("wo", "o_proj", (D, q))):
-            out[f"{o}attention.{ours}.weight"] = take(f"{p}self_attn.{theirs}.weight", *shape)
-        out[o + "ffn.router.gate.weight"] = take(m + "gate.weight", E, D)
-        if m + "experts.gate_up_proj" in src:
-            gate_up_E2FD = take(m + "experts.gate_up_proj", E, 2 * F, D)
-            out[o + "ffn.experts.w1"] = gate_up_E2FD[:, :F].contiguous()
-            out[o + "ffn.experts.w3"] = gate_up_E2FD[:, F:].contiguous()
-            out[o + "ffn.experts.w2"] = take(m + "experts.down_proj", E, D, F)
-        else:
-            for w, shape in (("w1", (F, D)), ("w2", (D, F)), ("w3", (F, D))):
-                out[f"{o}ffn.experts.{w}"] = torch.stack([take(f"{m}experts.{e}.{w}.weight", *shape) for e in range(E)])
-    unexpected = sorted(name for name, _ in src.values() if not name.endswith("rotary_emb.inv_freq"))  # recomputed
-    if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-                              f" for a Mixtral model as config.json describes it")
-    return out
-
-
 def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool = False) -> dict[str, Any]:
     """A foreign directory's tensors under the Transformer's names; shapes_only: meta tensors (headers only)."""
+    from moeserve.hf_mixtral import from_mixtral
+
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for name, names in _weight_map(path).items():
@@ -275,7 +156,7 @@ def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool
             tensors[k] = torch.empty(t, device="meta") if shapes_only else t
             origin[k] = path / name
     where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else WEIGHTS_FILE)
-    return _from_mixtral(tensors, config, origin, where)
+    return from_mixtral(tensors, config, origin, where)
 
 
 def _weight_map(path: Path) -> dict[str, list[str]]:
