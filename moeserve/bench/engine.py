@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from moeserve.bench.train import machine
-from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.engine import DTYPES, Engine, SamplingParams
 
 TINY_MIXTRAL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
@@ -43,7 +43,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint or write_tiny_mixtral(Path(tmp) / "tiny-mixtral")
         for dtype_name in dtypes:
-            dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+            dtype = DTYPES[dtype_name]
             engine = Engine.load(path, dtype=dtype, device="cpu")
             torch.manual_seed(1)
             prompt = torch.randint(0, engine.cfg.vocab_size, (1, prompt_len))

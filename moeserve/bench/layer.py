@@ -20,11 +20,11 @@ import torch
 
 from moeserve.bench.train import machine
 from moeserve.config import MoEConfig
+from moeserve.runtime.engine import DTYPES
 from moeserve.runtime.experts import moe_reference
 from moeserve.runtime.moe import MoELayer
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass

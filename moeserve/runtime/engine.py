@@ -241,6 +241,15 @@ class Engine:
             pos[b, S - n:] = torch.arange(n)
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
+    def _right_pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """(ids [B, S], attention_mask [B, S]) with each row's tokens first and zeros after."""
+        S = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), S, dtype=torch.long)
+        mask = torch.zeros(len(rows), S, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)], mask[b, : len(r)] = torch.tensor(r), 1
+        return ids.to(self.device), mask.to(self.device)
+
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -348,12 +357,7 @@ class Engine:
             return []
         if self.cfg.task != "lm":
             raise EngineError(f"{self.name} is a {self.cfg.task} model; scoring needs a language model")
-        S = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), S, dtype=torch.long)
-        mask = torch.zeros(len(rows), S, dtype=torch.long)
-        for b, r in enumerate(rows):  # right padding: causal attention never reaches it
-            ids[b, : len(r)], mask[b, : len(r)] = torch.tensor(r), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = self._right_pad(rows)  # causal attention never reaches the padding
         with self._lock:
             logits = self._run(ids, attention_mask=mask).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -374,13 +378,9 @@ class Engine:
         rows = [self.encode(t, f"text {i}") for i, t in enumerate(texts)]
         if not rows:
             return []
-        S = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), S, dtype=torch.long)
-        mask = torch.zeros(len(rows), S, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, : len(r)], mask[b, : len(r)] = torch.tensor(r), 1
+        ids, mask = self._right_pad(rows)
         with self._lock:
-            logits = self._run(ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            logits = self._run(ids, attention_mask=mask).logits
         return logits.float().softmax(-1).tolist()
 
     @torch.inference_mode()

@@ -29,9 +29,8 @@ The engine picks gather or grouped by token count; the threshold is measured (`m
 
 from __future__ import annotations
 
-from typing import Callable
-
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
