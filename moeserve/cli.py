@@ -88,6 +88,21 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from moeserve.serve.app import ServeConfig
+    from moeserve.serve.batcher import BatchConfig
+    from moeserve.serve.server import serve
+
+    batch = BatchConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                        wait_s=args.batch_wait_ms / 1000, max_queue=args.max_queue)
+    cfg = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, api_key=args.api_key, batch=batch,
+                      request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                      max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
+                      shutdown_timeout_s=args.shutdown_timeout)
+    return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, progress=not args.quiet,
+                 access_log=not args.no_access_log, log_level=args.log_level)
+
+
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from moeserve.bench.train import main as bench_train_main
 
@@ -159,6 +174,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve a model over HTTP (no checkpoint: the built-in default model)",
+                        description="Serve a checkpoint over HTTP: OpenAI-style /v1/completions (with streaming), "
+                        "/v1/score, /v1/classify, /v1/models, /healthz, /readyz and Prometheus /metrics, with dynamic "
+                        "batching. With no checkpoint, the built-in default model (trained on first use, then "
+                        "cached). SIGTERM stops intake and lets requests in flight finish.")
+    sv.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint or Hugging Face Mixtral directory "
+                    "(default: the built-in model)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    sv.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name; "
+                    "moeserve-default for the built-in model)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY "
+                    "if set, else no auth)")
+    sv.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
+    sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
+    sv.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows per model batch (default: 32)")
+    sv.add_argument("--max-batch-tokens", type=int, default=16384, metavar="N",
+                    help="padded tokens per model batch (default: 16384)")
+    sv.add_argument("--batch-wait-ms", type=float, default=5.0, metavar="MS",
+                    help="how long a request may wait for others to join its batch (default: 5)")
+    sv.add_argument("--max-queue", type=int, default=256, metavar="N",
+                    help="requests waiting at most; past it, 429 with Retry-After (default: 256)")
+    sv.add_argument("--request-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds from arrival to answer; past it, 504 and the work is dropped (default: 60)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="413 past this (default: 1 MiB)")
+    sv.add_argument("--max-inputs", type=int, default=32, metavar="N",
+                    help="prompts or texts per request (default: 32)")
+    sv.add_argument("--max-tokens", type=int, metavar="N", help="largest max_tokens accepted (default: the context)")
+    sv.add_argument("--expert-metrics", action=argparse.BooleanOptionalAction, default=None,
+                    help="per-(layer, expert) routed-token series (default: on unless layers x experts > 4096)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                    help="on SIGTERM, seconds for requests in flight to finish (default: 30)")
+    sv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    sv.add_argument("--no-access-log", action="store_true", help="no line per request")
+    sv.add_argument("--quiet", action="store_true", help="no progress bar while training the default model")
+    sv.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("score", help="score a file of texts: log-probability and bits per byte, one JSON line each",
                        description="Score every record of a JSONL or text file with a language model: one output "
@@ -242,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         hint = {"train": "; the last checkpoint (--save-every) continues with --resume",
                 "score": "; rerun with --resume to continue from the last completed chunk",
-                "generate": "; rerun to continue training the default model from its last checkpoint"}
+                "generate": "; rerun to continue training the default model from its last checkpoint",
+                "serve": "; rerun to continue training the default model from its last checkpoint"}
         print(f"moeserve {args.command}: interrupted{hint.get(args.command, '')}", file=sys.stderr)
         return 130
 

@@ -109,7 +109,7 @@ class SamplingParams:
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-sequence token or a stop string) or "length"
+    finish_reason: str  # "stop" (end-of-sequence token or a stop string), "length", or "cancelled"
     prompt_tokens: int
 
     @property
@@ -133,6 +133,8 @@ class Score:
 
 # on_token(row, token_id): called as each new token of each row is chosen (for streaming).
 TokenCallback = Callable[[int, int], None]
+# cancel(row) -> True: stop generating for that row now.
+CancelCheck = Callable[[int], bool]
 
 
 def _filter_logits(logits_V: Tensor, p: SamplingParams) -> Tensor:
@@ -262,9 +264,14 @@ class Engine:
     def complete(self, prompts: list[str], params: list[SamplingParams],
                  on_token: TokenCallback | None = None) -> list[Completion]:
         """The full answer per prompt (text, tokens, why it ended), each with its own sampling params."""
-        tok = self._tok()
         rows = [self.encode(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        out_ids, reasons = self.generate_ids(rows, params, on_token, stop_decode=tok.decode)
+        return self.complete_ids(rows, params, on_token)
+
+    def complete_ids(self, rows: list[list[int]], params: list[SamplingParams], on_token: TokenCallback | None = None,
+                     cancel: CancelCheck | None = None) -> list[Completion]:
+        """`complete` for prompts already encoded (the server encodes and checks them per request)."""
+        tok = self._tok()
+        out_ids, reasons = self.generate_ids(rows, params, on_token, stop_decode=tok.decode, cancel=cancel)
         completions = []
         for ids, why, p, row in zip(out_ids, reasons, params, rows):
             text = tok.decode(ids)
@@ -277,9 +284,12 @@ class Engine:
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                      on_token: TokenCallback | None = None,
-                     stop_decode: Callable[[list[int]], str] | None = None) -> tuple[list[list[int]], list[str]]:
+                     stop_decode: Callable[[list[int]], str] | None = None,
+                     cancel: CancelCheck | None = None) -> tuple[list[list[int]], list[str]]:
         """Token-level generation for a batch: (new token ids per prompt, finish reason per prompt).
-        `stop_decode` turns ids into text to look for stop strings (needed only if any are given)."""
+        `stop_decode` turns ids into text to look for stop strings (needed only if any are given).
+        `cancel(row)`, asked before each step, ends a row early (reason "cancelled"): a server drops a
+        request whose client left or whose deadline passed without holding up the rest of its batch."""
         if not prompts:
             return [], []
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -312,6 +322,10 @@ class Engine:
                 logits = self._run(ids, input_pos=torch.arange(S, device=self.device), attention_mask=mask,
                                    position_ids=pos).logits[:, -1]
                 for i in range(steps):
+                    if cancel is not None:
+                        for b in range(B):
+                            if not done[b] and cancel(b):
+                                done[b], reasons[b] = True, "cancelled"
                     next_ids = [self._choose(logits[b], params[b], gens[b]) if not done[b] else 0 for b in range(B)]
                     for b in range(B):
                         if done[b]:
@@ -375,7 +389,12 @@ class Engine:
         """Class probabilities per text, for classification checkpoints."""
         if self.cfg.task != "classify":
             raise EngineError(f"{self.name} is a language model; classify needs a classification checkpoint")
-        rows = [self.encode(t, f"text {i}") for i, t in enumerate(texts)]
+        return self.classify_ids([self.encode(t, f"text {i}") for i, t in enumerate(texts)])
+
+    @torch.inference_mode()
+    def classify_ids(self, rows: list[list[int]]) -> list[list[float]]:
+        if self.cfg.task != "classify":
+            raise EngineError(f"{self.name} is a language model; classify needs a classification checkpoint")
         if not rows:
             return []
         ids, mask = self._right_pad(rows)

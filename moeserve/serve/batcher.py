@@ -1,0 +1,214 @@
+"""Dynamic batching: requests queue, and one worker thread runs them through the engine in batches.
+
+The event loop never runs the model: a handler submits a `Job` and awaits its future. The worker
+takes the oldest job, waits at most `wait_s` from that job's arrival for others of the same kind to
+join (a lone request pays at most that wait; under load the queue fills while the previous batch
+runs, so batches form with no wait), and runs up to `max_batch_size` rows and `max_batch_tokens`
+padded tokens as one engine call. Each prompt keeps its own sampling parameters and seed, and the
+engine makes every row compute what it would alone, so batching changes throughput, not answers.
+
+The queue is bounded: `submit` refuses at once (`QueueFull`, with a retry-after estimate) rather than
+letting latency grow without limit. A job whose deadline passes, or whose client leaves, is dropped:
+skipped if it has not started, and cut off at its next token if it is generating, without holding up
+the rest of its batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from moeserve.runtime.engine import Engine, SamplingParams
+
+log = logging.getLogger("moeserve.serve")
+Kind = Literal["complete", "score", "classify"]
+
+
+class QueueFull(Exception):
+    def __init__(self, depth: int, retry_after_s: int):
+        super().__init__(f"the request queue is full ({depth} waiting); retry in {retry_after_s} s")
+        self.depth, self.retry_after_s = depth, retry_after_s
+
+
+class Closed(Exception):
+    """The server is shutting down and takes no new work."""
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    kind: Kind
+    rows: list[list[int]]  # token ids per prompt / text, <bos> first
+    params: list[SamplingParams] | None = None  # per row, for "complete"
+    on_token: Callable[[int, int], None] | None = None  # (row of this job, token id), on the worker thread
+    deadline: float = math.inf  # time.monotonic() past which the job is dropped
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # set by the request side: the client left or gave up
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    first_token_at: float | None = None
+
+    def cost(self) -> int:
+        """Padded tokens this job adds to a batch: rows x the widest row (plus its new tokens)."""
+        new = max((p.max_new_tokens for p in self.params), default=0) if self.params else 0
+        return len(self.rows) * (max(len(r) for r in self.rows) + new)
+
+    def dropped(self, now: float) -> bool:
+        return self.cancelled or now > self.deadline
+
+
+@dataclass
+class BatchConfig:
+    max_batch_size: int = 32  # rows per engine call; more raises throughput and each request's latency
+    max_batch_tokens: int = 16384  # padded tokens per engine call (rows x width), bounds activation memory
+    wait_s: float = 0.005  # how long the oldest request may wait for others to join its batch
+    max_queue: int = 256  # requests waiting; past it, 429 at once
+
+
+class Batcher:
+    def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None):
+        self.engine, self.cfg, self.metrics = engine, cfg, metrics
+        self._queue: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._batch_s = 0.05  # moving average of batch time, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="moeserve-batcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        with self._cv:
+            if self._closed:
+                raise Closed("the server is shutting down")
+            if len(self._queue) >= self.cfg.max_queue:
+                waves = math.ceil(len(self._queue) / self.cfg.max_batch_size) + 1
+                raise QueueFull(len(self._queue), max(1, math.ceil(waves * self._batch_s)))
+            self._queue.append(job)
+            self._cv.notify()
+        return job.future
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new work, drop what is queued, let the running batch finish (or be cut off by its
+        jobs' cancellation), and stop the worker."""
+        with self._cv:
+            self._closed = True
+            for job in self._queue:
+                job.future.set_exception(Closed("the server shut down before this request ran"))
+            self._queue.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    # ---- worker ----------------------------------------------------------------------------------
+    def _take(self) -> list[Job] | None:
+        """Block for the next batch: jobs of the oldest job's kind, in arrival order, within limits."""
+        cfg = self.cfg
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                return None
+            first = self._queue[0]
+            while not self._closed:  # give others until first.arrival + wait_s to join
+                rows = sum(len(j.rows) for j in self._queue if j.kind == first.kind)
+                left = first.arrival + cfg.wait_s - time.monotonic()
+                if rows >= cfg.max_batch_size or left <= 0:
+                    break
+                self._cv.wait(left)
+            batch, rows, cost, keep = [], 0, 0, deque()
+            for job in self._queue:
+                fits = (job.kind == first.kind and rows + len(job.rows) <= cfg.max_batch_size
+                        and cost + job.cost() <= cfg.max_batch_tokens)
+                if fits or not batch and job is first:  # the oldest always runs, even if over a limit alone
+                    batch.append(job)
+                    rows, cost = rows + len(job.rows), cost + job.cost()
+                else:
+                    keep.append(job)
+            self._queue = keep
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._take()) is not None:
+            now = time.monotonic()
+            live = []
+            for job in batch:
+                if job.dropped(now):
+                    job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+                else:
+                    live.append(job)
+                    if self.metrics:
+                        self.metrics.queue_seconds.observe(now - job.arrival)
+            if not live:
+                continue
+            t0 = time.monotonic()
+            try:
+                self._run(live)
+            except Exception as e:  # one bad request must not fail the others: run each alone
+                if len(live) == 1:
+                    self._fail(live[0], e)
+                else:
+                    for job in live:
+                        try:
+                            self._run([job])
+                        except Exception as e1:
+                            self._fail(job, e1)
+            dt = time.monotonic() - t0
+            self._batch_s = 0.8 * self._batch_s + 0.2 * dt
+            if self.metrics:
+                self.metrics.batch_size.labels(live[0].kind).observe(sum(len(j.rows) for j in live))
+                self.metrics.batch_seconds.labels(live[0].kind).observe(dt)
+
+    @staticmethod
+    def _fail(job: Job, e: Exception) -> None:
+        if not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
+            log.error("a %s request failed", job.kind, exc_info=e)
+        if not job.future.done():
+            job.future.set_exception(e)
+
+    def _run(self, jobs: list[Job]) -> None:
+        owners = [(job, i) for job in jobs for i in range(len(job.rows))]
+        rows = [job.rows[i] for job, i in owners]
+        kind = jobs[0].kind
+        if kind == "complete":
+            params = [job.params[i] for job, i in owners]
+
+            def on_token(r: int, token: int) -> None:
+                job, i = owners[r]
+                if job.first_token_at is None:
+                    job.first_token_at = time.monotonic()
+                    if self.metrics:
+                        self.metrics.ttft.observe(job.first_token_at - job.arrival)
+                if job.on_token is not None:
+                    job.on_token(i, token)
+
+            def cancel(r: int) -> bool:
+                return owners[r][0].dropped(time.monotonic())
+
+            results = self.engine.complete_ids(rows, params, on_token, cancel)
+        elif kind == "score":
+            results = self.engine.score_ids(rows)
+        else:
+            results = self.engine.classify_ids(rows)
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(sum(len(r) for r in rows))
+            if kind == "complete":
+                self.metrics.generation_tokens.inc(sum(c.completion_tokens for c in results))
+        now, start = time.monotonic(), 0
+        for job in jobs:
+            mine, start = results[start:start + len(job.rows)], start + len(job.rows)
+            if job.future.done():
+                continue
+            if job.dropped(now) or any(getattr(c, "finish_reason", None) == "cancelled" for c in mine):
+                job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
+            else:
+                job.future.set_result(mine)

@@ -1,0 +1,186 @@
+"""The HTTP protocol: request and response schemas, and every error the server answers with.
+
+Requests follow the OpenAI completions shape so existing clients work unchanged. Schemas are strict
+(no "1" for 1, no true for 1, no unknown fields, no NaN) because a silently coerced field is a
+request answered differently from how it was asked. Limits that depend on the model or the server's
+settings (prompt tokens, max_tokens, prompts per request) are checked by the app, which knows them,
+and fail with the same `ApiError` shape: `{"error": {"message", "type", "code", "param", "limit"}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# code -> HTTP status: the one place where a kind of failure gets its status.
+STATUS: dict[str, int] = {
+    "invalid_json": 400,  # the body is not JSON (or not UTF-8)
+    "unauthorized": 401,  # missing or wrong bearer token
+    "not_found": 404,  # no such route
+    "model_not_found": 404,  # `model` names a model this server does not serve
+    "method_not_allowed": 405,
+    "body_too_large": 413,
+    "unsupported_media_type": 415,  # a body that is not application/json
+    "invalid_value": 422,  # a field of the wrong type, out of range, unknown, missing, or past a limit
+    "queue_full": 429,
+    "internal_error": 500,
+    "not_ready": 503,  # the model is still loading or warming up
+    "shutting_down": 503,
+    "deadline_exceeded": 504,
+}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for a status (clients branch on it)."""
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+class ApiError(Exception):
+    """A request the server refuses or could not finish; `code` picks the status (STATUS)."""
+
+    def __init__(self, code: str, message: str, *, param: str | None = None, limit: Any = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param, self.limit = code, message, param, limit
+        self.status = STATUS[code]
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        err = {"message": self.message, "type": error_type(self.status), "code": self.code, "param": self.param}
+        if self.limit is not None:
+            err["limit"] = self.limit
+        return {"error": err}
+
+
+# ---- requests ------------------------------------------------------------------------------------
+_STRICT = ConfigDict(extra="forbid", strict=True)
+MAX_SEED = 2**63 - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions. OpenAI fields we cannot honour are accepted only at their neutral value,
+    so a client that always sends them works, and one that relies on them is told."""
+
+    model_config = _STRICT
+    model: str = Field(description="the served model's id (GET /v1/models)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, a list of texts (one choice each), token ids, or a list of token-id lists")
+    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most (default 16)")
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=1, description="extension: sample from the k likeliest tokens")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings; the text ends before the first")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="makes sampling reproducible per request")
+    n: int = Field(1, ge=1, le=1, description="choices per prompt (only 1)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: Literal[False] = False
+    logprobs: None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+    presence_penalty: float = Field(0.0, ge=0, le=0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=0, le=0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    suffix: None = None
+    user: str | None = Field(None, max_length=256)
+
+
+class TextsRequest(BaseModel):
+    """POST /v1/score and /v1/classify: one text or a list of texts."""
+
+    model_config = _STRICT
+    model: str
+    input: str | list[str] = Field(description="a text or a list of texts")
+
+
+# ---- responses -----------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ScoreItem(BaseModel):
+    index: int
+    logprob: float = Field(description="natural log-probability of the text's tokens, each given those before it")
+    n_tokens: int = Field(description="tokens scored (the <bos> that conditions the first is not one)")
+    perplexity: float
+    bits_per_byte: float
+
+
+class ScoreResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[ScoreItem]
+    usage: Usage
+
+
+class ClassifyItem(BaseModel):
+    index: int
+    label: int = Field(description="the most probable class")
+    probs: list[float]
+
+
+class ClassifyResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[ClassifyItem]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moeserve"
+    task: str
+    max_model_len: int
+    router: str
+    n_experts: int
+    top_k: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+    limit: Any = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in sorted(set(STATUS.values()))}

@@ -1,0 +1,55 @@
+"""`moeserve serve`: the app under uvicorn, with a graceful SIGTERM.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections, answers 503 to new requests on
+connections already open, lets requests in flight (queued, generating or streaming) finish for up to
+`shutdown_timeout_s`, then cancels what is left and stops the batcher.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from moeserve.runtime.engine import Engine
+from moeserve.serve.app import ServeConfig, ServerState, create_app
+
+DEFAULT_MODEL_NAME = "moeserve-default"
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.state.draining = True  # before uvicorn's own shutdown: /readyz turns 503 at once
+        super().handle_exit(sig, frame)
+
+
+def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto", device: str = "auto",
+          progress: bool = True, access_log: bool = True, log_level: str = "info") -> int:
+    """Serve a checkpoint (None: the built-in default model, trained first if not cached) until
+    stopped. Returns the exit status: 1 if the model failed to load."""
+    if checkpoint is None:
+        from moeserve.training.default_model import default_model_path
+
+        checkpoint = default_model_path(progress=progress)
+        cfg.model_name = cfg.model_name or DEFAULT_MODEL_NAME
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a directory")
+    logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(message)s")
+    app = create_app(lambda: Engine.load(path, dtype=dtype, device=device), cfg)
+    state: ServerState = app.state.serve
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.shutdown_timeout_s,
+                            access_log=access_log, log_level=log_level)
+    server = _Server(config, state)
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
+        logging.getLogger("moeserve.serve").warning(
+            "moeserve: listening on %s with no API key: anyone who can reach this port can use the model "
+            "(set --api-key or $MOESERVE_API_KEY)", cfg.host)
+    server.run()
+    return 1 if state.load_error else 0
