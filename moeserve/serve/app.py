@@ -92,7 +92,7 @@ class ServerState:
             engine = source if isinstance(source, Engine) else source()
             self.name = self.cfg.model_name or engine.name
             self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
-                                       list(engine.model.moe_layers), engine.cfg.n_experts, self.cfg.expert_metrics)
+                                       engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
             self._warm_up(engine)
             self.engine = engine
             self.batcher = Batcher(engine, self.cfg.batch, self.metrics)
@@ -159,6 +159,11 @@ def _encode(engine: Engine, item: str | list[int], field: str, max_len: int) -> 
             raise ApiError("invalid_value", f"{field} is empty", param=field)
         if engine.tokenizer is None:
             raise ApiError("invalid_value", f"this model has no tokenizer; send {field} as token ids", param=field)
+        try:  # JSON may escape a lone surrogate ("\ud800"): a str that is no UTF-8 text, which no tokenizer encodes
+            item.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError("invalid_value", f"{field} is not valid Unicode: a lone surrogate "
+                           f"U+{ord(item[e.start]):04X} at character {e.start}", param=field) from None
         ids = engine.tokenizer.encode(item, bos=True)
     else:
         ids, V = item, engine.cfg.vocab_size
@@ -401,10 +406,14 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
 def _validation_error(e: RequestValidationError) -> ApiError:
     """Pydantic's first complaint as one ApiError: the field, what was wrong, the limit if there is one."""
     err = e.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in err.get("loc", ())]
+    loc = loc[1:] if loc[:1] == ["body"] else loc  # FastAPI's prefix only: a field may be named "body" too
     if err.get("type") == "json_invalid":
         return ApiError("invalid_json", f"the body is not valid JSON ({err.get('msg', '')})", param="body")
-    param = loc[0] if loc else "body"
+    if err.get("type") == "missing" and not loc:  # an empty body is no JSON either, as for any other parser
+        return ApiError("invalid_json", "the body is empty; expected a JSON object", param="body")
+    # an unknown key inside an object field is named by its path ("stream_options.x"), not by the known field
+    param = ".".join(loc) if err.get("type") == "extra_forbidden" else loc[0] if loc else "body"
     ctx = err.get("ctx") or {}
     limit = next((v for k, v in ctx.items() if k in ("ge", "gt", "le", "lt", "max_length", "min_length")), None)
     if err.get("type") == "extra_forbidden":

@@ -38,12 +38,18 @@ def cache_root() -> Path:
     return Path(base) / "moeserve"
 
 
+def default_model_dir(root: Path | None = None, corpus_sha256: str | None = None) -> Path:
+    """Where the default checkpoint is (or will be) cached: named by a hash of everything that shapes it."""
+    sha = corpus_sha256 or load_corpus().sha256
+    key = json.dumps([moeserve.__version__, default_config().to_dict(), DEFAULT_TRAIN.__dict__, sha], sort_keys=True)
+    return (root or cache_root()) / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def default_model_path(progress: bool = True, root: Path | None = None) -> Path:
     """The cached default checkpoint, training it first (a few minutes on 2 cores) if absent."""
     corpus = load_corpus()
     cfg, tc = default_config(), DEFAULT_TRAIN
-    key = json.dumps([moeserve.__version__, cfg.to_dict(), tc.__dict__, corpus.sha256], sort_keys=True)
-    path = (root or cache_root()) / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    path = default_model_dir(root, corpus.sha256)
     if path.exists():
         try:
             load_checkpoint(path)

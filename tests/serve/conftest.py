@@ -1,0 +1,86 @@
+"""Real servers on loopback ports: uvicorn in a thread (port 0, the OS picks), talked to over sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.runtime.engine import Engine
+from moeserve.runtime.model import Transformer
+from moeserve.serve.app import ServeConfig, create_app
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The tiny model gains nothing from a second intra-op thread, and the server's event loop needs
+    the other core (two torch threads spin-waiting on each other beside it are 10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="xmoe"))  # random weights: context 64, byte tokenizer, 2 MoE layers
+    return save_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", model.cfg, model.state_dict())
+
+
+class Live:
+    """A running server: its base URL, its app state, and an httpx client bound to it."""
+
+    def __init__(self, server: uvicorn.Server, app):
+        self.server, self.app, self.state = server, app, app.state.serve
+        port = server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    @property
+    def engine(self) -> Engine:
+        return self.state.engine
+
+    def post(self, path: str, body: dict, **kw) -> httpx.Response:
+        return self.client.post(path, json=body, **kw)
+
+
+@contextlib.contextmanager
+def live_server(source, cfg: ServeConfig | None = None, ready: bool = True) -> Iterator[Live]:
+    app = create_app(source, cfg or ServeConfig())
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    live = Live(server, app)
+    try:
+        while ready and not live.state.ready:
+            assert live.state.load_error is None, live.state.load_error
+            assert time.monotonic() < deadline, "the model did not become ready"
+            time.sleep(0.01)
+        yield live
+    finally:
+        live.client.close()
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_ckpt) -> Iterator[Live]:
+    """One shared server on the tiny checkpoint, fp32 on the CPU, default limits."""
+    with live_server(lambda: Engine.load(tiny_ckpt, dtype="float32", device="cpu"),
+                     ServeConfig(model_name="tiny")) as s:
+        yield s
