@@ -240,14 +240,18 @@ def test_deadline_gives_504_and_drops_the_work(tiny_ckpt):
         assert events[-1]["error"]["code"] == "deadline_exceeded" and "choices" in events[0]
 
 
-def test_client_leaving_a_stream_stops_its_generation(tiny_ckpt):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_stops_its_generation(tiny_ckpt, stream):
     cfg = ServeConfig(model_name="tiny")
     with live_server(lambda: SlowEngine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
-        body = {"model": "tiny", "prompt": "stream", "max_tokens": 50, "temperature": 0, "stream": True}
-        with s.client.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data:"))
-        time.sleep(0.3)  # the server notices the disconnect at its next write
+        body = {"model": "tiny", "prompt": "leave", "max_tokens": 50, "temperature": 0, "stream": stream}
+        if stream:
+            with s.client.stream("POST", "/v1/completions", json=body) as r:
+                next(line for line in r.iter_lines() if line.startswith("data:"))
+        else:  # the client gives up after 0.2 s (about 10 of the 50 tokens) and closes the connection
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + "/v1/completions", json=body, timeout=0.2)
+        time.sleep(0.3)  # the server notices at its next write (stream) or receive (not streaming)
         tokens = samples(s)[("moeserve_generation_tokens_total",)]
         assert 1 <= tokens < 40
 
