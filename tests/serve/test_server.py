@@ -392,3 +392,11 @@ def test_serve_cli_errors(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--max-batch-size", "0"]) == 2
     assert "max_batch_size" in capsys.readouterr().err
+
+
+def test_serve_exits_1_when_the_model_fails_to_load(tmp_path):
+    """A directory that is not a checkpoint: the server starts, the load fails, the process says why and exits 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "moeserve.cli", "serve", str(tmp_path), "--port", str(free_port())],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "failed to load" in r.stderr and "config.json" in r.stderr
