@@ -137,8 +137,13 @@ TokenCallback = Callable[[int, int], None]
 CancelCheck = Callable[[int], bool]
 
 
+# Below this temperature sampling is the argmax in all but name, and logits / temperature would overflow
+# float32 to inf (NaN probabilities): such temperatures are served greedily.
+MIN_TEMPERATURE = 1e-6
+
+
 def _filter_logits(logits_V: Tensor, p: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p (the smallest set of tokens whose mass reaches p)."""
+    """Temperature, then top-k, then top-p (the smallest set of tokens whose mass reaches p; never empty)."""
     scaled = logits_V.float() / p.temperature
     if p.top_k is not None and p.top_k < scaled.numel():
         kth = scaled.topk(p.top_k).values[-1]
@@ -147,6 +152,7 @@ def _filter_logits(logits_V: Tensor, p: SamplingParams) -> Tensor:
         sorted_V, idx = scaled.sort(descending=True)
         cum = sorted_V.softmax(-1).cumsum(-1)
         drop = cum - sorted_V.softmax(-1) >= p.top_p  # mass before this token already reaches p
+        drop[0] = False  # the likeliest token stays, even for a top_p that float32 rounds to 0
         scaled = scaled.scatter(0, idx, sorted_V.masked_fill(drop, float("-inf")))
     return scaled
 
@@ -358,7 +364,7 @@ class Engine:
 
     @staticmethod
     def _choose(logits_V: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-        if p.temperature == 0:
+        if p.temperature < MIN_TEMPERATURE:
             return int(logits_V.argmax())
         probs = _filter_logits(logits_V, p).softmax(-1).cpu()
         return int(torch.multinomial(probs, 1, generator=gen))

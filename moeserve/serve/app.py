@@ -12,7 +12,6 @@ its status and JSON body in one handler.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -31,17 +30,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.runtime.engine import Completion, Engine, EngineError, SamplingParams
 from moeserve.serve.batcher import BatchConfig, Batcher, Closed, DeadlineExceeded, Job, QueueFull
+from moeserve.serve.gate import Gate
 from moeserve.serve.metrics import Metrics
-from moeserve.serve.protocol import (ERROR_RESPONSES, ApiError, ClassifyItem, ClassifyResponse,
-                                     CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
-                                     ScoreItem, ScoreResponse, TextsRequest, Usage)
+from moeserve.serve.protocol import (ERROR_RESPONSES, ApiError, ClassifyItem,
+                                     ClassifyResponse, CompletionChoice, CompletionRequest, CompletionResponse,
+                                     ModelCard, ModelList, ScoreItem, ScoreResponse, StreamOptions, TextsRequest,
+                                     Usage)
 from moeserve.serve.stream import TextStream
 
 log = logging.getLogger("moeserve.serve")
 API_KEY_ENV = "MOESERVE_API_KEY"
-POST_ROUTES = ("/v1/completions", "/v1/score", "/v1/classify")
-ENDPOINTS = frozenset(POST_ROUTES + ("/v1/models", "/healthz", "/readyz", "/metrics"))
 MAX_STOP = 4  # stop strings per request, as OpenAI
+OBJECT_FIELDS = {"stream_options": set(StreamOptions.model_fields)}  # request fields whose value is an object
 
 
 @dataclass
@@ -68,6 +68,10 @@ class ServeConfig:
         for name in ("max_batch_size", "max_batch_tokens", "max_queue"):
             if isinstance(getattr(b, name), bool) or not isinstance(getattr(b, name), int) or getattr(b, name) < 1:
                 raise ValueError(f"{name} = {getattr(b, name)!r}: expected an integer >= 1")
+        if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens = {self.max_tokens!r}: expected an integer >= 1 or None")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port = {self.port!r}: expected 0..65535")
         if not b.wait_s >= 0:
             raise ValueError(f"batch wait = {b.wait_s!r}: expected a number of seconds >= 0")
 
@@ -339,7 +343,9 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
                                          router=c.router, n_experts=c.n_experts, top_k=c.top_k)])
 
     @app.post("/v1/completions", response_model=CompletionResponse,
-              summary="continue prompts (OpenAI completions; stream=true for server-sent events)")
+              summary="continue prompts (OpenAI completions; stream=true for server-sent events)",
+              responses={200: {"content": {"text/event-stream": {"schema": {
+                  "type": "string", "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`"}}}}})
     async def completions(req: CompletionRequest, request: Request):
         engine = state.require_ready()
         state.check_model(req.model)
@@ -412,8 +418,10 @@ def _validation_error(e: RequestValidationError) -> ApiError:
         return ApiError("invalid_json", f"the body is not valid JSON ({err.get('msg', '')})", param="body")
     if err.get("type") == "missing" and not loc:  # an empty body is no JSON either, as for any other parser
         return ApiError("invalid_json", "the body is empty; expected a JSON object", param="body")
-    # an unknown key inside an object field is named by its path ("stream_options.x"), not by the known field
-    param = ".".join(loc) if err.get("type") == "extra_forbidden" else loc[0] if loc else "body"
+    # a key inside an object field is named by its path ("stream_options.include_usage"), not by the field; the
+    # union labels ("list[int]") and list indices pydantic adds after other fields name no field and are left out
+    inner = len(loc) > 1 and (err.get("type") == "extra_forbidden" or loc[1] in OBJECT_FIELDS.get(loc[0], ()))
+    param = ".".join(loc[:2]) if inner else loc[0] if loc else "body"
     ctx = err.get("ctx") or {}
     limit = next((v for k, v in ctx.items() if k in ("ge", "gt", "le", "lt", "max_length", "min_length")), None)
     if err.get("type") == "extra_forbidden":
@@ -431,86 +439,3 @@ def _version() -> str:
     from moeserve import __version__
 
     return __version__
-
-
-class Gate:
-    """Pure ASGI middleware in front of every request: times it for the metrics (to the last byte,
-    streams included), and refuses, before any parsing, bodies over the limit (413), bodies that are
-    not JSON (415) and /v1/ calls without the bearer token (401)."""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0, path = time.perf_counter(), scope["path"]
-        endpoint = path if path in ENDPOINTS else "other"
-        status = 500
-
-        async def send_timed(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self.state.metrics.observe_request(endpoint, status, time.perf_counter() - t0)
-
-        try:
-            error, receive = await self._check(scope, receive)
-        except _ClientGone:
-            return
-        if error is not None:
-            return await JSONResponse(error.body(), error.status, headers=error.headers)(scope, receive, send_timed)
-        try:
-            await self.app(scope, receive, send_timed)
-        except Exception:  # answered 500 by the server-error middleware outside this one
-            self.state.metrics.observe_request(endpoint, 500, time.perf_counter() - t0)
-            raise
-
-    async def _check(self, scope, receive):
-        cfg, path = self.state.cfg, scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if cfg.api_key and path.startswith("/v1/"):
-            token = headers.get("authorization", "")
-            if not token.startswith("Bearer "):
-                return ApiError("unauthorized", "missing bearer token (Authorization: Bearer <key>)",
-                                headers={"WWW-Authenticate": "Bearer"}), receive
-            if not hmac.compare_digest(token[7:].encode(), cfg.api_key.encode()):
-                return ApiError("unauthorized", "invalid bearer token", headers={"WWW-Authenticate": "Bearer"}), receive
-        if scope["method"] != "POST" or path not in POST_ROUTES:
-            return None, receive
-        media = headers.get("content-type", "").split(";")[0].strip().lower()
-        if media != "application/json":
-            return ApiError("unsupported_media_type", f"Content-Type {media or '(none)'!r}: expected "
-                            "application/json", param="Content-Type"), receive
-        limit = cfg.max_body_bytes
-        too_large = ApiError("body_too_large", f"the body is over the limit of {limit} bytes", param="body",
-                             limit=limit)
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return too_large, receive
-        body, more = bytearray(), True  # read it all here (bounded), then hand it on
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                return too_large, receive
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        return None, replay
-
-
-class _ClientGone(Exception):
-    pass
-

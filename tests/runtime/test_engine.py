@@ -203,3 +203,12 @@ def test_bf16_engine_generates_like_fp32_at_first_tokens():
     b = bf16.forward(torch.tensor([bf16.encode("def f(x): return x")]))
     assert b.dtype == torch.float32 and bf16.dtype == torch.bfloat16
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+def test_tiny_temperature_and_top_p_are_greedy_not_nan():
+    """1e-300 overflows logits / temperature to inf, and float32 rounds top_p=5e-324 to 0 (dropping every
+    token): both must give the argmax, not NaN probabilities (found by fuzzing the server)."""
+    eng = make_engine()
+    greedy = eng.complete(["ab"], [SamplingParams(6, 0.0)])[0].token_ids
+    assert eng.complete(["ab"], [SamplingParams(6, 1e-300)])[0].token_ids == greedy
+    assert eng.complete(["ab"], [SamplingParams(6, 1.0, top_p=5e-324, seed=3)])[0].token_ids == greedy
