@@ -157,17 +157,22 @@ def _inputs(value, field: str, cfg: ServeConfig) -> list:
     return items
 
 
+def _check_unicode(text: str, field: str) -> None:
+    """JSON may escape a lone surrogate ("\\ud800"): a str that is no UTF-8 text, which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError("invalid_value", f"{field} is not valid Unicode: a lone surrogate "
+                       f"U+{ord(text[e.start]):04X} at character {e.start}", param=field) from None
+
+
 def _encode(engine: Engine, item: str | list[int], field: str, max_len: int) -> list[int]:
     if isinstance(item, str):
         if not item:
             raise ApiError("invalid_value", f"{field} is empty", param=field)
         if engine.tokenizer is None:
             raise ApiError("invalid_value", f"this model has no tokenizer; send {field} as token ids", param=field)
-        try:  # JSON may escape a lone surrogate ("\ud800"): a str that is no UTF-8 text, which no tokenizer encodes
-            item.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ApiError("invalid_value", f"{field} is not valid Unicode: a lone surrogate "
-                           f"U+{ord(item[e.start]):04X} at character {e.start}", param=field) from None
+        _check_unicode(item, field)
         ids = engine.tokenizer.encode(item, bos=True)
     else:
         ids, V = item, engine.cfg.vocab_size
@@ -196,6 +201,8 @@ def _sampling(req: CompletionRequest, prompt_len: int, engine: Engine, cfg: Serv
                        limit=MAX_STOP)
     if any(not s for s in stop):
         raise ApiError("invalid_value", "stop strings must not be empty", param="stop")
+    for s in stop:  # a stop string that is no text could never match
+        _check_unicode(s, "stop")
     return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                           top_p=None if req.top_p >= 1 else req.top_p, seed=req.seed, stop=stop)
 
