@@ -121,6 +121,12 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return bench_engine_main(args)
 
 
+def cmd_bench_http(args: argparse.Namespace) -> int:
+    from moeserve.bench.http import main as bench_http_main
+
+    return bench_http_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moeserve import __version__
 
@@ -279,6 +285,42 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds after one warm-up (default: 5)")
     be.add_argument("--json", type=Path, help="write the report as JSON")
     be.set_defaults(func=cmd_bench_engine)
+    bh = bsub.add_parser("http", help="the HTTP server under load: batched vs batch size 1, HTTP overhead, 429s",
+                         description="Start `moeserve serve` subprocesses (one at a time) and measure: throughput "
+                         "of a closed loop of concurrent clients with dynamic batching against --max-batch-size 1; "
+                         "the HTTP cost of one request against a direct Engine call in this process; and the 429 "
+                         "answers of a small-queue server hit by a burst. Each against its baseline in the same run.")
+    bh.add_argument("--checkpoint", type=Path, metavar="DIR",
+                    help="checkpoint directory (default: the built-in default model)")
+    bh.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, "
+                    "bfloat16; the servers and the direct engine alike (default: auto)")
+    bh.add_argument("--clients", type=int, default=32, metavar="C",
+                    help="concurrent clients of the throughput loop (default: 32)")
+    bh.add_argument("--duration", type=float, default=10.0, metavar="S",
+                    help="timed seconds of the throughput loop, per server (default: 10)")
+    bh.add_argument("--warmup", type=float, default=2.0, metavar="S",
+                    help="untimed seconds of load before the throughput window (default: 2)")
+    bh.add_argument("--max-tokens", type=int, default=16, metavar="M",
+                    help="max_tokens of the throughput and overhead requests (default: 16)")
+    bh.add_argument("--batch-size", type=int, default=32, metavar="N",
+                    help="--max-batch-size of the batched server (default: 32, the server's default)")
+    bh.add_argument("--requests", type=int, default=50, metavar="R",
+                    help="paired HTTP / direct rounds of the overhead measure (default: 50)")
+    bh.add_argument("--overload", type=int, default=256, metavar="K",
+                    help="requests sent at once in the overload measure (default: 256)")
+    bh.add_argument("--overload-queue", type=int, default=8, metavar="N",
+                    help="--max-queue of the overload server (default: 8)")
+    bh.add_argument("--overload-batch-size", type=int, default=4, metavar="N",
+                    help="--max-batch-size of the overload server (default: 4)")
+    bh.add_argument("--overload-tokens", type=int, default=32, metavar="N",
+                    help="max_tokens of the overload requests (default: 32)")
+    bh.add_argument("--skip-throughput", action="store_true", help="leave out the batched vs batch-1 measure")
+    bh.add_argument("--skip-overhead", action="store_true", help="leave out the HTTP overhead measure")
+    bh.add_argument("--skip-overload", action="store_true", help="leave out the 429 measure")
+    bh.add_argument("--json", type=Path, metavar="FILE",
+                    help="write the report (with the machine description) as JSON")
+    bh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bh.set_defaults(func=cmd_bench_http)
     return p
 
 

@@ -1,0 +1,513 @@
+"""`moeserve bench http`: the HTTP server (`moeserve serve`) under load, each number against a baseline
+measured in the same run, on the same checkpoint, dtype and requests.
+
+1. Throughput, dynamic batching against batch size 1. A server subprocess (the real command line) serves
+   a closed loop of C concurrent clients, each sending completions back to back (prompts from a fixed
+   list of short code-like prompts, temperature 0.8, a seed per request, so every run sends the same
+   requests); after a warm-up that is not counted, the completions that end within the timed window are
+   counted. Then the same against a server started with `--max-batch-size 1`. The two servers run one
+   after the other, never together. The mean batch size comes from the server's own `/metrics`, read at
+   the start and at the end of the window.
+2. HTTP overhead. One client sends the same greedy request R times, one at a time; each is paired with
+   the same completion made by a direct `Engine.complete` call in this process (same checkpoint, dtype
+   and torch thread count). The two alternate (never overlap, order swapped every round), so drift in
+   the machine's speed hits both alike; the overhead is the median of the per-round differences. Against
+   a server with `--batch-wait-ms 0` (HTTP, validation, queue and thread hand-off), and one with the
+   default wait, which a lone request sits out in full.
+3. Overload. A server with a small queue (`--max-queue 8 --max-batch-size 4`) gets K requests at once,
+   over K connections opened beforehand: it must answer the excess 429 at once, each with Retry-After.
+
+The client (httpx on asyncio, one AsyncClient and connection per simulated user) runs in this process and
+shares the machine with the server: its cost is part of what is measured, alike for both sides of each
+comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator
+
+from moeserve.bench.train import machine
+
+MODEL_NAME = "bench"
+PROMPTS: tuple[str, ...] = (
+    "def ", "import os\n", "class Node:\n", "for i in range(", "return self.", "if __name__ == ",
+    "    def __init__(self", "try:\n    ", "with open(", "from typing import ", "raise ValueError(",
+    "while True:\n", "lambda x: ", "print(f\"", "async def ", "self.assert",
+)
+OVERHEAD_PROMPT = "def main("
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 40.0
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class HttpBenchConfig:
+    checkpoint: Path
+    dtype: str = "auto"
+    clients: int = 32
+    duration_s: float = 10.0
+    warmup_s: float = 2.0
+    max_tokens: int = 16
+    batch_size: int = 32  # --max-batch-size of the batched server
+    requests: int = 50  # R, overhead rounds
+    overload: int = 256  # K, requests fired at once
+    overload_queue: int = 8
+    overload_batch_size: int = 4
+    overload_tokens: int = 32
+    parts: tuple[str, ...] = ("throughput", "overhead", "overload")
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+    start: float
+    end: float
+    status: int | None  # None: no HTTP answer (connection error, timeout)
+    tokens: int = 0
+    retry_after: str | None = None
+    error: str | None = None
+    text: str = ""
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.end - self.start) * 1e3
+
+
+@dataclass
+class ServerLog:
+    """What a server subprocess wrote, read when it has stopped."""
+    text: str = ""
+    exit_code: int | None = None
+
+    def summary(self) -> dict:
+        lines = self.text.splitlines()
+        errors = [ln for ln in lines if "ERROR" in ln or "Traceback" in ln]
+        # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully: -15 is a clean stop
+        graceful = self.exit_code in (0, -signal.SIGTERM)
+        return {"exit_code": self.exit_code, "graceful_stop": graceful, "error_lines": len(errors),
+                "first_errors": errors[:5]}
+
+
+# ---- statistics -------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def metric_sums(text: str, family: str, labels: dict[str, str] | None = None) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram in exposition text, for the series with these labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for fam in text_string_to_metric_families(text):
+        if fam.name != family:
+            continue
+        for s in fam.samples:
+            if any(s.labels.get(k) != v for k, v in (labels or {}).items()):
+                continue
+            if s.name == f"{family}_sum":
+                total += s.value
+            elif s.name == f"{family}_count":
+                count += s.value
+    return total, count
+
+
+# ---- the server subprocess ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(checkpoint: Path, port: int, dtype: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "moeserve.cli", "serve", str(checkpoint), "--port", str(port), "--no-access-log",
+            "--model-name", MODEL_NAME, "--dtype", dtype, "--log-level", "warning", "--quiet", *extra]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, timeout=5) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get("/readyz").status_code == 200:
+                    return
+            time.sleep(0.05)
+    raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    """SIGTERM (graceful: requests in flight finish), then SIGKILL if it does not exit in time."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(cfg: HttpBenchConfig, extra: list[str], log: ServerLog) -> Iterator[str]:
+    """A `moeserve serve` subprocess on a free port, ready; yields its base URL. It is stopped on the way
+    out, whatever happens (an exception, Ctrl-C); `log` gets what it wrote and its exit status."""
+    port = free_port()
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(server_command(cfg.checkpoint, port, cfg.dtype, extra), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(proc, url)
+            yield url
+        finally:
+            log.exit_code = stop_server(proc)
+            out.seek(0)
+            log.text = out.read()
+
+
+# ---- the client ---------------------------------------------------------------------------------------
+def completion_body(prompt: str, max_tokens: int, temperature: float, seed: int | None) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+    return body if seed is None else {**body, "seed": seed}
+
+
+def outcome_of(start: float, status: int, headers, payload: dict | None) -> Outcome:
+    end = time.perf_counter()
+    if status != 200 or payload is None:
+        return Outcome(start, end, status, retry_after=headers.get("retry-after"), error=f"HTTP {status}")
+    return Outcome(start, end, status, tokens=payload["usage"]["completion_tokens"],
+                   text=payload["choices"][0]["text"])
+
+
+async def post_completion(client, body: dict) -> Outcome:
+    import httpx
+
+    start = time.perf_counter()
+    try:
+        r = await client.post("/v1/completions", json=body)
+    except httpx.HTTPError as e:
+        return Outcome(start, time.perf_counter(), None, error=type(e).__name__)
+    return outcome_of(start, r.status_code, r.headers, r.json() if r.status_code == 200 else None)
+
+
+def async_client(url: str, connections: int):
+    import httpx
+
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0),
+                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
+@contextlib.asynccontextmanager
+async def clients(url: str, n: int) -> AsyncIterator[list]:
+    """n httpx clients of one connection each, as n users would have. One client with an n-connection pool
+    is not the same: httpcore re-scans every connection for every waiting request whenever one is added or
+    done, so with n = 256 requests at once the client's own bookkeeping took seconds and set the latency."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(async_client(url, 1)) for _ in range(n)]
+
+
+# ---- 1. throughput -------------------------------------------------------------------------------------
+def request_seed(client: int, n: int) -> int:
+    return client * 1_000_003 + n
+
+
+async def client_loop(client, i: int, cfg: HttpBenchConfig, stop_at: float, out: list[Outcome]) -> None:
+    n = 0
+    while time.perf_counter() < stop_at:
+        body = completion_body(PROMPTS[(i + n) % len(PROMPTS)], cfg.max_tokens, 0.8, request_seed(i, n))
+        out.append(await post_completion(client, body))
+        n += 1
+
+
+async def closed_loop(url: str, cfg: HttpBenchConfig) -> tuple[list[Outcome], float, float, str, str]:
+    """C clients for warm-up + duration; returns every outcome, the window, and /metrics at its two ends."""
+    async with clients(url, cfg.clients) as users, async_client(url, 1) as scraper:
+        t0 = time.perf_counter()
+        window = (t0 + cfg.warmup_s, t0 + cfg.warmup_s + cfg.duration_s)
+        outcomes: list[Outcome] = []
+        loops = [asyncio.create_task(client_loop(c, i, cfg, window[1], outcomes)) for i, c in enumerate(users)]
+        try:
+            await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
+            before = (await scraper.get("/metrics")).text
+            await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
+            after = (await scraper.get("/metrics")).text
+            await asyncio.gather(*loops)
+        finally:  # on an error or Ctrl-C, the clients stop before their connections close
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+    return outcomes, window[0], window[1], before, after
+
+
+def throughput_row(name: str, batch_size: int, outcomes: list[Outcome], window: tuple[float, float],
+                   metrics: tuple[str, str]) -> dict:
+    """Counts the requests that ended within the window; batch statistics are the window's too."""
+    done = [o for o in outcomes if window[0] <= o.end <= window[1]]
+    ok = [o for o in done if o.status == 200]
+    seconds = window[1] - window[0]
+    lat = [o.latency_ms for o in ok]
+    (s0, c0), (s1, c1) = (metric_sums(m, "moeserve_batch_size", {"kind": "complete"}) for m in metrics)
+    (d0, _), (d1, _) = (metric_sums(m, "moeserve_batch_duration_seconds", {"kind": "complete"}) for m in metrics)
+    batches = c1 - c0
+    errors = [o for o in done if o.status != 200]
+    return {"config": name, "max_batch_size": batch_size, "window_s": round(seconds, 2), "requests": len(ok),
+            "errors": len(errors), "error_kinds": sorted({o.error or "" for o in errors}),
+            "rps": round(len(ok) / seconds, 2), "tokens_per_s": round(sum(o.tokens for o in ok) / seconds, 1),
+            "mean_tokens": round(statistics.mean(o.tokens for o in ok), 2) if ok else None,
+            "p50_ms": _ms(percentile(lat, 50)), "p90_ms": _ms(percentile(lat, 90)), "p99_ms": _ms(percentile(lat, 99)),
+            "max_ms": _ms(max(lat, default=None)), "batches": int(batches),
+            "mean_batch_size": round((s1 - s0) / batches, 2) if batches else None,
+            "mean_batch_ms": round((d1 - d0) / batches * 1e3, 2) if batches else None}
+
+
+def bench_throughput(cfg: HttpBenchConfig, log: Log) -> dict:
+    rows = []
+    for name, size in (("batched", cfg.batch_size), ("batch size 1", 1)):
+        log(f"throughput: {name} (--max-batch-size {size}), {cfg.clients} clients, "
+            f"{cfg.warmup_s:g} s warm-up + {cfg.duration_s:g} s")
+        server = ServerLog()
+        with running_server(cfg, ["--max-batch-size", str(size)], server) as url:
+            outcomes, t0, t1, before, after = asyncio.run(closed_loop(url, cfg))
+        rows.append({**throughput_row(name, size, outcomes, (t0, t1), (before, after)), "server": server.summary()})
+    speedup = rows[0]["rps"] / rows[1]["rps"] if rows[1]["rps"] else None
+    return {"rows": rows, "speedup": None if speedup is None else round(speedup, 2)}
+
+
+# ---- 2. HTTP overhead -----------------------------------------------------------------------------------
+def timed_direct(engine, prompt: str, max_tokens: int) -> tuple[float, str]:
+    from moeserve.runtime.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    text = engine.complete([prompt], [SamplingParams(max_new_tokens=max_tokens, temperature=0.0)])[0].text
+    return (time.perf_counter() - t0) * 1e3, text
+
+
+def timed_http(client, max_tokens: int) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = client.post("/v1/completions", json=completion_body(OVERHEAD_PROMPT, max_tokens, 0.0, None))
+    ms = (time.perf_counter() - t0) * 1e3
+    r.raise_for_status()
+    return ms, r.json()["choices"][0]["text"]
+
+
+def paired_rounds(url: str, engine, cfg: HttpBenchConfig, pause_s: float = 0.02, warmup: int = 3) -> dict:
+    """R rounds of one HTTP and one direct call, order swapped each round, a short pause between calls
+    (so neither process's idle threads are still spinning when the other's call starts)."""
+    import httpx
+
+    http_ms, direct_ms, same = [], [], True
+    with httpx.Client(base_url=url, timeout=60) as client:
+        calls = (lambda: timed_http(client, cfg.max_tokens), lambda: timed_direct(engine, OVERHEAD_PROMPT,
+                                                                                   cfg.max_tokens))
+        for n in range(warmup + cfg.requests):
+            order = calls if n % 2 == 0 else calls[::-1]
+            results = []
+            for call in order:
+                time.sleep(pause_s)
+                results.append(call())
+            (h, h_text), (d, d_text) = results if n % 2 == 0 else results[::-1]
+            if n >= warmup:
+                http_ms.append(h)
+                direct_ms.append(d)
+                same = same and h_text == d_text
+    diffs = [h - d for h, d in zip(http_ms, direct_ms)]
+    return {"requests": len(http_ms), "p50_http_ms": _ms(percentile(http_ms, 50)),
+            "p50_direct_ms": _ms(percentile(direct_ms, 50)), "p50_overhead_ms": _ms(percentile(diffs, 50)),
+            "p90_overhead_ms": _ms(percentile(diffs, 90)), "max_http_ms": _ms(max(http_ms, default=None)),
+            "same_text": same}
+
+
+def bench_overhead(cfg: HttpBenchConfig, engine, log: Log) -> list[dict]:
+    rows = []
+    for wait_ms in (0.0, 5.0):
+        log(f"overhead: --batch-wait-ms {wait_ms:g}, {cfg.requests} paired rounds")
+        server = ServerLog()
+        with running_server(cfg, ["--batch-wait-ms", f"{wait_ms:g}"], server) as url:
+            row = paired_rounds(url, engine, cfg)
+        rows.append({"batch_wait_ms": wait_ms, **row, "server": server.summary()})
+    return rows
+
+
+# ---- 3. overload ----------------------------------------------------------------------------------------
+async def burst(url: str, cfg: HttpBenchConfig) -> list[Outcome]:
+    """K connections opened first (a GET each), then K completions sent at once."""
+    async with clients(url, cfg.overload) as users:
+        await asyncio.gather(*(c.get("/healthz") for c in users))
+        bodies = [completion_body(PROMPTS[i % len(PROMPTS)], cfg.overload_tokens, 0.8, i) for i in range(cfg.overload)]
+        return list(await asyncio.gather(*(post_completion(c, b) for c, b in zip(users, bodies))))
+
+
+def overload_row(outcomes: list[Outcome], cfg: HttpBenchConfig) -> dict:
+    ok = [o.latency_ms for o in outcomes if o.status == 200]
+    full = [o for o in outcomes if o.status == 429]
+    other = [o for o in outcomes if o.status not in (200, 429)]
+    lat429 = [o.latency_ms for o in full]
+    return {"requests": len(outcomes), "max_queue": cfg.overload_queue, "max_batch_size": cfg.overload_batch_size,
+            "max_tokens": cfg.overload_tokens, "ok": len(ok), "rejected_429": len(full), "other": len(other),
+            "other_kinds": sorted({o.error or "" for o in other}),
+            "p50_429_ms": _ms(percentile(lat429, 50)), "p99_429_ms": _ms(percentile(lat429, 99)),
+            "p50_200_ms": _ms(percentile(ok, 50)), "max_200_ms": _ms(max(ok, default=None)),
+            "all_429_retry_after": all(o.retry_after for o in full),
+            "retry_after_values": sorted({o.retry_after for o in full if o.retry_after})}
+
+
+def bench_overload(cfg: HttpBenchConfig, log: Log) -> dict:
+    log(f"overload: {cfg.overload} requests at once, --max-queue {cfg.overload_queue} "
+        f"--max-batch-size {cfg.overload_batch_size}")
+    server = ServerLog()
+    extra = ["--max-queue", str(cfg.overload_queue), "--max-batch-size", str(cfg.overload_batch_size)]
+    with running_server(cfg, extra, server) as url:
+        outcomes = asyncio.run(burst(url, cfg))
+    return {**overload_row(outcomes, cfg), "server": server.summary()}
+
+
+# ---- the whole bench ------------------------------------------------------------------------------------
+def resolved_dtype(dtype: str) -> str:
+    from moeserve.runtime.engine import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(dtype, resolve_device("auto"))).removeprefix("torch.")
+
+
+def bench_http(cfg: HttpBenchConfig, log: Log = lambda msg: None) -> dict:
+    report: dict = {"checkpoint": str(cfg.checkpoint), "dtype": resolved_dtype(cfg.dtype), "machine": machine(),
+                    "settings": {k: v for k, v in asdict(cfg).items() if k != "checkpoint"},
+                    "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+    if "throughput" in cfg.parts:
+        report["throughput"] = bench_throughput(cfg, log)
+    if "overhead" in cfg.parts:
+        from moeserve.runtime.engine import Engine
+
+        engine = Engine.load(cfg.checkpoint, dtype=cfg.dtype)
+        report["overhead"] = bench_overhead(cfg, engine, log)
+    if "overload" in cfg.parts:
+        report["overload"] = bench_overload(cfg, log)
+    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return report
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+def _cell(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def throughput_markdown(t: dict, cfg: dict) -> list[str]:
+    lines = [f"Throughput: {cfg['clients']} clients, closed loop, {cfg['duration_s']:g} s after "
+             f"{cfg['warmup_s']:g} s warm-up, max_tokens {cfg['max_tokens']}, temperature 0.8", "",
+             "| server | requests | errors | req/s | gen tokens/s | p50 ms | p90 ms | p99 ms | mean batch |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in t["rows"]:
+        lines.append(f"| {r['config']} (--max-batch-size {r['max_batch_size']}) | {r['requests']} | {r['errors']} | "
+                     f"{r['rps']} | {r['tokens_per_s']} | {_cell(r['p50_ms'])} | {_cell(r['p90_ms'])} | "
+                     f"{_cell(r['p99_ms'])} | {_cell(r['mean_batch_size'])} |")
+    goal = "met" if t["speedup"] is not None and t["speedup"] >= 4 else "not met"
+    return lines + ["", f"Speed-up of batching (req/s): {_cell(t['speedup'])}x (goal >= 4x: {goal})"]
+
+
+def overhead_markdown(rows: list[dict]) -> list[str]:
+    lines = ["HTTP overhead: one client, the same greedy request, paired with a direct Engine.complete call", "",
+             "| server | rounds | p50 HTTP ms | p50 direct ms | p50 overhead ms | p90 overhead ms | same text |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        lines.append(f"| --batch-wait-ms {r['batch_wait_ms']:g} | {r['requests']} | {r['p50_http_ms']} | "
+                     f"{r['p50_direct_ms']} | {r['p50_overhead_ms']} | {r['p90_overhead_ms']} | "
+                     f"{'yes' if r['same_text'] else 'no'} |")
+    return lines
+
+
+def overload_markdown(r: dict) -> list[str]:
+    return [f"Overload: {r['requests']} requests at once, --max-queue {r['max_queue']} --max-batch-size "
+            f"{r['max_batch_size']}, max_tokens {r['max_tokens']}", "",
+            "| 200 | 429 | other | p50 429 ms | p99 429 ms | p50 200 ms | every 429 has Retry-After |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            f"| {r['ok']} | {r['rejected_429']} | {r['other']} | {_cell(r['p50_429_ms'])} | {_cell(r['p99_429_ms'])} | "
+            f"{_cell(r['p50_200_ms'])} | {'yes' if r['all_429_retry_after'] else 'no'} |"]
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"`{report['checkpoint']}`, {report['dtype']}, on {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+             f"load average before {report['load_average_before']}, after {report['load_average_after']}"]
+    if "throughput" in report:
+        lines += [""] + throughput_markdown(report["throughput"], report["settings"])
+    if "overhead" in report:
+        lines += [""] + overhead_markdown(report["overhead"])
+    if "overload" in report:
+        lines += [""] + overload_markdown(report["overload"])
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While the bench runs, SIGTERM unwinds like Ctrl-C does, so its servers are stopped on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def config_from_args(args) -> HttpBenchConfig:
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from moeserve.training.default_model import default_model_path
+
+        checkpoint = default_model_path(progress=not args.quiet)
+    parts = tuple(p for p in ("throughput", "overhead", "overload") if not getattr(args, f"skip_{p}"))
+    return HttpBenchConfig(checkpoint=Path(checkpoint), dtype=args.dtype, clients=args.clients,
+                           duration_s=args.duration, warmup_s=args.warmup, max_tokens=args.max_tokens,
+                           batch_size=args.batch_size, requests=args.requests, overload=args.overload,
+                           overload_queue=args.overload_queue, overload_batch_size=args.overload_batch_size,
+                           overload_tokens=args.overload_tokens, parts=parts)
+
+
+def main(args) -> int:
+    try:
+        import httpx  # noqa: F401
+    except ImportError as e:
+        raise ValueError("moeserve bench http needs httpx: pip install httpx") from e
+    cfg = config_from_args(args)
+    for name in ("clients", "requests", "overload", "batch_size", "max_tokens", "overload_queue",
+                 "overload_batch_size", "overload_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} = {getattr(cfg, name)}: expected an integer >= 1")
+    if not cfg.duration_s > 0 or not cfg.warmup_s >= 0:
+        raise ValueError("--duration must be > 0 and --warmup >= 0")
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(f"moeserve bench http: {msg}", file=sys.stderr))
+    with sigterm_as_exit():
+        report = bench_http(cfg, log)
+    print(markdown(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,41 @@
+"""`moeserve bench http` end to end on a tiny random checkpoint: real server subprocesses, tiny settings."""
+
+import json
+
+import torch
+
+from moeserve.checkpoint import save_checkpoint
+from moeserve.cli import main
+from moeserve.config import preset
+from moeserve.runtime.model import Transformer
+
+
+def test_bench_http_end_to_end(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="xmoe"))  # random weights, context 64, byte tokenizer
+    ckpt = save_checkpoint(tmp_path / "tiny", model.cfg, model.state_dict())
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "http", "--checkpoint", str(ckpt), "--dtype", "float32", "--clients", "4", "--duration", "1.5",
+               "--warmup", "0.5", "--max-tokens", "4", "--requests", "5", "--overload", "40", "--overload-queue", "8",
+               "--overload-tokens", "16", "--quiet", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["cores"] >= 1 and report["dtype"] == "float32"
+
+    batched, single = report["throughput"]["rows"]
+    for row in (batched, single):
+        assert row["requests"] > 0 and row["errors"] == 0 and row["rps"] > 0, row
+        assert row["p50_ms"] > 0 and row["mean_batch_size"] >= 1, row
+    assert single["mean_batch_size"] == 1 and report["throughput"]["speedup"] > 0
+
+    for row in report["overhead"]:
+        assert row["requests"] == 5 and row["same_text"], row
+        assert row["p50_http_ms"] > 0 and row["p50_direct_ms"] > 0 and row["p50_overhead_ms"] is not None, row
+    assert [row["batch_wait_ms"] for row in report["overhead"]] == [0, 5]
+
+    overload = report["overload"]
+    assert overload["requests"] == 40 and overload["other"] == 0, overload
+    assert overload["rejected_429"] >= 1 and overload["ok"] >= 1 and overload["all_429_retry_after"], overload
+
+    table = capsys.readouterr().out
+    assert "Speed-up of batching" in table and "| --batch-wait-ms 0 |" in table
