@@ -98,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, api_key=args.api_key, batch=batch,
                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                       max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
-                      shutdown_timeout_s=args.shutdown_timeout)
+                      shutdown_timeout_s=args.shutdown_timeout, threads=args.threads)
     return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, progress=not args.quiet,
                  access_log=not args.no_access_log, log_level=args.log_level)
 
@@ -196,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "if set, else no auth)")
     sv.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
+    sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows per model batch (default: 32)")
     sv.add_argument("--max-batch-tokens", type=int, default=16384, metavar="N",
                     help="padded tokens per model batch (default: 16384)")

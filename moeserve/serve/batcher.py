@@ -1,6 +1,6 @@
-"""Dynamic batching: requests queue, and one worker thread runs them through the engine in batches.
+"""Dynamic batching: requests queue, and the thread that owns the model runs them in batches.
 
-The event loop never runs the model: a handler submits a `Job` and awaits its future. The worker
+The event loop never runs the model: a handler submits a `Job` and awaits its future. The model thread
 takes the oldest job, waits at most `wait_s` from that job's arrival for others of the same kind to
 join (a lone request pays at most that wait; under load the queue fills while the previous batch
 runs, so batches form with no wait), and runs up to `max_batch_size` rows and `max_batch_tokens`
@@ -74,14 +74,14 @@ class BatchConfig:
 
 
 class Batcher:
+    """The queue, and the loop (`run`) that the one thread owning the model spends its life in."""
+
     def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._closed = False
         self._batch_s = 0.05  # moving average of batch time, for Retry-After
-        self._thread = threading.Thread(target=self._loop, name="moeserve-batcher", daemon=True)
-        self._thread.start()
 
     @property
     def depth(self) -> int:
@@ -98,16 +98,15 @@ class Batcher:
             self._cv.notify()
         return job.future
 
-    def close(self, timeout: float | None = None) -> None:
-        """Refuse new work, drop what is queued, let the running batch finish (or be cut off by its
-        jobs' cancellation), and stop the worker."""
+    def close(self) -> None:
+        """Refuse new work, drop what is queued, and end `run` once the running batch finishes (or is
+        cut off by its jobs' cancellation)."""
         with self._cv:
             self._closed = True
             for job in self._queue:
                 job.future.set_exception(Closed("the server shut down before this request ran"))
             self._queue.clear()
             self._cv.notify_all()
-        self._thread.join(timeout)
 
     # ---- worker ----------------------------------------------------------------------------------
     def _take(self) -> list[Job] | None:
@@ -137,7 +136,8 @@ class Batcher:
             self._queue = keep
             return batch
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """Take and run batches until `close`."""
         while (batch := self._take()) is not None:
             now = time.monotonic()
             live = []
