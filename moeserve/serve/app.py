@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI-style completions, scoring, classification, health, readiness, metrics.
 
     request -> Gate (metrics, body size, content type, bearer token) -> FastAPI validation (strict
-    schemas) -> handler (model, prompt and token limits; encode) -> Batcher queue -> worker thread
-    -> Engine -> future / token stream -> JSON or server-sent events
+    schemas) -> handler (model, prompt and token limits; encode) -> Batcher queue -> the model's own
+    thread -> Engine -> future / token stream -> JSON or server-sent events
 
 The model loads (and runs one warm-up batch) after the server starts listening, so /healthz answers
 at once and /readyz says 503 until the model can serve. Every refusal is an `ApiError`, turned into
@@ -139,7 +139,8 @@ class ServerState:
         bos = [engine.tokenizer.bos_id] if engine.tokenizer is not None and engine.tokenizer.bos_id is not None else []
         rows = [bos + [1, 2, 3], bos + [4]]
         if engine.cfg.task == "lm":
-            engine.complete_ids(rows, [SamplingParams(max_new_tokens=2)] * 2) if engine.tokenizer else None
+            if engine.tokenizer is not None:  # complete_ids decodes text
+                engine.complete_ids(rows, [SamplingParams(max_new_tokens=2)] * 2)
             engine.score_ids(rows)
         else:
             engine.classify_ids(rows)
@@ -398,7 +399,7 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
         return StreamingResponse(_stream(job, events, streams, head, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def texts_job(req: TextsRequest, request: Request, kind: str) -> tuple[list[list[int]], list]:
+    async def texts_job(req: TextsRequest, request: Request, kind: str) -> tuple[list[str], list[list[int]], list]:
         engine = state.require_ready()
         state.check_model(req.model)
         wanted = "lm" if kind == "score" else "classify"
@@ -411,13 +412,12 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
             raise ApiError("invalid_value", "an input has no token to score after <bos>", param="input")
         job = Job(kind, rows, deadline=time.monotonic() + cfg.request_timeout_s)
         state.submit(job)
-        return rows, await _wait(job, request, cfg.request_timeout_s)
+        return texts, rows, await _wait(job, request, cfg.request_timeout_s)
 
     @app.post("/v1/score", response_model=ScoreResponse,
               summary="log-probability, perplexity and bits per byte of each text under the model")
     async def score(req: TextsRequest, request: Request) -> ScoreResponse:
-        rows, results = await texts_job(req, request, "score")
-        texts = _inputs(req.input, "input", cfg)
+        texts, rows, results = await texts_job(req, request, "score")
         data = [ScoreItem(index=i, logprob=lp, n_tokens=n, perplexity=math.exp(min(-lp / n, 709.0)),
                           bits_per_byte=-lp / math.log(2) / len(t.encode("utf-8")))
                 for i, ((lp, n), t) in enumerate(zip(results, texts))]
@@ -426,7 +426,7 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
 
     @app.post("/v1/classify", response_model=ClassifyResponse, summary="class probabilities of each text")
     async def classify(req: TextsRequest, request: Request) -> ClassifyResponse:
-        rows, results = await texts_job(req, request, "classify")
+        _, rows, results = await texts_job(req, request, "classify")
         data = [ClassifyItem(index=i, label=max(range(len(p)), key=p.__getitem__), probs=p)
                 for i, p in enumerate(results)]
         used = sum(len(r) for r in rows)
