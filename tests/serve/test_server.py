@@ -151,6 +151,28 @@ def test_batched_requests_equal_requests_alone(tiny_ckpt, ref):
     assert rows == 8 and batches < 8  # at least one batch held several requests
 
 
+class PoisonEngine(Engine):
+    """Fails any batch that holds the prompt "poison": a stand-in for a bug the handler's checks miss."""
+
+    def complete_ids(self, rows, params, on_token=None, cancel=None):
+        if any(self.tokenizer.decode(r) == "poison" for r in rows):
+            raise RuntimeError("boom")
+        return super().complete_ids(rows, params, on_token, cancel)
+
+
+def test_a_failing_request_fails_alone_not_its_batch(tiny_ckpt, ref):
+    cfg = ServeConfig(model_name="tiny", batch=BatchConfig(max_batch_size=8, wait_s=0.2))
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0} for p in ("ok", "poison", "fine")]
+    with live_server(lambda: PoisonEngine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            ok, bad, fine = pool.map(lambda b: s.post("/v1/completions", b), bodies)
+        batches = samples(s)[("moeserve_batch_size_count", ("kind", "complete"))]
+    assert batches == 1  # one batch of three, failed, then each of the three run alone
+    assert (bad.status_code, bad.json()["error"]["code"]) == (500, "internal_error")
+    assert ok.json()["choices"][0]["text"] == ref.complete(["ok"], [SamplingParams(4, 0.0)])[0].text
+    assert fine.status_code == 200
+
+
 # ---- metrics ------------------------------------------------------------------------------------
 def test_expert_counters_grow_by_exactly_the_routed_tokens(live, ref):
     text = "def g(a, b):\n    return a * b"
