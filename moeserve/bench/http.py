@@ -29,29 +29,22 @@ import contextlib
 import json
 import math
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable
 
+from moeserve.bench.server_process import MODEL_NAME, ServerLog, running_server, sigterm_as_exit
 from moeserve.bench.train import machine
 
-MODEL_NAME = "bench"
 PROMPTS: tuple[str, ...] = (
     "def ", "import os\n", "class Node:\n", "for i in range(", "return self.", "if __name__ == ",
     "    def __init__(self", "try:\n    ", "with open(", "from typing import ", "raise ValueError(",
     "while True:\n", "lambda x: ", "print(f\"", "async def ", "self.assert",
 )
 OVERHEAD_PROMPT = "def main("
-READY_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 40.0
 Log = Callable[[str], None]
 
 
@@ -88,21 +81,6 @@ class Outcome:
         return (self.end - self.start) * 1e3
 
 
-@dataclass
-class ServerLog:
-    """What a server subprocess wrote, read when it has stopped."""
-    text: str = ""
-    exit_code: int | None = None
-
-    def summary(self) -> dict:
-        lines = self.text.splitlines()
-        errors = [ln for ln in lines if "ERROR" in ln or "Traceback" in ln]
-        # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully: -15 is a clean stop
-        graceful = self.exit_code in (0, -signal.SIGTERM)
-        return {"exit_code": self.exit_code, "graceful_stop": graceful, "error_lines": len(errors),
-                "first_errors": errors[:5]}
-
-
 # ---- statistics -------------------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for no values."""
@@ -132,62 +110,6 @@ def metric_sums(text: str, family: str, labels: dict[str, str] | None = None) ->
             elif s.name == f"{family}_count":
                 count += s.value
     return total, count
-
-
-# ---- the server subprocess ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_command(checkpoint: Path, port: int, dtype: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "moeserve.cli", "serve", str(checkpoint), "--port", str(port), "--no-access-log",
-            "--model-name", MODEL_NAME, "--dtype", dtype, "--log-level", "warning", "--quiet", *extra]
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=url, timeout=5) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get("/readyz").status_code == 200:
-                    return
-            time.sleep(0.05)
-    raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    """SIGTERM (graceful: requests in flight finish), then SIGKILL if it does not exit in time."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
-
-
-@contextlib.contextmanager
-def running_server(cfg: HttpBenchConfig, extra: list[str], log: ServerLog) -> Iterator[str]:
-    """A `moeserve serve` subprocess on a free port, ready; yields its base URL. It is stopped on the way
-    out, whatever happens (an exception, Ctrl-C); `log` gets what it wrote and its exit status."""
-    port = free_port()
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(server_command(cfg.checkpoint, port, cfg.dtype, extra), stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(proc, url)
-            yield url
-        finally:
-            log.exit_code = stop_server(proc)
-            out.seek(0)
-            log.text = out.read()
 
 
 # ---- the client ---------------------------------------------------------------------------------------
@@ -291,7 +213,7 @@ def bench_throughput(cfg: HttpBenchConfig, log: Log) -> dict:
         log(f"throughput: {name} (--max-batch-size {size}), {cfg.clients} clients, "
             f"{cfg.warmup_s:g} s warm-up + {cfg.duration_s:g} s")
         server = ServerLog()
-        with running_server(cfg, ["--max-batch-size", str(size)], server) as url:
+        with running_server(cfg.checkpoint, cfg.dtype, ["--max-batch-size", str(size)], server) as url:
             outcomes, t0, t1, before, after = asyncio.run(closed_loop(url, cfg))
         rows.append({**throughput_row(name, size, outcomes, (t0, t1), (before, after)), "server": server.summary()})
     speedup = rows[0]["rps"] / rows[1]["rps"] if rows[1]["rps"] else None
@@ -347,7 +269,7 @@ def bench_overhead(cfg: HttpBenchConfig, engine, log: Log) -> list[dict]:
     for wait_ms in (0.0, 5.0):
         log(f"overhead: --batch-wait-ms {wait_ms:g}, {cfg.requests} paired rounds")
         server = ServerLog()
-        with running_server(cfg, ["--batch-wait-ms", f"{wait_ms:g}"], server) as url:
+        with running_server(cfg.checkpoint, cfg.dtype, ["--batch-wait-ms", f"{wait_ms:g}"], server) as url:
             row = paired_rounds(url, engine, cfg)
         rows.append({"batch_wait_ms": wait_ms, **row, "server": server.summary()})
     return rows
@@ -381,7 +303,7 @@ def bench_overload(cfg: HttpBenchConfig, log: Log) -> dict:
         f"--max-batch-size {cfg.overload_batch_size}")
     server = ServerLog()
     extra = ["--max-queue", str(cfg.overload_queue), "--max-batch-size", str(cfg.overload_batch_size)]
-    with running_server(cfg, extra, server) as url:
+    with running_server(cfg.checkpoint, cfg.dtype, extra, server) as url:
         outcomes = asyncio.run(burst(url, cfg))
     return {**overload_row(outcomes, cfg), "server": server.summary()}
 
@@ -459,23 +381,6 @@ def markdown(report: dict) -> str:
     if "overload" in report:
         lines += [""] + overload_markdown(report["overload"])
     return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """While the bench runs, SIGTERM unwinds like Ctrl-C does, so its servers are stopped on the way out."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def config_from_args(args) -> HttpBenchConfig:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from moeserve.bench.server_process import free_port, wait_ready
 from moeserve.checkpoint import save_checkpoint
 from moeserve.cli import main
 from moeserve.config import preset
@@ -345,12 +345,6 @@ def test_score_matches_engine(live, ref):
 
 
 # ---- the process --------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
@@ -358,16 +352,12 @@ def start(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, s
                              "--no-access-log", "--dtype", "float32"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/readyz").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("the server did not become ready")
+    try:
+        wait_ready(proc, url, timeout_s=30)
+    except RuntimeError as e:
+        proc.kill()
+        raise AssertionError(f"{e}\n{proc.stdout.read()}") from None
+    return proc, url
 
 
 def test_sigterm_finishes_requests_in_flight(tiny_ckpt):
