@@ -25,14 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["def f(x):\n    return x + 1", "a", "import os", "héllo wörld ✓", "x = [1, 2, 3]\n" * 3, "class A: pass"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model gains nothing from a second thread, and on a busy 2-core machine two threads
-    spin-wait on each other (10x slower). The scores do not depend on it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

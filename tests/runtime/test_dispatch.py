@@ -57,14 +57,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="no CUDA device: the CUDA paths are checked only where one is present")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these GEMMs are tiny, and a second OpenMP thread only adds barriers that
-    spin when the cores are shared (this file: 8 s with one thread, 70 s with two on 2 busy cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread (tests/conftest.py)
 
 
 def skip_unless_packing(pack: bool, dtype: torch.dtype, device: str = "cpu") -> None:

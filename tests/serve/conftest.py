@@ -20,14 +20,9 @@ from moeserve.runtime.model import Transformer
 from moeserve.serve.app import ServeConfig, create_app
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """The tiny model gains nothing from a second intra-op thread, and the server's event loop needs
-    the other core (two torch threads spin-waiting on each other beside it are 10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
+    """Also leaves the other core to the server's event loop."""
 
 
 @pytest.fixture(scope="session")
