@@ -366,11 +366,14 @@ def test_sigterm_finishes_requests_in_flight(tiny_ckpt):
     try:
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=30) for _ in range(12)]
-            while json.loads(httpx.get(url + "/readyz").text)["status"] == "ready" and not any(
-                    f.done() for f in futures):
-                depth = [ln for ln in httpx.get(url + "/metrics").text.splitlines()
-                         if ln.startswith("moeserve_queue_depth ")]
-                if depth and float(depth[0].split()[1]) >= 4:
+            # SIGTERM only once all 12 have reached the server (one running, the rest queued or done): a request
+            # that arrives after it is refused with 503 by design, and would say nothing about draining.
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                m = {s.name: s for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+                     for s in f.samples if s.labels.get("endpoint") in (None, "/v1/completions")}
+                done = m["moeserve_requests_total"].value if "moeserve_requests_total" in m else 0
+                if m["moeserve_queue_depth"].value + done + 1 >= 12:
                     break
             proc.send_signal(signal.SIGTERM)
             in_flight = sum(not f.done() for f in futures)
