@@ -1,0 +1,220 @@
+"""One MoE layer as ONNX nodes, in the form an export mode asks for (runtime/moe.py is the math).
+
+  portable  every expert on every token, weighted by a dense [T, E] gate matrix that is zero off the
+            top-k: two GEMMs over all experts' stacked weights, standard operators only (TensorRT
+            parses it). E/k times the expert FLOPs of a sparse kernel: the price of portability.
+  fused     the router as a few nodes producing logits, then ONNX Runtime's com.microsoft MoE
+            operator (softmax over all E, top-k, optional renormalisation, sparse experts).
+  table     discrete VQ with vq_input='code': nearest code, then one row of the precomputed
+            table T[k] = f_k(v_k) (paper 002, eq. 5); no expert matrices at all.
+
+The MoE operator's facts that decide what it can express (DESIGN.md "Export", checked against
+onnxruntime's CPU kernel): gates are softmax(logits) over all E; its gelu is the tanh approximation;
+its CPU kernel takes SwiGLU only fused and interleaved (gate row, up row, gate row, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeserve.config import MoEConfig
+from moeserve.export.graph import FLOAT, MS_DOMAIN, Graph
+from moeserve.runtime.experts import Experts
+from moeserve.runtime.moe import MoELayer
+from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
+
+
+@dataclass
+class LayerForm:
+    """How one MoE layer was written, for the export report."""
+
+    layer: int  # block index
+    form: str  # portable | fused | table, or path+path for VQ's mixed layer (continuous+discrete)
+    fallback: str | None = None  # why the mode's own form could not express it
+
+
+def np32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+# ---- expert computations ---------------------------------------------------------------------------
+def activation(g: Graph, h: str, act: str, d_split: int | None = None) -> str:
+    """gelu (exact, erf) or SwiGLU on h = [gate | up] split at `d_split` columns."""
+    if act == "gelu":
+        half = g.op("Mul", h, g.const(0.5, np.float32))
+        erf = g.op("Erf", g.op("Mul", h, g.const(1 / np.sqrt(2), np.float32)))
+        return g.op("Mul", half, g.op("Add", erf, g.const(1.0, np.float32)))
+    gate, up = g.op("Split", h, g.const([d_split, d_split]), axis=-1, outputs=2)
+    return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+
+
+def dense_ffn(g: Graph, x: str, w1_FD: np.ndarray, w2_DF: np.ndarray, w3_FD: np.ndarray | None, hint: str) -> str:
+    """The dense FFN of non-MoE blocks: w2(act(w1 x) [* w3 x])."""
+    if w3_FD is None:
+        return g.linear(activation(g, g.linear(x, w1_FD, f"{hint}.w1"), "gelu"), w2_DF, f"{hint}.w2")
+    h = g.linear(x, np.concatenate([w1_FD, w3_FD]), f"{hint}.w13")
+    return g.linear(activation(g, h, "swiglu", w1_FD.shape[0]), w2_DF, f"{hint}.w2")
+
+
+def all_experts(g: Graph, x_TD: str, gates_TE: str, experts: Experts, hint: str) -> str:
+    """y = sum_e G[t, e] f_e(x_t) = [G_1 h_1, ..., G_E h_E] @ [W2_1; ...; W2_E]: two GEMMs, no transposes."""
+    w1, w2 = np32(experts.w1), np32(experts.w2)
+    E, F, D = w1.shape
+    if experts.w3 is None:
+        h = activation(g, g.linear(x_TD, w1.reshape(E * F, D), f"{hint}.w1"), "gelu")
+    else:
+        w13 = np.concatenate([w1.reshape(E * F, D), np32(experts.w3).reshape(E * F, D)])
+        h = activation(g, g.linear(x_TD, w13, f"{hint}.w13"), "swiglu", E * F)
+    gated = g.op("Mul", g.reshape(h, [-1, E, F]), g.unsqueeze(gates_TE, [-1]))
+    w2_all = w2.transpose(1, 0, 2).reshape(D, E * F)  # [D, E*F]: expert e's columns at e*F..
+    return g.linear(g.reshape(gated, [-1, E * F]), w2_all, f"{hint}.w2")
+
+
+def dense_gates(g: Graph, ids_TK: str, gates_TK: str, n_experts: int) -> str:
+    """[T, E] matrix holding each token's K gates at its K experts, zeros elsewhere."""
+    onehot_TKE = g.op("Cast", g.op("Equal", g.unsqueeze(ids_TK, [-1]), g.const(np.arange(n_experts))), to=FLOAT)
+    return g.op("ReduceSum", g.op("Mul", onehot_TKE, g.unsqueeze(gates_TK, [-1])), g.const([1]), keepdims=0)
+
+
+def moe_op(g: Graph, x_TD: str, logits_TE: str, experts: Experts, k: int, normalize: bool, hint: str) -> str:
+    """ONNX Runtime's MoE operator: softmax(logits) over all E, top-k, gates renormalised if asked."""
+    w1, w2 = np32(experts.w1), np32(experts.w2)
+    E, F, D = w1.shape
+    fc1 = np.empty((E, 2 * F, D), np.float32)  # interleaved SwiGLU: row 2i = gate i, row 2i + 1 = up i
+    fc1[:, 0::2], fc1[:, 1::2] = w1, np32(experts.w3)
+    return g.op("MoE", x_TD, logits_TE, g.weight(fc1, f"{hint}.fc1"), "", g.weight(w2, f"{hint}.fc2"),
+                domain=MS_DOMAIN, k=k, activation_type="swiglu", swiglu_fusion=1,
+                normalize_routing_weights=int(normalize), hint=hint)
+
+
+# ---- routers -----------------------------------------------------------------------------------------
+@dataclass
+class RouterGraph:
+    logits: str  # [T, E]: for xmoe already divided by tau, so that the gates are softmax or sigmoid of it
+    gate: str  # softmax | sigmoid
+    top_k: int
+    renormalize: bool
+
+
+def router_graph(g: Graph, x_TD: str, router, hint: str) -> RouterGraph:
+    """The router reduced to its logits: W_g h for softmax / sigmoid; for X-MoE (eq. 6-7) the projection,
+    its normalisation, and one MatMul with the unit expert embeddings divided by tau (folded at export;
+    top-k of s / tau is top-k of s since tau > 0)."""
+    if isinstance(router, XMoERouter):
+        h_TR = g.l2_normalize(g.linear(x_TD, np32(router.proj.weight), f"{hint}.proj"))
+        tau = float(router.tau.detach().float().clamp(min=1e-3))
+        e_ER = np32(torch.nn.functional.normalize(router.expert_embeddings.detach().float(), dim=-1)) / tau
+        return RouterGraph(g.linear(h_TR, e_ER, f"{hint}.experts_over_tau"), router.gate_kind, router.top_k, False)
+    logits = g.linear(x_TD, np32(router.gate.weight), f"{hint}.gate")
+    if isinstance(router, SigmoidRouter):
+        return RouterGraph(logits, "sigmoid", router.top_k, False)
+    assert isinstance(router, SoftmaxRouter), type(router)
+    return RouterGraph(logits, "softmax", router.top_k, router.renormalize)
+
+
+def topk(g: Graph, x: str, k: int) -> tuple[str, str]:
+    return g.op("TopK", x, g.const([k]), axis=-1, largest=1, sorted=1, outputs=2)
+
+
+def portable_route(g: Graph, r: RouterGraph) -> tuple[str, str]:
+    """(gates [T, K], expert ids [T, K]) exactly as routing.py computes them."""
+    if r.gate == "sigmoid":
+        top, ids = topk(g, r.logits, r.top_k)
+        return g.op("Sigmoid", top), ids
+    gates, ids = topk(g, g.op("Softmax", r.logits, axis=-1), r.top_k)
+    if r.renormalize:
+        gates = g.op("Div", gates, g.op("ReduceSum", gates, g.const([-1]), keepdims=1))
+    return gates, ids
+
+
+def fused_fallback(cfg: MoEConfig, r: RouterGraph | None) -> str | None:
+    """Why the MoE operator cannot run this layer's experts exactly; None when it can."""
+    if cfg.expert_act != "swiglu":
+        return ("gelu experts: the MoE operator's gelu is the tanh approximation, these experts use exact (erf) "
+                "gelu")
+    if r is not None and r.gate == "sigmoid" and r.top_k > 1:
+        return (f"sigmoid gates with top_k={r.top_k}: each gate is sigmoid(s_k) on its own, the MoE operator's "
+                f"gates are a softmax over all experts")
+    return None
+
+
+def fused_route(g: Graph, x_TD: str, r: RouterGraph, experts: Experts, hint: str) -> tuple[str, str]:
+    """(y [T, D], expert ids [T, K]) through the MoE operator. A sigmoid gate with k = 1 is the operator's
+    renormalised (= 1) gate times sigmoid of the top logit, applied outside."""
+    _, ids = topk(g, r.logits, r.top_k)  # what the operator picks, for the expert-load output
+    if r.gate == "sigmoid":
+        y = moe_op(g, x_TD, r.logits, experts, 1, True, hint)
+        top = g.op("ReduceMax", r.logits, axes=[-1], keepdims=1)
+        return g.op("Mul", y, g.op("Sigmoid", top)), ids
+    return moe_op(g, x_TD, r.logits, experts, r.top_k, r.renormalize, hint), ids
+
+
+# ---- VQ ------------------------------------------------------------------------------------------------
+def nearest_code(g: Graph, x_TD: str, layer: MoELayer, hint: str) -> tuple[str, str]:
+    """(codes [T], distances [T, K]): argmin_j ||v_j||^2 - 2 z . v_j, as VectorQuantizer.nearest."""
+    q = layer.quantizer
+    z = x_TD if q.down is None else g.linear(x_TD, np32(q.down.weight), f"{hint}.down")
+    if q.distance == "cosine":
+        z = g.l2_normalize(z)
+    v_KC = np32(q.vectors())
+    zv = g.linear(z, v_KC, f"{hint}.codebook")
+    dist = g.op("Sub", g.const((v_KC ** 2).sum(-1), np.float32), g.op("Mul", g.const(2.0, np.float32), zv))
+    return g.op("ArgMin", dist, axis=-1, keepdims=0), dist
+
+
+def code_vectors(layer: MoELayer) -> np.ndarray:
+    """up(v_j) for every code j: [E, D], what the chosen expert sees as x~ (vq_input='code')."""
+    q = layer.quantizer
+    with torch.no_grad():
+        v = q.vectors().float()
+        return np32(q.up(v) if q.up is not None else v)
+
+
+def discrete_path(g: Graph, x_TD: str, layer: MoELayer, form: str, hint: str) -> tuple[str, str]:
+    """(f_{k(x)}(x~) [T, D], codes [T]) for VQ's discrete path, as `form`: table, fused or portable."""
+    cfg = layer.cfg
+    codes, dist = nearest_code(g, x_TD, layer, hint)
+    if form == "table":
+        return g.op("Gather", g.weight(np32(layer.table), f"{hint}.table"), codes, axis=0), codes
+    v_ED = g.op("Gather", g.weight(code_vectors(layer), f"{hint}.code_vectors"), codes, axis=0)
+    if cfg.vq_input == "code":
+        x_tilde = v_ED
+    else:
+        c = cfg.vq_blend_rate
+        x_tilde = g.op("Add", g.op("Mul", g.const(1 - 2 * c, np.float32), x_TD), g.op("Mul", g.const(c, np.float32), v_ED))
+    if form == "fused":  # nearest code = top-1 of -distance; the renormalised single gate is 1
+        return moe_op(g, x_tilde, g.op("Neg", dist), layer.experts, 1, True, hint), codes
+    onehot = g.op("Cast", g.op("Equal", g.unsqueeze(codes, [-1]), g.const(np.arange(cfg.n_experts))), to=FLOAT)
+    return all_experts(g, x_tilde, onehot, layer.experts, hint), codes
+
+
+def moe_layer(g: Graph, x_TD: str, layer: MoELayer, mode: str, block: int) -> tuple[str, str, LayerForm]:
+    """(y [T, D], expert ids [T, K] as the engine counts them, how it was written)."""
+    cfg, hint = layer.cfg, f"layers.{block}.moe"
+    r = router_graph(g, x_TD, layer.router, f"{hint}.router") if layer.router is not None else None
+    want_fused = mode in ("fused", "vq-table")
+    fallback = fused_fallback(cfg, r) if want_fused else None
+    path = "fused" if want_fused and fallback is None else "portable"
+
+    ids = y_cont = None
+    if r is not None:
+        if path == "fused":
+            y_cont, ids = fused_route(g, x_TD, r, layer.experts, f"{hint}.experts")
+        else:
+            gates, ids = portable_route(g, r)
+            y_cont = all_experts(g, x_TD, dense_gates(g, ids, gates, cfg.n_experts), layer.experts, f"{hint}.experts")
+    if layer.quantizer is None:
+        return y_cont, ids, LayerForm(block, path, fallback)
+
+    table = mode == "vq-table" and cfg.vq_input == "code"
+    d_form = "table" if table else path
+    y_disc, codes = discrete_path(g, x_TD, layer, d_form, f"{hint}.discrete")
+    if layer.mix is None:
+        return y_disc, g.unsqueeze(codes, [-1]), LayerForm(block, d_form, None if table else fallback)
+    g_c, g_d = g.op("Split", g.op("Softmax", g.linear(x_TD, np32(layer.mix.weight), f"{hint}.mix"), axis=-1),
+                    g.const([1, 1]), axis=-1, outputs=2)
+    y = g.op("Add", g.op("Mul", g_c, y_cont), g.op("Mul", g_d, y_disc))
+    return y, ids, LayerForm(block, f"{path}+{d_form}", fallback)

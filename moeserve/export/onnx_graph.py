@@ -1,0 +1,150 @@
+"""The Transformer (runtime/model.py) as an ONNX graph: input ids and attention mask in; logits (and
+class probabilities for classifiers) and each MoE layer's expert choices out; batch and sequence axes
+dynamic.
+
+Rows are right-padded (`attention_mask` 0 after each row's tokens, as Engine.score and classify
+batch them); positions run 0..S-1 in every row. Padding is never attended to; unlike the torch model
+the graph routes padding tokens too (every op but attention is per token, so real tokens' outputs are
+unchanged), and the expert-choice outputs hold an entry for them that readers mask out.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import torch
+
+from moeserve.config import MoEConfig
+from moeserve.export.graph import FLOAT, INT64, Graph
+from moeserve.export.moe_graph import LayerForm, dense_ffn, moe_layer, np32
+from moeserve.runtime.model import Transformer
+from moeserve.runtime.moe import MoELayer
+
+FORMAT = "moeserve-onnx/1"
+MODES = ("portable", "fused", "vq-table")
+
+
+def norm(g: Graph, x: str, module: torch.nn.Module, hint: str) -> str:
+    """RMSNorm or LayerNorm written as the patterns ONNX Runtime fuses back into one kernel."""
+    eps = g.const(module.eps, np.float32)
+    two = g.const(2.0, np.float32)
+    if isinstance(module, torch.nn.RMSNorm):
+        ms = g.op("ReduceMean", g.op("Pow", x, two), axes=[-1], keepdims=1)
+        y = g.op("Div", x, g.op("Sqrt", g.op("Add", ms, eps)))
+        return g.op("Mul", y, g.weight(np32(module.weight), f"{hint}.weight"))
+    d = g.op("Sub", x, g.op("ReduceMean", x, axes=[-1], keepdims=1))
+    var = g.op("ReduceMean", g.op("Pow", d, two), axes=[-1], keepdims=1)
+    y = g.op("Mul", g.op("Div", d, g.op("Sqrt", g.op("Add", var, eps))), g.weight(np32(module.weight), f"{hint}.weight"))
+    return g.op("Add", y, g.weight(np32(module.bias), f"{hint}.bias"))
+
+
+def rope(g: Graph, x: str, cos: str, sin: str, head_dim: int) -> str:
+    """Rotate-half RoPE (model.apply_rope): x cos + [-x2, x1] sin."""
+    half = head_dim // 2
+    axes = g.const([-1])
+    x1 = g.op("Slice", x, g.const([0]), g.const([half]), axes)
+    x2 = g.op("Slice", x, g.const([half]), g.const([head_dim]), axes)
+    rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias: str, hint: str) -> str:
+    """Multi-head or grouped-query attention over [B, S, D]; bias [B, 1, S, S] (0 or -inf) holds the mask.
+    Grouped queries are laid out [B, G, H/G, S, Dh] so one broadcasting MatMul meets their kv head."""
+    a = block.attention
+    H, G, Dh = a.n_heads, a.n_kv_heads, a.head_dim
+
+    def heads(w, n: int, name: str) -> str:
+        y = g.reshape(g.linear(x, np32(w.weight), f"{hint}.{name}"), [0, 0, n, Dh])
+        return g.op("Transpose", y, perm=[0, 2, 1, 3])  # [B, n, S, Dh]
+
+    q = rope(g, heads(a.wq, H, "wq"), cos, sin, Dh)
+    k = rope(g, heads(a.wk, G, "wk"), cos, sin, Dh)
+    v = heads(a.wv, G, "wv")
+    if G != H:
+        q = g.reshape(q, [0, G, H // G, -1, Dh])
+        k, v = g.unsqueeze(k, [2]), g.unsqueeze(v, [2])
+        bias = g.unsqueeze(bias, [1])
+    scores = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 2, 4, 3] if G != H else [0, 1, 3, 2])),
+                  g.const(Dh ** -0.5, np.float32))
+    o = g.op("MatMul", g.op("Softmax", g.op("Add", scores, bias), axis=-1), v)
+    if G != H:
+        o = g.reshape(o, [0, H, -1, Dh])
+    o = g.reshape(g.op("Transpose", o, perm=[0, 2, 1, 3]), [0, 0, H * Dh])
+    return g.linear(o, np32(a.wo.weight), f"{hint}.wo")
+
+
+def mask_bias(g: Graph, cfg: MoEConfig, pos: str, attention_mask: str) -> str:
+    """[B, 1, S, S]: 0 where query i may see key j, -inf elsewhere (model._mask): causal (and the sliding
+    window) for language models, padding keys never; every query sees itself, so no row is all -inf."""
+    i, j = g.unsqueeze(pos, [1]), g.unsqueeze(pos, [0])
+    allowed = g.unsqueeze(g.op("Cast", attention_mask, to=onnx.TensorProto.BOOL), [1, 2])  # [B, 1, 1, S]
+    if cfg.causal:
+        causal = g.op("LessOrEqual", j, i)
+        if cfg.sliding_window is not None:
+            causal = g.op("And", causal, g.op("Greater", j, g.op("Sub", i, g.const(cfg.sliding_window))))
+        allowed = g.op("And", allowed, causal)
+    allowed = g.op("Or", allowed, g.op("Equal", i, j))
+    return g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
+
+
+def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None = None
+                ) -> tuple[onnx.ModelProto, list[LayerForm]]:
+    """The model's forward graph in `mode` (moe_graph.py), and how each MoE layer was written.
+    Call after model.prepare_inference(pack=False), which builds the VQ tables."""
+    cfg = model.cfg
+    g = Graph("moeserve")
+    ids = g.input("input_ids", INT64, ["batch", "seq"])
+    attention_mask = g.input("attention_mask", INT64, ["batch", "seq"])
+
+    x = g.op("Gather", g.weight(np32(model.tok_embeddings.weight), "tok_embeddings.weight"), ids, axis=0)
+    seq = g.op("Gather", g.op("Shape", ids), g.const(1), axis=0)
+    pos = g.op("Range", g.const(0), seq, g.const(1), hint="positions")
+    cos = g.op("Gather", g.weight(np32(model.rope_cos), "rope_cos"), pos, axis=0)  # [S, Dh]
+    sin = g.op("Gather", g.weight(np32(model.rope_sin), "rope_sin"), pos, axis=0)
+    bias = mask_bias(g, cfg, pos, attention_mask)
+    ids_shape = g.op("Shape", ids)
+
+    forms, expert_outputs = [], []
+    for b, block in enumerate(model.layers):
+        hint = f"layers.{b}"
+        x = g.op("Add", x, attention(g, norm(g, x, block.attention_norm, f"{hint}.attention_norm"), block, cfg,
+                                     cos, sin, bias, f"{hint}.attention"))
+        h = norm(g, x, block.ffn_norm, f"{hint}.ffn_norm")
+        if isinstance(block.ffn, MoELayer):
+            y_TD, experts_TK, form = moe_layer(g, g.reshape(h, [-1, cfg.d_model]), block.ffn, mode, b)
+            y = g.op("Reshape", y_TD, g.op("Shape", h))
+            k = cfg.experts_per_token
+            expert_outputs.append(g.op("Reshape", experts_TK, g.op("Concat", ids_shape, g.const([k]), axis=0)))
+            forms.append(form)
+        else:
+            f = block.ffn
+            y = dense_ffn(g, h, np32(f.w1.weight), np32(f.w2.weight), None if f.w3 is None else np32(f.w3.weight),
+                          f"{hint}.ffn")
+        x = g.op("Add", x, y)
+    x = norm(g, x, model.norm, "norm")
+
+    if cfg.task == "classify":
+        m = g.unsqueeze(g.op("Cast", attention_mask, to=FLOAT), [-1])
+        total = g.op("ReduceSum", g.op("Mul", x, m), g.const([1]), keepdims=0)
+        count = g.op("Max", g.op("ReduceSum", m, g.const([1]), keepdims=0), g.const(1.0, np.float32))
+        logits = g.op("Add", g.linear(g.op("Div", total, count), np32(model.classifier.weight), "classifier.weight"),
+                      g.weight(np32(model.classifier.bias), "classifier.bias"))
+        g.output(logits, "logits", FLOAT, ["batch", cfg.n_classes])
+        g.output(g.op("Softmax", logits, axis=-1), "probs", FLOAT, ["batch", cfg.n_classes])
+    else:
+        head = model.tok_embeddings.weight if cfg.tie_embeddings else model.output.weight
+        g.output(g.linear(x, np32(head), "output.weight"), "logits", FLOAT, ["batch", "seq", cfg.vocab_size])
+    for n, (value, form) in enumerate(zip(expert_outputs, forms)):
+        g.output(value, expert_output_name(n), INT64, ["batch", "seq", cfg.experts_per_token])
+
+    meta = {"moeserve.format": FORMAT, "moeserve.mode": mode, "moeserve.config": cfg.to_json(),
+            "moeserve.layers": json.dumps([f.__dict__ for f in forms])}
+    return g.model({**meta, **(metadata or {})}), forms
+
+
+def expert_output_name(moe_index: int) -> str:
+    """Graph output holding MoE layer `moe_index`'s (0-based among MoE layers) expert ids [B, S, K]."""
+    return f"expert_ids.{moe_index}"
