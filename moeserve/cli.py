@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from moeserve.config import PRESETS, ROUTERS, ConfigError, preset
+from moeserve.export import MODES
+from moeserve.runtime import BACKENDS
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
                                                 PermissionError)
@@ -55,14 +57,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moeserve.runtime.engine import Engine
+    from moeserve.runtime.engine import load_engine
 
     path = args.checkpoint
     if path is None:
         from moeserve.training.default_model import default_model_path
 
         path = default_model_path(progress=not args.quiet)
-    engine = Engine.load(path, dtype=args.dtype)
+    engine = load_engine(path, args.backend, dtype=args.dtype)
     if engine.cfg.task != "lm":
         raise ValueError(f"{path} is a '{engine.cfg.task}' model; generate needs a language model")
     text = engine.generate(args.prompt, args.max_tokens, args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -76,7 +78,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     cfg = ScoreConfig(
         input=args.input, output=args.output, format=args.format, text_field=args.text_field, id_field=args.id_field,
-        dtype=args.dtype, device=args.device, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
+        dtype=args.dtype, device=args.device, backend=args.backend, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
         chunk_size=args.chunk_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
     )
     summary = score_file(args.checkpoint, cfg, log=lambda msg: print(f"moeserve score: {msg}", file=sys.stderr))
@@ -99,8 +101,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                       max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
                       shutdown_timeout_s=args.shutdown_timeout, threads=args.threads)
-    return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, progress=not args.quiet,
+    return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
+                 progress=not args.quiet,
                  access_log=not args.no_access_log, log_level=args.log_level)
+
+
+def cmd_export_onnx(args: argparse.Namespace) -> int:
+    from moeserve.export.onnx_export import ParityError, export_onnx
+
+    path = args.checkpoint if args.checkpoint is not None else _default_checkpoint(args.quiet)
+    try:
+        report = export_onnx(path, args.out, args.mode, log=_stderr_log("export", args.quiet))
+    except ParityError as e:
+        print(f"moeserve export: {e}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return 0
+
+
+def cmd_export_tensorrt(args: argparse.Namespace) -> int:
+    from moeserve.export.tensorrt import export_tensorrt
+
+    path = args.model if args.model is not None else _default_checkpoint(args.quiet)
+    report = export_tensorrt(path, args.out, args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
+                             log=_stderr_log("export", args.quiet))
+    print(json.dumps(report, indent=2))
+    return 0 if report["passed"] else 1
+
+
+def _default_checkpoint(quiet: bool) -> Path:
+    from moeserve.training.default_model import default_model_path
+
+    return default_model_path(progress=not quiet)
+
+
+def _stderr_log(command: str, quiet: bool):
+    return (lambda msg: None) if quiet else (lambda msg: print(f"moeserve {command}: {msg}", file=sys.stderr))
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
@@ -169,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     g = sub.add_parser("generate", help="continue a prompt (no checkpoint: the built-in default model)")
-    g.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint directory (default: the built-in model, "
-                   "trained on first use and cached)")
+    g.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint directory or exported .onnx file (default: "
+                   "the built-in model, trained on first use and cached)")
     g.add_argument("--prompt", default="def ", help="text to continue")
     g.add_argument("--max-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
@@ -178,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
+    g.add_argument("--backend", default="auto", choices=BACKENDS, help="torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
@@ -186,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "/v1/score, /v1/classify, /v1/models, /healthz, /readyz and Prometheus /metrics, with dynamic "
                         "batching. With no checkpoint, the built-in default model (trained on first use, then "
                         "cached). SIGTERM stops intake and lets requests in flight finish.")
-    sv.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint or Hugging Face Mixtral directory "
-                    "(default: the built-in model)")
+    sv.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint or Hugging Face Mixtral directory, or an "
+                    "exported .onnx file (default: the built-in model)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     sv.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name; "
@@ -196,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "if set, else no auth)")
     sv.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
+    sv.add_argument("--backend", default="auto", choices=BACKENDS, help="torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path")
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows per model batch (default: 32)")
     sv.add_argument("--max-batch-tokens", type=int, default=16384, metavar="N",
@@ -219,12 +257,41 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--quiet", action="store_true", help="no progress bar while training the default model")
     sv.set_defaults(func=cmd_serve)
 
+    ex = sub.add_parser("export", help="export a checkpoint: ONNX (portable, fused, vq-table) or a TensorRT engine",
+                        description="Export a checkpoint and check the result against the torch model on held-out "
+                        "inputs; every export writes OUT.report.json and fails (writing no model) past tolerance.")
+    exsub = ex.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    eo = exsub.add_parser("onnx", help="ONNX graph: input ids -> logits (and class probabilities), expert ids",
+                          description="Write the forward graph (dynamic batch and sequence axes; inputs input_ids "
+                          "and a right-padding attention_mask) in one of three modes. portable: standard operators "
+                          "only, inside TensorRT's ONNX parser's set. fused: each router as a few nodes feeding ONNX "
+                          "Runtime's com.microsoft MoE operator (layers it cannot express stay portable; the report "
+                          "says why). vq-table: VQ code layers as nearest code + a row of the precomputed table.")
+    eo.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint directory (default: the built-in model)")
+    eo.add_argument("--out", type=Path, required=True, metavar="FILE", help="the .onnx file to write")
+    eo.add_argument("--mode", default="portable", choices=MODES, help="graph form (default: portable)")
+    eo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    eo.set_defaults(func=cmd_export_onnx)
+    et = exsub.add_parser("tensorrt", help="TensorRT engine from the portable graph (needs a CUDA GPU and tensorrt)",
+                          description="Build a serialized TensorRT engine from the portable ONNX graph with one "
+                          "optimisation profile, run it on held-out inputs and compare with ONNX Runtime. Needs a "
+                          "CUDA GPU and the tensorrt package; without them it says which is missing and exits 2.")
+    et.add_argument("model", type=Path, nargs="?", help="checkpoint directory or a portable .onnx export "
+                    "(default: the built-in model)")
+    et.add_argument("--out", type=Path, required=True, metavar="FILE", help="the engine file to write")
+    et.add_argument("--precision", default="fp16", choices=("fp32", "fp16", "bf16"),
+                    help="fp32, fp16 (default) or bf16; tolerances in docs/export.md")
+    et.add_argument("--max-batch", type=int, default=8, metavar="N", help="largest batch of the profile (default: 8)")
+    et.add_argument("--max-seq", type=int, metavar="N", help="longest sequence of the profile (default: the context)")
+    et.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    et.set_defaults(func=cmd_export_tensorrt)
+
     s = sub.add_parser("score", help="score a file of texts: log-probability and bits per byte, one JSON line each",
                        description="Score every record of a JSONL or text file with a language model: one output "
                        "line per record, in input order, keyed by its id; a bad record gives an error line and the "
                        "run goes on. The output is written to OUTPUT.partial and renamed when complete; an "
                        "interrupted run continues with --resume and writes exactly what an uninterrupted one would.")
-    s.add_argument("checkpoint", type=Path, help="checkpoint directory (a language model)")
+    s.add_argument("checkpoint", type=Path, help="checkpoint directory or exported .onnx file (a language model)")
     s.add_argument("--input", type=Path, required=True, metavar="FILE",
                    help="JSONL (one object per line) or text (one record per non-blank line) file")
     s.add_argument("--output", type=Path, required=True, metavar="FILE",
@@ -239,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations (default: float32, for reproducible scores; auto: bf16 on GPUs "
                    "and CPUs with fast bf16)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: auto: a GPU if there is one)")
+    s.add_argument("--backend", default="auto", choices=BACKENDS, help="torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path")
     s.add_argument("--batch-size", type=int, default=64, metavar="N", help="most rows per forward pass (default: 64)")
     s.add_argument("--batch-tokens", type=int, default=16384, metavar="N",
                    help="most tokens per forward pass, padding included (default: 16384)")

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from tqdm import tqdm
 
 from moeserve.checkpoint import fsync_path
-from moeserve.runtime.engine import Engine, EngineError, Score
+from moeserve.runtime.engine import Engine, EngineError, Score, load_engine
 
 FORMATS = ("auto", "jsonl", "text")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -49,6 +49,7 @@ class ScoreConfig:
     id_field: str = "id"  # JSONL: the field holding the id; without it, the 1-based line number
     dtype: str = "float32"  # float32: scores that reproduce across machines; auto: bf16 where it is fast
     device: str = "auto"
+    backend: str = "auto"  # torch for a checkpoint directory, onnx for an exported .onnx file (auto: by the path)
     batch_size: int = 64  # rows per forward: more amortises per-call overhead, costs activation memory
     batch_tokens: int = 16384  # tokens per forward, padding included: bounds memory whatever the lengths
     chunk_size: int = 256  # records per commit: smaller loses less to a crash, fsyncs more often
@@ -236,6 +237,11 @@ def _checkpoint_fingerprint(path: Path | None) -> str | None:
     if path is None:
         return None
     h = hashlib.sha256()
+    if path.is_file():  # an ONNX export: the file is the model
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
     for name in ("config.json", "moeserve.json", "model.safetensors.index.json"):
         if (path / name).is_file():
             h.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
@@ -309,7 +315,7 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
     if (done := _check_paths(cfg, info)) is not None:
         return done
     if engine is None:
-        engine = Engine.load(checkpoint, dtype=cfg.dtype, device=cfg.device)
+        engine = load_engine(checkpoint, cfg.backend, dtype=cfg.dtype, device=cfg.device)
     if engine.cfg.task != "lm":
         raise ValueError(f"{engine.path or engine.name} is a '{engine.cfg.task}' model; scoring needs a language model")
     if engine.tokenizer is None:

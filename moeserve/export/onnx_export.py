@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from moeserve.export.onnx_graph import MODES, build_graph
+from moeserve.export import MODES
 
 # ONNX's protobuf cannot hold 2 GiB; past this the weights go to `<out>.data` beside the graph.
 EXTERNAL_DATA_BYTES = 1 << 30
@@ -24,6 +24,10 @@ EXTERNAL_DATA_BYTES = 1 << 30
 
 class ExportError(ValueError):  # a ValueError, so the CLI reports it as a user error (exit 2)
     """An export that cannot be done as asked: mode, model, output path or missing package."""
+
+
+class ParityError(ExportError):
+    """The exported model differs from the torch model past tolerance; the CLI exits 1."""
 
 
 def require_onnx():
@@ -116,6 +120,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
 
     from moeserve.checkpoint import load_model
     from moeserve.export.graph import OPSET
+    from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
     from moeserve.runtime.engine import Engine
 
@@ -169,7 +174,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     write_atomically(report_path(out), report.to_json())
     if not passed:
         worst = max(report.outputs.items(), key=lambda kv: kv[1]["max_abs_diff"])
-        raise ExportError(f"parity past tolerance: {worst[0]} differs from the torch model by up to "
+        raise ParityError(f"parity past tolerance: {worst[0]} differs from the torch model by up to "
                           f"{worst[1]['max_abs_diff']:.3g} (> {report.tolerance:g}); {out} not written, see "
                           f"{report_path(out)}\n{report.summary()}")
     return report

@@ -17,13 +17,13 @@ import onnx
 import torch
 
 from moeserve.config import MoEConfig
+from moeserve.export import MODES
 from moeserve.export.graph import FLOAT, INT64, Graph
 from moeserve.export.moe_graph import LayerForm, dense_ffn, moe_layer, np32
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoELayer
 
 FORMAT = "moeserve-onnx/1"
-MODES = ("portable", "fused", "vq-table")
 
 
 def norm(g: Graph, x: str, module: torch.nn.Module, hint: str) -> str:
@@ -94,6 +94,8 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
                 ) -> tuple[onnx.ModelProto, list[LayerForm]]:
     """The model's forward graph in `mode` (moe_graph.py), and how each MoE layer was written.
     Call after model.prepare_inference(pack=False), which builds the VQ tables."""
+    if mode not in MODES:
+        raise ValueError(f"unknown export mode {mode!r}; expected one of: {', '.join(MODES)}")
     cfg = model.cfg
     g = Graph("moeserve")
     ids = g.input("input_ids", INT64, ["batch", "seq"])

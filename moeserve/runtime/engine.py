@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
+from moeserve.runtime import BACKENDS
 from moeserve.runtime.device import cpu_has_fast_bf16
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.tokenizer import Tokenizer
@@ -323,10 +324,8 @@ class Engine:
         with self._lock:
             ids, mask, pos = self._left_pad(prompts, S + steps)
             lengths = torch.tensor([len(r) for r in prompts], device=self.device)
-            self.model.setup_cache(B, S + steps)
             try:
-                logits = self._run(ids, input_pos=torch.arange(S, device=self.device), attention_mask=mask,
-                                   position_ids=pos).logits[:, -1]
+                logits = self._prefill(ids, mask, pos, S + steps)
                 for i in range(steps):
                     if cancel is not None:
                         for b in range(B):
@@ -356,11 +355,26 @@ class Engine:
                         if done[b]:
                             mask[b, col] = 0
                     step_ids = torch.tensor(next_ids, device=self.device)[:, None]
-                    logits = self._run(step_ids, input_pos=torch.tensor([col], device=self.device),
-                                       attention_mask=mask, position_ids=(lengths + i)[:, None]).logits[:, -1]
+                    logits = self._decode(step_ids, col, mask, (lengths + i)[:, None])
             finally:
-                self.model.clear_cache()
+                self._end_decode()
         return out, reasons
+
+    # The model calls of generation; an engine over another backend (onnx_engine.py) supplies its own.
+    def _prefill(self, ids: Tensor, mask: Tensor, pos: Tensor, length: int) -> Tensor:
+        """Left-padded prompts ids [B, S] in, next-token logits [B, V] out; room for `length` positions."""
+        self.model.setup_cache(ids.shape[0], length)
+        S = ids.shape[1]
+        return self._run(ids, input_pos=torch.arange(S, device=self.device), attention_mask=mask,
+                         position_ids=pos).logits[:, -1]
+
+    def _decode(self, step_ids: Tensor, col: int, mask: Tensor, position_ids: Tensor) -> Tensor:
+        """One new token per row, ids [B, 1] written at column `col`; next-token logits [B, V]."""
+        return self._run(step_ids, input_pos=torch.tensor([col], device=self.device), attention_mask=mask,
+                         position_ids=position_ids).logits[:, -1]
+
+    def _end_decode(self) -> None:
+        self.model.clear_cache()
 
     @staticmethod
     def _choose(logits_V: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -418,3 +432,21 @@ class Engine:
         for a in out.aux:
             routes.append(a.routing.expert_ids.tolist() if a.routing is not None else a.codes[:, None].tolist())
         return routes
+
+
+
+def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | torch.dtype = "auto",
+                device: str | torch.device = "auto", *, threads: int | None = None) -> Engine:
+    """A checkpoint directory on torch, or a graph from `moeserve export onnx` on ONNX Runtime
+    (runtime/onnx_engine.py); backend 'auto' goes by the path: a .onnx file is an export."""
+    if backend not in BACKENDS:
+        raise EngineError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    is_onnx = Path(path).suffix == ".onnx"
+    if backend == "onnx" or (backend == "auto" and is_onnx):
+        from moeserve.runtime.onnx_engine import OnnxEngine
+
+        return OnnxEngine.load(path, dtype=str(dtype), device=str(device), threads=threads)
+    if is_onnx:
+        raise EngineError(f"{path} is an ONNX export; run it with --backend onnx (or auto)")
+    return Engine.load(path, dtype=dtype, device=device)
+

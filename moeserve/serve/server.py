@@ -12,7 +12,8 @@ from pathlib import Path
 
 import uvicorn
 
-from moeserve.runtime.engine import Engine
+from moeserve.runtime import BACKENDS
+from moeserve.runtime.engine import load_engine
 from moeserve.serve.app import ServeConfig, ServerState, create_app
 
 DEFAULT_MODEL_NAME = "moeserve-default"
@@ -29,7 +30,7 @@ class _Server(uvicorn.Server):
 
 
 def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto", device: str = "auto",
-          progress: bool = True, access_log: bool = True, log_level: str = "info") -> int:
+          backend: str = "auto", progress: bool = True, access_log: bool = True, log_level: str = "info") -> int:
     """Serve a checkpoint (None: the built-in default model, trained first if not cached) until
     stopped. Returns the exit status: 1 if the model failed to load."""
     if checkpoint is None:
@@ -38,10 +39,12 @@ def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto
         checkpoint = default_model_path(progress=progress)
         cfg.model_name = cfg.model_name or DEFAULT_MODEL_NAME
     path = Path(checkpoint)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a directory")
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(message)s")
-    app = create_app(lambda: Engine.load(path, dtype=dtype, device=device), cfg)
+    app = create_app(lambda: load_engine(path, backend, dtype=dtype, device=device, threads=cfg.threads), cfg)
     state: ServerState = app.state.serve
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.shutdown_timeout_s,
                             access_log=access_log, log_level=log_level)
