@@ -157,6 +157,12 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return bench_engine_main(args)
 
 
+def cmd_bench_onnx(args: argparse.Namespace) -> int:
+    from moeserve.bench.onnx import main as bench_onnx_main
+
+    return bench_onnx_main(args)
+
+
 def cmd_bench_http(args: argparse.Namespace) -> int:
     from moeserve.bench.http import main as bench_http_main
 
@@ -354,6 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds after one warm-up (default: 5)")
     be.add_argument("--json", type=Path, help="write the report as JSON")
     be.set_defaults(func=cmd_bench_engine)
+    bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
+                         description="Export a checkpoint in each ONNX mode (parity-checked) and time the scoring "
+                         "forward (ids -> logits) of the torch Engine in fp32 and of each export on ONNX Runtime's "
+                         "CPU provider, rounds interleaved, at each batch size.")
+    bo.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint (default: the built-in default model)")
+    bo.add_argument("--batches", type=int, nargs="+", default=[1, 8], metavar="B", help="batch sizes (default: 1 8)")
+    bo.add_argument("--seq", type=int, default=64, metavar="S", help="tokens per row (default: 64)")
+    bo.add_argument("--repeats", type=int, default=30, metavar="R", help="timed rounds (default: 30)")
+    bo.add_argument("--modes", nargs="+", choices=MODES, help="exports to time (default: every one the model has)")
+    bo.add_argument("--json", type=Path, metavar="FILE", help="write the report (with the machine) as JSON")
+    bo.add_argument("--quiet", action="store_true", help="no progress lines")
+    bo.set_defaults(func=cmd_bench_onnx)
     bh = bsub.add_parser("http", help="the HTTP server under load: batched vs batch size 1, HTTP overhead, 429s",
                          description="Start `moeserve serve` subprocesses (one at a time) and measure: throughput "
                          "of a closed loop of concurrent clients with dynamic batching against --max-batch-size 1; "

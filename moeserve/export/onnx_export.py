@@ -140,9 +140,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     with torch.no_grad():
         proto, forms = build_graph(model, mode, metadata)
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = temporary_beside(out)
     data = out.with_name(out.name + ".data")
     external = proto.ByteSize() > EXTERNAL_DATA_BYTES
     try:
@@ -162,10 +160,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
             onnx_version=onnx.__version__, onnxruntime_version=ort.__version__, provider="CPUExecutionProvider",
             seconds=time.perf_counter() - start)
         if passed:
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o666 & ~umask)  # mkstemp's 0600 is for the temporary file, not the model
-            os.replace(tmp, out)
+            publish(tmp, out)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -178,6 +173,22 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
                           f"{worst[1]['max_abs_diff']:.3g} (> {report.tolerance:g}); {out} not written, see "
                           f"{report_path(out)}\n{report.summary()}")
     return report
+
+
+def temporary_beside(out: Path) -> Path:
+    """An empty temporary file in out's directory (same filesystem, so the final rename is atomic)."""
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename a finished temporary file over `out`, with the permissions a new file would have had
+    (mkstemp's 0600 is for the temporary file only)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)
+    os.replace(tmp, out)
 
 
 def write_atomically(path: Path, text: str) -> None:
