@@ -1,0 +1,156 @@
+"""The ONNX backend end to end: an exported file behind the Engine's calls (score, generate, classify, route,
+expert load) equals the torch Engine on the same checkpoint; the CLI's export / score / serve over it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.export.onnx_export import export_onnx
+from moeserve.runtime.engine import Engine, EngineError, load_engine
+from moeserve.runtime.model import Transformer
+from moeserve.runtime.onnx_engine import OnnxEngine
+from moeserve.serve.app import ServeConfig
+
+from ..serve.conftest import live_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXTS = ["import os\nprint(os.getcwd())", "x", "def f(a, b):\n    return a + b\n", "héllo ✓"]
+
+
+def checkpoint(root: Path, name: str, **overrides) -> Path:
+    """Random weights with init_std 0.1: logits spread enough that greedy choices are not near-ties."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", init_std=0.1, **overrides))
+    if model.cfg.router == "vq":
+        for layer in model.moe_layers:
+            layer.quantizer.initialized.fill_(True)
+    return save_checkpoint(root / name, model.cfg, model.state_dict())
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, its fused export)."""
+    root = tmp_path_factory.mktemp("onnx-backend")
+    ckpt = checkpoint(root, "xmoe", router="xmoe")
+    return ckpt, Path(export_onnx(ckpt, root / "xmoe.onnx", "fused").output)
+
+
+def test_scores_generations_routes_and_load_equal_the_torch_engine(lm):
+    ckpt, onnx_path = lm
+    ref, got = Engine.load(ckpt, dtype="float32", device="cpu"), load_engine(onnx_path)
+    assert isinstance(got, OnnxEngine) and got.mode == "fused"
+    for a, b in zip(got.score(TEXTS), ref.score(TEXTS)):
+        assert a.n_tokens == b.n_tokens and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+    ref.expert_load.reset(), got.expert_load.reset()
+    prompts = ["def ", "import numpy as np\n", "x"]  # unequal lengths: left padding, recomputed every step
+    assert got.generate(prompts, max_new_tokens=12) == ref.generate(prompts, max_new_tokens=12)
+    assert torch.equal(got.expert_load.snapshot(), ref.expert_load.snapshot())  # padding and recompute not counted
+    assert got.route("a route") == ref.route("a route")
+    logits = got.forward(torch.tensor([[1, 5, 9]]))
+    assert torch.allclose(logits, ref.forward(torch.tensor([[1, 5, 9]])), atol=1e-4)
+
+
+def test_classifier_probabilities_equal_the_torch_engine(tmp_path):
+    ckpt = checkpoint(tmp_path, "cls", task="classify", n_classes=3, causal=False, router="softmax")
+    onnx_path = Path(export_onnx(ckpt, tmp_path / "cls.onnx", "fused").output)
+    got, ref = load_engine(onnx_path).classify(TEXTS), Engine.load(ckpt, dtype="float32").classify(TEXTS)
+    assert torch.allclose(torch.tensor(got), torch.tensor(ref), atol=1e-5)
+    with pytest.raises(EngineError, match="language model"):
+        load_engine(onnx_path).score(["x"])
+
+
+def test_load_errors_are_named(lm, tmp_path):
+    ckpt, onnx_path = lm
+    with pytest.raises(EngineError, match="no such ONNX file"):
+        load_engine(tmp_path / "missing.onnx")
+    (tmp_path / "junk.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(EngineError, match="onnxruntime cannot load it"):
+        load_engine(tmp_path / "junk.onnx")
+    with pytest.raises(EngineError, match="float32"):
+        load_engine(onnx_path, dtype="bfloat16")
+    with pytest.raises(EngineError, match="--backend onnx"):
+        load_engine(onnx_path, backend="torch")
+    with pytest.raises(EngineError, match="backend 'tensorflow'"):
+        load_engine(ckpt, backend="tensorflow")
+    if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
+        with pytest.raises(EngineError, match="no CUDA provider"):
+            load_engine(onnx_path, device="cuda")
+
+
+def test_a_foreign_onnx_file_is_refused(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "foreign.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(EngineError, match="not written by moeserve export onnx"):
+        load_engine(tmp_path / "foreign.onnx")
+
+
+def test_serving_an_export_over_http(lm):
+    ckpt, onnx_path = lm
+    ref = Engine.load(ckpt, dtype="float32", device="cpu")
+    with live_server(lambda: load_engine(onnx_path), ServeConfig(model_name="tiny-onnx")) as live:
+        r = live.post("/v1/completions", {"model": "tiny-onnx", "prompt": "def ", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.generate("def ", max_new_tokens=8)[0]
+        r = live.post("/v1/score", {"model": "tiny-onnx", "input": TEXTS[:2]}).json()
+        for item, want in zip(r["data"], ref.score(TEXTS[:2])):
+            assert item["logprob"] == pytest.approx(want.logprob, abs=1e-3)
+        metrics = live.client.get("/metrics").text
+        assert 'moeserve_expert_routed_tokens_total{expert="0",layer="0"}' in metrics
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moeserve.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_export_score_and_failures(lm, tmp_path):
+    ckpt, _ = lm
+    out = tmp_path / "m.onnx"
+    p = cli("export", "onnx", ckpt, "--out", out, "--mode", "portable", "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert "parity PASSED" in p.stdout and "top-1 agreement" in p.stdout
+    report = json.loads((tmp_path / "m.onnx.report.json").read_text())
+    assert report["passed"] and report["mode"] == "portable" and report["opset"] == 17
+
+    lines = ["import os", "x = 1", "héllo ✓"]
+    texts = tmp_path / "in.txt"
+    texts.write_text("\n".join(lines) + "\n")
+    p = cli("score", out, "--input", texts, "--output", tmp_path / "scores.jsonl", "--quiet")
+    assert p.returncode == 0, p.stderr
+    scores = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+    want = Engine.load(ckpt, dtype="float32").score(lines)
+    assert [s["logprob"] for s in scores] == pytest.approx([w.logprob for w in want], abs=1e-3)
+
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args, needle in [(("onnx", tmp_path / "nope", "--out", tmp_path / "a.onnx"), "does not exist"),
+                         (("onnx", ckpt, "--out", tmp_path / "a.onnx", "--mode", "vq-table"), "vq-table"),
+                         (("onnx", ckpt, "--out", tmp_path / "no" / "a.onnx"), "does not exist"),
+                         (("onnx", ckpt, "--out", tmp_path), "is a directory")]:
+        p = cli("export", *args, "--quiet")
+        assert p.returncode == 2 and needle in p.stderr, (args, p.stderr)
+    p = cli("export", "onnx", ckpt, "--out", tmp_path / "a.onnx", "--mode", "turbo")
+    assert p.returncode == 2 and "invalid choice: 'turbo'" in p.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temporary left
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_cli_tensorrt_without_a_gpu_names_what_is_missing(lm, tmp_path):
+    p = cli("export", "tensorrt", lm[0], "--out", tmp_path / "m.plan")
+    assert p.returncode == 2 and "no CUDA GPU" in p.stderr
+    assert list(tmp_path.iterdir()) == []
