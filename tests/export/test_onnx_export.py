@@ -1,0 +1,555 @@
+"""ONNX export (export/onnx_graph.py, moe_graph.py, onnx_export.py) run through real onnxruntime on CPU.
+
+Parity: every router kind, in every mode that supports it, against Engine (the torch model) on batch
+1 and right-padded batch 4 at lengths 1 to max_seq_len: logits within 1e-4 at real positions, the
+per-layer expert choices equal token for token. The models' weights are re-initialised large enough
+that the experts, the routing and every norm weight show in the logits (a test asserts it), and a
+mutation check shows one perturbed expert weight breaks parity.
+
+Forms: the fused graph reaches ONNX Runtime's com.microsoft MoE operator, the portable one stays in
+the default domain (and in TensorRT's ONNX parser's list), fallbacks are reported; vq-table holds no
+expert matrices. End to end: export_onnx writes the model and its report, refuses bad input before
+writing anything, and never writes a model whose parity failed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from moeserve.checkpoint import CheckpointError, save_checkpoint  # noqa: E402
+from moeserve.config import preset  # noqa: E402
+from moeserve.export import parity as parity_module  # noqa: E402
+from moeserve.export.onnx_export import ExportError, export_onnx  # noqa: E402
+from moeserve.export.onnx_graph import build_graph  # noqa: E402
+from moeserve.runtime.engine import Engine  # noqa: E402
+from moeserve.runtime.model import Transformer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOL = 1e-4  # fp32 parity, as the exporter's own check (parity.TOLERANCE["float32"])
+TRT_OPS = Path(__file__).resolve().parents[2] / "moeserve" / "export" / "tensorrt_onnx_ops.json"
+
+# One tiny model per config. The first nine are the router kinds the exporter has forms for; the last
+# four reach the trunk's other branches (cosine VQ with a projection, erf-gelu experts, grouped-query
+# attention + sliding window + a dense FFN layer + untied head, a bidirectional LayerNorm classifier).
+CONFIGS: dict[str, dict] = {
+    "softmax": dict(router="softmax"),
+    "softmax-renorm": dict(router="softmax", renormalize=True),
+    "sigmoid-k2": dict(router="sigmoid", top_k=2),
+    "sigmoid-k1": dict(router="sigmoid", top_k=1),
+    "xmoe": dict(router="xmoe"),
+    "xmoe-sigmoid": dict(router="xmoe", xmoe_gate="sigmoid"),
+    "vq-mixed": dict(router="vq", vq_mode="mixed"),
+    "vq-code": dict(router="vq", vq_mode="discrete", vq_input="code"),
+    "vq-blend": dict(router="vq", vq_mode="discrete", vq_input="blend"),
+    "vq-code-cosine-proj": dict(router="vq", vq_mode="discrete", vq_input="code", vq_distance="cosine", vq_dim=16),
+    "gelu": dict(router="softmax", expert_act="gelu"),
+    "gqa-window-dense": dict(router="softmax", n_kv_heads=2, sliding_window=8, moe_layers=[1], tie_embeddings=False),
+    "classify": dict(router="xmoe", task="classify", n_classes=3, causal=False, norm="layernorm"),
+}
+
+
+def modes_of(name: str) -> list[str]:
+    return ["portable", "fused"] + (["vq-table"] if CONFIGS[name]["router"] == "vq" else [])
+
+
+MATRIX = [(name, mode) for name in CONFIGS for mode in modes_of(name)]
+
+
+# ---- models whose weights matter -------------------------------------------------------------------
+@torch.no_grad()
+def make_weights_matter(model: Transformer, std: float = 0.1, seed: int = 0) -> Transformer:
+    """Transformer.reset_parameters gives N(0, 0.02) weights and residual projections scaled down further:
+    the MoE layers' outputs are then so small that a wrong expert or gate would hide under a 1e-4
+    tolerance. Here every matrix is N(0, std) (0.1: logits of std ~0.8, every expert's output visible in
+    them), norm weights and biases are moved off 1 / 0 so an export that dropped them would show, each
+    VQ codebook is set to real encoder outputs of its layer (layer by layer, as each layer's inputs
+    depend on the codes before it) so that the codes are all in use, and a code projection `up` is
+    scaled so that x~ = up(v_k) has unit RMS, as the layer's normalised input has.
+
+    X-MoE keeps its constraint, and its tau is moved off the config's initial value (so an export that
+    read the config instead of the parameter would show) upwards: its tiny model routes on a 2-d
+    hypersphere (d_e = E/2 = 2), where a token whose projection W h is short has an ill-conditioned
+    angle, and at std 0.2 or tau below the paper's value the fp32 torch model itself is ~1e-4 away from
+    an fp64 run. As set here: torch fp32 vs fp64 <= 4e-5 (X-MoE) and ~3e-6 (the rest); graph vs torch
+    <= 2.4e-5 (X-MoE sigmoid) and ~3e-6 (the rest)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "expert_embeddings" in name or "codebook" in name or p.dim() == 0:
+            continue
+        noise = torch.randn(p.shape, generator=gen) * std
+        p.copy_(noise if p.dim() >= 2 or name.endswith("bias") else 1.0 + noise)
+    model.constrain_()
+    for layer in model.moe_layers:
+        if getattr(layer.router, "tau", None) is not None:
+            layer.router.tau.mul_(1.25)
+    ids = torch.randint(0, model.cfg.vocab_size, (4, 32), generator=gen)
+    for layer in model.moe_layers:
+        if layer.quantizer is None:
+            continue
+        seen = []
+        hook = layer.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+        model.eval()(ids)
+        hook.remove()
+        z = layer.quantizer.encode(seen[0].reshape(-1, seen[0].shape[-1]))
+        pick = torch.randperm(z.shape[0], generator=gen)[: layer.n_experts]
+        q = layer.quantizer
+        q.codebook.copy_(z[pick])
+        q.initialized.fill_(True)
+        if q.up is not None:  # x~ = up(v_k): as large as the layer's (normalised) input, not std times that
+            q.up.weight.div_(q.up(q.vectors()).pow(2).mean().sqrt())
+    return model.eval()
+
+
+def make_model(name: str) -> Transformer:
+    torch.manual_seed(0)
+    return make_weights_matter(Transformer(preset("tiny", **CONFIGS[name])))
+
+
+def engine_of(model: Transformer) -> Engine:
+    """The torch reference, on a copy: the engine's prepare_inference packs weights in place."""
+    return Engine.from_model(copy.deepcopy(model), dtype="float32")
+
+
+def session_of(proto) -> "ort.InferenceSession":
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1  # tiny graphs; two threads on a busy 2-core machine only spin-wait
+    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+# ---- held-out inputs and the torch model's answers on them -------------------------------------------
+def shapes(max_seq_len: int) -> list[tuple[int, int]]:
+    lengths = [n for n in (1, 7, 33, max_seq_len) if n <= max_seq_len]
+    return [(1, n) for n in lengths] + [(4, n) for n in lengths if n > 1]
+
+
+def case_inputs(batch: int, seq: int, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random ids everywhere (padding too: it must not matter); batch-4 rows keep seq, seq-2, seq/2, 1 tokens."""
+    gen = np.random.default_rng(seed)
+    ids = gen.integers(0, vocab, size=(batch, seq), dtype=np.int64)
+    mask = np.zeros((batch, seq), dtype=np.int64)
+    for b, n in enumerate([seq] if batch == 1 else [seq, seq - 2, seq // 2, 1]):
+        mask[b, :n] = 1
+    return ids, mask
+
+
+@dataclass
+class Case:
+    ids: np.ndarray  # [B, S]
+    mask: np.ndarray  # [B, S], right padding
+    logits: np.ndarray  # Engine.forward: [B, S, V] or [B, C]
+    experts: list[np.ndarray]  # per MoE layer: [real tokens, K] expert ids (codes [T, 1] for discrete VQ)
+
+    @property
+    def real(self) -> np.ndarray:
+        return self.mask.astype(bool)
+
+    @property
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {"input_ids": self.ids, "attention_mask": self.mask}
+
+
+def torch_cases(engine: Engine) -> list[Case]:
+    cases = []
+    for i, (batch, seq) in enumerate(shapes(engine.cfg.max_seq_len)):
+        ids, mask = case_inputs(batch, seq, engine.cfg.vocab_size, seed=1000 + i)
+        t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        logits = engine.forward(t_ids, t_mask).numpy()
+        with torch.inference_mode():
+            out = engine._run(t_ids, attention_mask=t_mask)
+        experts = [(a.routing.expert_ids if a.routing is not None else a.codes[:, None]).numpy() for a in out.aux]
+        cases.append(Case(ids, mask, logits, experts))
+    return cases
+
+
+def logits_diff(got: np.ndarray, case: Case, classify: bool) -> float:
+    if classify:
+        return float(np.abs(got.astype(np.float64) - case.logits).max())
+    return float(np.abs(got[case.real].astype(np.float64) - case.logits[case.real]).max())
+
+
+def run(session, case: Case) -> dict[str, np.ndarray]:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, case.feeds)))
+
+
+def max_diff(session, engine: Engine, cases: list[Case]) -> float:
+    """Graph vs `engine` logits over `cases` (the engine is run afresh: it may differ from the cases')."""
+    classify = engine.cfg.task == "classify"
+    worst = 0.0
+    for case in cases:
+        ref = engine.forward(torch.from_numpy(case.ids), torch.from_numpy(case.mask)).numpy()
+        worst = max(worst, logits_diff(run(session, case)["logits"], Case(case.ids, case.mask, ref, []), classify))
+    return worst
+
+
+class Zoo:
+    """Models, graphs, sessions and torch answers, each made once per module and shared by the tests."""
+
+    def __init__(self):
+        self._models, self._engines, self._graphs, self._sessions, self._cases = {}, {}, {}, {}, {}
+
+    def model(self, name: str) -> Transformer:
+        if name not in self._models:
+            model = make_model(name)
+            model.prepare_inference(pack=False)  # builds the VQ tables build_graph reads
+            self._models[name] = model
+        return self._models[name]
+
+    def engine(self, name: str) -> Engine:
+        if name not in self._engines:
+            self._engines[name] = engine_of(self.model(name))
+        return self._engines[name]
+
+    def graph(self, name: str, mode: str):
+        if (name, mode) not in self._graphs:
+            with torch.no_grad():
+                self._graphs[name, mode] = build_graph(self.model(name), mode)
+        return self._graphs[name, mode]
+
+    def session(self, name: str, mode: str):
+        if (name, mode) not in self._sessions:
+            self._sessions[name, mode] = session_of(self.graph(name, mode)[0])
+        return self._sessions[name, mode]
+
+    def cases(self, name: str) -> list[Case]:
+        if name not in self._cases:
+            self._cases[name] = torch_cases(self.engine(name))
+        return self._cases[name]
+
+
+@pytest.fixture(scope="module")
+def zoo() -> Zoo:
+    return Zoo()
+
+
+def n_moe(cfg) -> int:
+    return len(cfg.moe_layer_ids)
+
+
+def ms_moe_nodes(proto) -> int:
+    return sum(1 for n in proto.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft")
+
+
+# ---- 1. parity -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_weights_matter(zoo, name):
+    """What makes the parity matrix mean something: logits well above the tolerance, at least 3 experts
+    chosen as top-1 in every MoE layer, and the experts' output visible in the logits."""
+    cfg, cases = zoo.model(name).cfg, zoo.cases(name)
+    real_logits = np.concatenate([c.logits.reshape(-1) if cfg.task == "classify" else c.logits[c.real].reshape(-1)
+                                  for c in cases])
+    assert real_logits.std() > 0.1 and np.abs(real_logits).max() > 0.5, real_logits.std()
+    for n in range(n_moe(cfg)):
+        top1 = np.concatenate([c.experts[n][:, 0] for c in cases])
+        assert len(np.unique(top1)) >= 3, (n, np.bincount(top1))
+    silent = copy.deepcopy(zoo.model(name))
+    with torch.no_grad():
+        for layer in silent.moe_layers:
+            layer.experts.w2.zero_()
+    case = cases[-2]  # batch 4, padded
+    ref = engine_of(silent).forward(torch.from_numpy(case.ids), torch.from_numpy(case.mask)).numpy()
+    assert logits_diff(ref, case, cfg.task == "classify") > 0.1
+
+
+@pytest.mark.parametrize(("name", "mode"), MATRIX)
+def test_parity_with_torch(zoo, name, mode):
+    cfg = zoo.model(name).cfg
+    session = zoo.session(name, mode)
+    classify = cfg.task == "classify"
+    k = cfg.experts_per_token
+    expected_outputs = ["logits"] + (["probs"] if classify else []) + [f"expert_ids.{n}" for n in range(n_moe(cfg))]
+    assert [o.name for o in session.get_outputs()] == expected_outputs
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]
+
+    worst = 0.0
+    for case in zoo.cases(name):
+        B, S = case.ids.shape
+        got = run(session, case)
+        if classify:
+            assert got["logits"].shape == (B, cfg.n_classes)
+            probs = torch.from_numpy(case.logits).softmax(-1).numpy()
+            np.testing.assert_allclose(got["probs"], probs, rtol=0, atol=TOL)
+        else:
+            assert got["logits"].shape == (B, S, cfg.vocab_size)
+        worst = max(worst, logits_diff(got["logits"], case, classify))
+        for n in range(n_moe(cfg)):
+            ids = got[f"expert_ids.{n}"]
+            assert ids.shape == (B, S, k)
+            graph_TK, torch_TK = ids[case.real], case.experts[n]
+            top1_agree = (graph_TK[:, 0] == torch_TK[:, 0]).mean()
+            assert top1_agree == 1.0, f"layer {n}, shape {B}x{S}: top-1 agreement {top1_agree:.4f}"
+            np.testing.assert_array_equal(graph_TK, torch_TK, err_msg=f"layer {n}, shape {B}x{S}: top-k ids")
+    assert worst <= TOL, f"{name} {mode}: max |logits diff| {worst:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parity_fails_after_perturbing_one_expert_weight(zoo, name):
+    """The parity check can fail: one row of the down projection of the most used expert of the last MoE
+    layer (output dim 0; a change along all dims alike would vanish in a LayerNorm), +1e-2 on each of its
+    elements in the torch model after export, puts the graph well past tolerance."""
+    model, cases = zoo.model(name), zoo.cases(name)
+    session = zoo.session(name, "portable")
+    some = [cases[-1], cases[-2]]  # batch 4 at max_seq_len and at 33
+    assert max_diff(session, zoo.engine(name), some) <= TOL
+    last = len(model.moe_layers) - 1
+    expert = int(np.bincount(np.concatenate([c.experts[last][:, 0] for c in some])).argmax())
+    mutated = copy.deepcopy(model)
+    with torch.no_grad():
+        mutated.moe_layers[last].experts.w2[expert, 0] += 1e-2
+    assert max_diff(session, engine_of(mutated), some) > 10 * TOL
+
+
+# ---- 2. forms ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "per_layer", "form"), [
+    ("softmax", 1, "fused"), ("softmax-renorm", 1, "fused"), ("sigmoid-k1", 1, "fused"), ("xmoe", 1, "fused"),
+    ("vq-mixed", 2, "fused+fused"), ("vq-code", 1, "fused"), ("vq-blend", 1, "fused"),
+])
+def test_fused_graph_uses_the_onnxruntime_moe_operator(zoo, name, per_layer, form):
+    proto, forms = zoo.graph(name, "fused")
+    cfg = zoo.model(name).cfg
+    assert ms_moe_nodes(proto) == per_layer * n_moe(cfg)
+    assert {(o.domain, o.version) for o in proto.opset_import} == {("", 17), ("com.microsoft", 1)}
+    assert [(f.layer, f.form, f.fallback) for f in forms] == [(i, form, None) for i in cfg.moe_layer_ids]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_portable_graph_is_default_domain_only(zoo, name):
+    proto, forms = zoo.graph(name, "portable")
+    assert [(n.op_type, n.domain) for n in proto.graph.node if n.domain not in ("", "ai.onnx")] == []
+    assert [(o.domain, o.version) for o in proto.opset_import] == [("", 17)]
+    assert proto.ir_version == 8
+    expected = "portable+portable" if zoo.model(name).moe_layers[0].mix is not None else "portable"
+    assert {(f.form, f.fallback) for f in forms} == {(expected, None)}
+    onnx.checker.check_model(proto, full_check=True)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_portable_graph_ops_are_in_tensorrt_parser_list(zoo, name):
+    if not TRT_OPS.is_file():
+        pytest.skip(f"{TRT_OPS} (TensorRT's ONNX parser's operator list) is absent from this checkout")
+    supported = set(json.loads(TRT_OPS.read_text())["supported"])
+    used = {n.op_type for n in zoo.graph(name, "portable")[0].graph.node}
+    assert used - supported == set()
+
+
+@pytest.mark.parametrize(("name", "reason"), [("sigmoid-k2", "sigmoid"), ("xmoe-sigmoid", "sigmoid"),
+                                              ("gelu", "gelu")])
+def test_fused_mode_falls_back_to_portable_with_a_reason(zoo, name, reason):
+    proto, forms = zoo.graph(name, "fused")
+    assert ms_moe_nodes(proto) == 0
+    assert [f.layer for f in forms] == zoo.model(name).cfg.moe_layer_ids
+    for f in forms:
+        assert f.form == "portable"
+        assert f.fallback and reason in f.fallback.lower(), f.fallback
+
+
+# ---- 3. vq-table ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["vq-code", "vq-code-cosine-proj"])
+def test_vq_table_holds_no_expert_matrices(zoo, name):
+    model = zoo.model(name)
+    cfg = model.cfg
+    proto, forms = zoo.graph(name, "vq-table")
+    assert [(f.layer, f.form, f.fallback) for f in forms] == [(i, "table", None) for i in cfg.moe_layer_ids]
+    assert ms_moe_nodes(proto) == 0
+    inits = {t.name: t for t in proto.graph.initializer}
+    expert_size = cfg.n_experts * cfg.d_ff * cfg.d_model
+    bulky = [(t.name, list(t.dims)) for t in inits.values() if len(t.dims) >= 3 or int(np.prod(t.dims)) == expert_size]
+    assert bulky == []
+    for block, layer in zip(cfg.moe_layer_ids, model.moe_layers):
+        table = inits.get(f"layers.{block}.moe.discrete.table")
+        assert table is not None, sorted(inits)
+        assert list(table.dims) == [cfg.n_experts, cfg.d_model]
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(table), layer.table.numpy())
+    # The portable graph of the same model does hold the experts: the check above can tell them apart.
+    portable = zoo.graph(name, "portable")[0]
+    assert any(int(np.prod(t.dims)) >= expert_size for t in portable.graph.initializer)
+
+    table_s, portable_s = zoo.session(name, "vq-table"), zoo.session(name, "portable")
+    for case in zoo.cases(name):
+        a, b = run(table_s, case), run(portable_s, case)
+        np.testing.assert_allclose(a["logits"][case.real], b["logits"][case.real], rtol=0, atol=1e-5)
+        for n in range(n_moe(cfg)):
+            np.testing.assert_array_equal(a[f"expert_ids.{n}"], b[f"expert_ids.{n}"])
+        assert logits_diff(a["logits"], case, False) <= TOL
+
+
+def test_vq_table_keeps_experts_where_the_input_is_blended(zoo):
+    proto, forms = zoo.graph("vq-blend", "vq-table")
+    cfg = zoo.model("vq-blend").cfg
+    assert [(f.form, f.fallback) for f in forms] == [("fused", None)] * n_moe(cfg)
+    assert ms_moe_nodes(proto) == n_moe(cfg)
+    assert not any(t.name.endswith(".table") for t in proto.graph.initializer)
+    mixed = zoo.graph("vq-mixed", "vq-table")[1]
+    assert [f.form for f in mixed] == ["fused+table"] * n_moe(zoo.model("vq-mixed").cfg)
+
+
+# ---- 4. export_onnx end to end -------------------------------------------------------------------------
+def write_checkpoint(directory: Path, model: Transformer) -> Path:
+    return save_checkpoint(directory, model.cfg, model.state_dict())
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize(("name", "mode", "form"), [
+    ("xmoe", "portable", "portable"), ("xmoe", "fused", "fused"), ("vq-code", "vq-table", "table"),
+    ("classify", "fused", "fused"),
+])
+def test_export_onnx_writes_model_and_report(zoo, tmp_path, name, mode, form):
+    ckpt = write_checkpoint(tmp_path / "ckpt", zoo.model(name))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "model.onnx"
+    report = export_onnx(ckpt, out, mode)
+
+    assert listing(out_dir) == ["model.onnx", "model.onnx.report.json"]
+    data = json.loads((out_dir / "model.onnx.report.json").read_text())
+    assert data["passed"] is True and report.passed
+    assert data["mode"] == mode and data["output"] == str(out)
+    cfg = zoo.model(name).cfg
+    assert sorted(data["outputs"]) == (["logits", "probs"] if cfg.task == "classify" else ["logits"])
+    assert all(0 <= d["max_abs_diff"] <= TOL for d in data["outputs"].values())
+    assert data["outputs"]["logits"]["mean_abs_diff"] <= data["outputs"]["logits"]["max_abs_diff"]
+    assert [(d["layer"], d["form"], d["fallback"], d["top1_agreement"]) for d in data["layers"]] == \
+        [(i, form, None, 1.0) for i in cfg.moe_layer_ids]
+    assert data["fallbacks"] == []
+    assert data["onnxruntime_version"] == ort.__version__ and data["onnx_version"] == onnx.__version__
+    assert data["opset"] == 17
+    assert data["tokens"] > 0 and data["file_bytes"] == out.stat().st_size
+    assert data["outputs"] == report.outputs and data["layers"] == report.layers
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
+
+    written = onnx.load(str(out))
+    meta = {p.key: p.value for p in written.metadata_props}
+    assert json.loads(meta["moeserve.config"]) == json.loads((ckpt / "config.json").read_text())
+    assert meta["moeserve.mode"] == mode
+    # The file on disk is the model whose parity was checked: run it against the torch model here too.
+    assert max_diff(session_of(written), zoo.engine(name), zoo.cases(name)[-2:]) <= TOL
+
+
+# ---- 5. bad input: ExportError, nothing written ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Default-initialised tiny checkpoints (the brief's recipe): xmoe, softmax, and one with a capacity."""
+    root = tmp_path_factory.mktemp("ckpts")
+    made = {}
+    for key, overrides in {"xmoe": dict(router="xmoe"), "softmax": dict(router="softmax"),
+                           "capacity": dict(router="softmax", capacity_factor=1.25)}.items():
+        torch.manual_seed(0)
+        model = Transformer(preset("tiny", **overrides))
+        made[key] = save_checkpoint(root / key, model.cfg, model.state_dict())
+    return made
+
+
+@pytest.fixture
+def out_dir(tmp_path) -> Path:
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+def test_missing_checkpoint(tmp_path, out_dir):
+    with pytest.raises(CheckpointError, match="does not exist") as e:
+        export_onnx(tmp_path / "no-such-checkpoint", out_dir / "m.onnx", "portable")
+    assert "no-such-checkpoint" in str(e.value)
+    assert listing(out_dir) == []
+
+
+def test_unknown_mode(checkpoints, out_dir):
+    with pytest.raises(ExportError, match="'turbo'") as e:
+        export_onnx(checkpoints["xmoe"], out_dir / "m.onnx", "turbo")
+    assert all(m in str(e.value) for m in ("portable", "fused", "vq-table"))
+    assert listing(out_dir) == []
+
+
+def test_output_directory_missing(checkpoints, tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ExportError, match="does not exist") as e:
+        export_onnx(checkpoints["xmoe"], missing / "m.onnx", "portable")
+    assert str(missing) in str(e.value)
+    assert not missing.exists()
+
+
+def test_output_path_is_a_directory(checkpoints, out_dir):
+    (out_dir / "m.onnx").mkdir()
+    with pytest.raises(ExportError, match="is a directory"):
+        export_onnx(checkpoints["xmoe"], out_dir / "m.onnx", "portable")
+    assert listing(out_dir) == ["m.onnx"] and listing(out_dir / "m.onnx") == []
+
+
+def test_output_directory_read_only(checkpoints, out_dir):
+    if os.geteuid() == 0:
+        pytest.skip("running as root: root writes into a 0o555 directory anyway, so there is nothing to refuse")
+    out_dir.chmod(0o555)
+    try:
+        with pytest.raises(ExportError, match="not writable"):
+            export_onnx(checkpoints["xmoe"], out_dir / "m.onnx", "portable")
+        assert listing(out_dir) == []
+    finally:
+        out_dir.chmod(0o755)
+
+
+def test_vq_table_on_a_softmax_model(checkpoints, out_dir):
+    with pytest.raises(ExportError, match="vq-table") as e:
+        export_onnx(checkpoints["softmax"], out_dir / "m.onnx", "vq-table")
+    assert "'softmax'" in str(e.value)
+    assert listing(out_dir) == []
+
+
+@pytest.mark.parametrize("mode", ["portable", "fused"])
+def test_capacity_factor_has_no_onnx_form(checkpoints, out_dir, mode):
+    with pytest.raises(ExportError, match="capacity_factor=1.25"):
+        export_onnx(checkpoints["capacity"], out_dir / "m.onnx", mode)
+    assert listing(out_dir) == []
+
+
+def test_parity_failure_writes_report_but_not_model(checkpoints, out_dir, monkeypatch):
+    """A tolerance nothing can meet: the export fails naming parity; the model is not written (an older
+    file at that path is left as it was), the report is, with passed false; no temporary file remains."""
+    monkeypatch.setattr(parity_module, "TOLERANCE", {"float32": -1.0, "float16": -1.0, "bfloat16": -1.0})
+    out = out_dir / "m.onnx"
+    out.write_bytes(b"previous export")
+    with pytest.raises(ExportError, match="parity") as e:
+        export_onnx(checkpoints["xmoe"], out, "portable")
+    assert "not written" in str(e.value)
+    assert listing(out_dir) == ["m.onnx", "m.onnx.report.json"]
+    assert out.read_bytes() == b"previous export"
+    data = json.loads((out_dir / "m.onnx.report.json").read_text())
+    assert data["passed"] is False and data["tolerance"] == -1.0
+    assert data["outputs"]["logits"]["max_abs_diff"] <= TOL  # the graph itself is right; only the bar moved
+
+    out.unlink()
+    (out_dir / "m.onnx.report.json").unlink()
+    with pytest.raises(ExportError, match="parity"):
+        export_onnx(checkpoints["xmoe"], out, "fused")
+    assert listing(out_dir) == ["m.onnx.report.json"]
+
+
+def test_interrupted_export_leaves_nothing(checkpoints, out_dir, monkeypatch):
+    """An export cut short after the graph was written to its temporary file (here: Ctrl-C during the
+    parity run) removes that file and writes neither the model nor a report."""
+    def interrupted(*args, **kwargs):
+        assert [n for n in listing(out_dir) if n.startswith(".m.onnx.") and n.endswith(".tmp")], listing(out_dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parity_module, "check", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx(checkpoints["xmoe"], out_dir / "m.onnx", "portable")
+    assert listing(out_dir) == []
