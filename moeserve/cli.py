@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "CPU provider, rounds interleaved, at each batch size.")
     bo.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint (default: the built-in default model)")
     bo.add_argument("--batches", type=int, nargs="+", default=[1, 8], metavar="B", help="batch sizes (default: 1 8)")
-    bo.add_argument("--seq", type=int, default=64, metavar="S", help="tokens per row (default: 64)")
+    bo.add_argument("--seqs", type=int, nargs="+", default=[1, 64], metavar="S",
+                    help="tokens per row, each timed at every batch size (default: 1 64)")
     bo.add_argument("--repeats", type=int, default=30, metavar="R", help="timed rounds (default: 30)")
     bo.add_argument("--modes", nargs="+", choices=MODES, help="exports to time (default: every one the model has)")
     bo.add_argument("--json", type=Path, metavar="FILE", help="write the report (with the machine) as JSON")

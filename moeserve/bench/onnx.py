@@ -1,6 +1,6 @@
 """`moeserve bench onnx`: forward latency of one checkpoint as the torch Engine in fp32 (the baseline)
 and as each ONNX export of it on ONNX Runtime (portable, fused, and vq-table for VQ models), at batch
-1 and 8, in one process with the rounds interleaved so that drift hits every backend alike.
+1 and 8, in one process, the backends taking turns in blocks so that drift hits every one alike.
 
 What is timed is the call a server makes for scoring: ids [B, S] and a mask in, logits out, through
 `Engine.forward` / `OnnxEngine.forward` (expert-load accounting included in both). Each export is
@@ -24,13 +24,20 @@ from moeserve.runtime.engine import Engine
 from moeserve.runtime.onnx_engine import OnnxEngine
 
 
-def bench_onnx(checkpoint: Path, batches: list[int], seq: int, repeats: int, modes: list[str] | None = None,
+# Backends take turns in blocks, not call by call: ONNX Runtime's and torch's thread pools both spin a while
+# after each call, and on a small machine a pool still spinning slows the other's next call (measured: torch
+# eager 2x slower when interleaved call by call). Three blocks each still spread slow drift over all of them.
+BLOCKS = 3
+
+
+def bench_onnx(checkpoint: Path, batches: list[int], seqs: list[int], repeats: int, modes: list[str] | None = None,
                log=lambda msg: None) -> dict:
+    """Forward latency at every (batch, seq): seq 1 is a single-token call, seq 64 a scoring call."""
     torch_engine = Engine.load(checkpoint, dtype="float32", device="cpu")
     cfg = torch_engine.cfg
     if modes is None:
         modes = [m for m in MODES if m != "vq-table" or cfg.router == "vq"]
-    seq = min(seq, cfg.max_seq_len)
+    shapes = [(b, min(s, cfg.max_seq_len)) for b in batches for s in seqs]
     engines: dict[str, Engine] = {"torch eager fp32": torch_engine}
     exports = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -44,19 +51,19 @@ def bench_onnx(checkpoint: Path, batches: list[int], seq: int, repeats: int, mod
                             "fallbacks": len(report.fallbacks)})
         rows = []
         gen = torch.Generator().manual_seed(0)
-        for batch in batches:
+        for batch, seq in shapes:
             ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
             mask = torch.ones_like(ids)
-            for engine in engines.values():  # warm-up: first-call allocations, oneDNN / MLAS packing
-                for _ in range(3):
-                    engine.forward(ids, mask)
             times: dict[str, list[float]] = {name: [] for name in engines}
-            log(f"timing batch {batch} x {seq} tokens, {repeats} rounds")
-            for _ in range(repeats):
+            log(f"timing batch {batch} x {seq} tokens, {repeats} calls per backend")
+            for _ in range(BLOCKS):
                 for name, engine in engines.items():
-                    t0 = time.perf_counter()
-                    engine.forward(ids, mask)
-                    times[name].append(time.perf_counter() - t0)
+                    for _ in range(2):  # untimed: first-call allocations, and the other pool's threads going idle
+                        engine.forward(ids, mask)
+                    for _ in range(max(1, repeats // BLOCKS)):
+                        t0 = time.perf_counter()
+                        engine.forward(ids, mask)
+                        times[name].append(time.perf_counter() - t0)
             base = statistics.median(times["torch eager fp32"])
             for name, ts in times.items():
                 p50 = statistics.median(ts)
@@ -85,7 +92,7 @@ def main(args) -> int:
 
         checkpoint = default_model_path(progress=not args.quiet)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"moeserve bench onnx: {msg}", flush=True))
-    report = bench_onnx(checkpoint, args.batches, args.seq, args.repeats, args.modes, log=log)
+    report = bench_onnx(checkpoint, args.batches, args.seqs, args.repeats, args.modes, log=log)
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
