@@ -111,7 +111,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
 
     path = args.checkpoint if args.checkpoint is not None else _default_checkpoint(args.quiet)
     try:
-        report = export_onnx(path, args.out, args.mode, log=_stderr_log("export", args.quiet))
+        report = export_onnx(path, args.out, args.mode, kv_cache=args.kv_cache, log=_stderr_log("export", args.quiet))
     except ParityError as e:
         print(f"moeserve export: {e}", file=sys.stderr)
         return 1
@@ -276,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     eo.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint directory (default: the built-in model)")
     eo.add_argument("--out", type=Path, required=True, metavar="FILE", help="the .onnx file to write")
     eo.add_argument("--mode", default="portable", choices=MODES, help="graph form (default: portable)")
+    eo.add_argument("--kv-cache", action="store_true", help="a decoding graph: past_key.N / past_value.N inputs, "
+                    "present_* outputs (language models; serve and generate then decode one token per step)")
     eo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     eo.set_defaults(func=cmd_export_onnx)
     et = exsub.add_parser("tensorrt", help="TensorRT engine from the portable graph (needs a CUDA GPU and tensorrt)",
@@ -370,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per row, each timed at every batch size (default: 1 64)")
     bo.add_argument("--repeats", type=int, default=30, metavar="R", help="timed rounds (default: 30)")
     bo.add_argument("--modes", nargs="+", choices=MODES, help="exports to time (default: every one the model has)")
+    bo.add_argument("--new-tokens", type=int, default=64, metavar="N", help="greedy generation of N tokens by torch "
+                    "and by a fused --kv-cache export, at each batch size (default: 64; 0: skip)")
     bo.add_argument("--json", type=Path, metavar="FILE", help="write the report (with the machine) as JSON")
     bo.add_argument("--quiet", action="store_true", help="no progress lines")
     bo.set_defaults(func=cmd_bench_onnx)

@@ -30,48 +30,71 @@ from moeserve.runtime.onnx_engine import OnnxEngine
 BLOCKS = 3
 
 
+def timed(engines: dict[str, Engine], call, repeats: int) -> dict[str, float]:
+    """p50 seconds of call(engine) per engine, the engines taking turns in BLOCKS blocks."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(BLOCKS):
+        for name, engine in engines.items():
+            for _ in range(2):  # untimed: first-call allocations, and the other pool's threads going idle
+                call(engine)
+            for _ in range(max(1, repeats // BLOCKS)):
+                t0 = time.perf_counter()
+                call(engine)
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def rows_of(p50: dict[str, float], tokens: int, **shape) -> list[dict]:
+    base = p50["torch eager fp32"]
+    return [{"backend": name, **shape, "p50_ms": round(t * 1e3, 3), "tokens_per_s": round(tokens / t, 1),
+             "speedup_vs_eager": round(base / t, 2)} for name, t in p50.items()]
+
+
 def bench_onnx(checkpoint: Path, batches: list[int], seqs: list[int], repeats: int, modes: list[str] | None = None,
-               log=lambda msg: None) -> dict:
-    """Forward latency at every (batch, seq): seq 1 is a single-token call, seq 64 a scoring call."""
+               new_tokens: int = 64, log=lambda msg: None) -> dict:
+    """Forward latency at every (batch, seq) (seq 1: a single-token call, seq 64: a scoring call), and
+    greedy generation of `new_tokens` at every batch size by torch and by a fused KV-cache export (0: none)."""
     torch_engine = Engine.load(checkpoint, dtype="float32", device="cpu")
     cfg = torch_engine.cfg
     if modes is None:
         modes = [m for m in MODES if m != "vq-table" or cfg.router == "vq"]
-    shapes = [(b, min(s, cfg.max_seq_len)) for b in batches for s in seqs]
+    threads = torch.get_num_threads()
     engines: dict[str, Engine] = {"torch eager fp32": torch_engine}
     exports = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             log(f"exporting --mode {mode}")
             report = export_onnx(checkpoint, Path(tmp) / f"{mode}.onnx", mode)
-            engines[f"onnxruntime {mode}"] = OnnxEngine.load(report.output, device="cpu",
-                                                             threads=torch.get_num_threads())
+            engines[f"onnxruntime {mode}"] = OnnxEngine.load(report.output, device="cpu", threads=threads)
             exports.append({"mode": mode, "file_mib": round(report.file_bytes / 2 ** 20, 2),
                             "max_abs_diff": report.outputs["logits"]["max_abs_diff"],
                             "fallbacks": len(report.fallbacks)})
-        rows = []
-        gen = torch.Generator().manual_seed(0)
-        for batch, seq in shapes:
-            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
-            mask = torch.ones_like(ids)
-            times: dict[str, list[float]] = {name: [] for name in engines}
-            log(f"timing batch {batch} x {seq} tokens, {repeats} calls per backend")
-            for _ in range(BLOCKS):
-                for name, engine in engines.items():
-                    for _ in range(2):  # untimed: first-call allocations, and the other pool's threads going idle
-                        engine.forward(ids, mask)
-                    for _ in range(max(1, repeats // BLOCKS)):
-                        t0 = time.perf_counter()
-                        engine.forward(ids, mask)
-                        times[name].append(time.perf_counter() - t0)
-            base = statistics.median(times["torch eager fp32"])
-            for name, ts in times.items():
-                p50 = statistics.median(ts)
-                rows.append({"backend": name, "batch": batch, "seq": seq, "p50_ms": round(p50 * 1e3, 3),
-                             "tokens_per_s": round(batch * seq / p50, 1), "speedup_vs_eager": round(base / p50, 2)})
+        rows, gen = [], torch.Generator().manual_seed(0)
+        for batch in batches:
+            for seq in dict.fromkeys(min(s, cfg.max_seq_len) for s in seqs):
+                ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+                mask = torch.ones_like(ids)
+                log(f"timing forward, batch {batch} x {seq} tokens, {repeats} calls per backend")
+                rows += rows_of(timed(engines, lambda e: e.forward(ids, mask), repeats), batch * seq,
+                                batch=batch, seq=seq)
+        generation = []
+        if new_tokens and cfg.task == "lm":
+            log("exporting --mode fused --kv-cache")
+            kv = export_onnx(checkpoint, Path(tmp) / "fused-kv.onnx", "fused", kv_cache=True)
+            decoders = {"torch eager fp32": torch_engine,
+                        "onnxruntime fused, KV cache": OnnxEngine.load(kv.output, device="cpu", threads=threads)}
+            for batch in batches:
+                prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+                log(f"timing greedy generation, batch {batch}, {new_tokens} new tokens")
+                p50 = timed(decoders, lambda e: e.generate(prompts, max_new_tokens=new_tokens),
+                            max(BLOCKS, repeats // 5))
+                generation += rows_of(p50, batch * new_tokens, batch=batch, new_tokens=new_tokens)
     return {"checkpoint": str(checkpoint), "router": cfg.router, "expert_act": cfg.expert_act,
             "params": sum(p.numel() for p in torch_engine.model.parameters()), "repeats": repeats,
-            "machine": machine(), "exports": exports, "results": rows}
+            "machine": machine(), "exports": exports, "results": rows, "generation": generation}
+
+
+PROMPTS = ["def main(", "import os\n", "class Node:", "x = ", "for i in range(", "return ", "# parse the", "with open("]
 
 
 def markdown(report: dict) -> str:
@@ -79,6 +102,12 @@ def markdown(report: dict) -> str:
     for r in report["results"]:
         lines.append(f"| {r['backend']} | {r['batch']} x {r['seq']} | {r['p50_ms']} | {r['tokens_per_s']} | "
                      f"{r['speedup_vs_eager']} |")
+    if report["generation"]:
+        lines += ["", "| greedy generation | batch | new tokens | p50 ms | tokens/s | speed-up vs eager |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in report["generation"]:
+            lines.append(f"| {r['backend']} | {r['batch']} | {r['new_tokens']} | {r['p50_ms']} | {r['tokens_per_s']} "
+                         f"| {r['speedup_vs_eager']} |")
     lines += ["", "| export | file MiB | max abs diff (logits) | fallback layers |", "| --- | ---: | ---: | ---: |"]
     for e in report["exports"]:
         lines.append(f"| {e['mode']} | {e['file_mib']} | {e['max_abs_diff']:.2e} | {e['fallbacks']} |")
@@ -92,7 +121,7 @@ def main(args) -> int:
 
         checkpoint = default_model_path(progress=not args.quiet)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"moeserve bench onnx: {msg}", flush=True))
-    report = bench_onnx(checkpoint, args.batches, args.seqs, args.repeats, args.modes, log=log)
+    report = bench_onnx(checkpoint, args.batches, args.seqs, args.repeats, args.modes, args.new_tokens, log=log)
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -68,6 +68,7 @@ class ExportReport:
     checkpoint: str
     output: str
     mode: str
+    kv_cache: bool
     passed: bool
     tolerance: float
     outputs: dict[str, dict]  # output name -> max_abs_diff, mean_abs_diff
@@ -91,14 +92,16 @@ class ExportReport:
 
     def summary(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
-        lines = [f"moeserve export onnx --mode {self.mode}: parity {verdict} (tolerance {self.tolerance:g} max abs)",
+        cache = " --kv-cache" if self.kv_cache else ""
+        lines = [f"moeserve export onnx --mode {self.mode}{cache}: parity {verdict} (tolerance {self.tolerance:g} "
+                 f"max abs)",
                  f"  {self.checkpoint} -> {self.output} ({self.file_bytes / 2 ** 20:.1f} MiB, opset {self.opset}, "
                  f"onnx {self.onnx_version}, onnxruntime {self.onnxruntime_version}, {self.provider}, "
                  f"{self.seconds:.1f} s)",
                  f"  held-out shapes (batch x seq): {', '.join(f'{b}x{s}' for b, s in self.shapes)}; "
                  f"{self.tokens} real tokens"]
         for name, d in self.outputs.items():
-            lines.append(f"  {name:<8} max |diff| {d['max_abs_diff']:.2e}   mean |diff| {d['mean_abs_diff']:.2e}")
+            lines.append(f"  {name:<19} max |diff| {d['max_abs_diff']:.2e}   mean |diff| {d['mean_abs_diff']:.2e}")
         lines.append("  layer  form               top-1 agreement")
         for layer in self.layers:
             lines.append(f"  {layer['layer']:>5}  {layer['form']:<18} {layer['top1_agreement']:.4f}")
@@ -112,9 +115,10 @@ def report_path(out: Path) -> Path:
 
 
 def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str = "portable", *,
-                log: Callable[[str], None] = lambda msg: None) -> ExportReport:
-    """Export `checkpoint` to `out` in `mode`; returns the report. Raises ExportError when the export
-    cannot be made, or when its parity is past tolerance (the model file is then not written)."""
+                kv_cache: bool = False, log: Callable[[str], None] = lambda msg: None) -> ExportReport:
+    """Export `checkpoint` to `out` in `mode` (with KV-cache inputs and outputs if `kv_cache`); returns the
+    report. Raises ExportError when the export cannot be made, or when its parity is past tolerance (the
+    model file is then not written)."""
     onnx, ort = require_onnx()
     import torch
 
@@ -131,6 +135,8 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     model, ckpt = load_model(checkpoint)
     cfg = model.cfg
     check_combination(cfg, mode)
+    if kv_cache and cfg.task != "lm":
+        raise ExportError(f"--kv-cache is for language models; this model's task is {cfg.task!r}")
     model = model.float()
     model.prepare_inference(pack=False)  # builds VQ tables; the graph reads the plain weights
     metadata = {"moeserve.checkpoint": str(ckpt.path)}
@@ -138,7 +144,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
         metadata["moeserve.tokenizer_json"] = (ckpt.path / "tokenizer.json").read_text(encoding="utf-8")
     log(f"building the {mode} graph of {ckpt.path}")
     with torch.no_grad():
-        proto, forms = build_graph(model, mode, metadata)
+        proto, forms = build_graph(model, mode, metadata, kv_cache=kv_cache)
 
     tmp = temporary_beside(out)
     data = out.with_name(out.name + ".data")
@@ -153,7 +159,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
         passed = all(d.max_abs <= tol for d in parity.outputs.values())
         layers = [{**f.__dict__, "top1_agreement": a} for f, a in zip(forms, parity.top1_agreement())]
         report = ExportReport(
-            checkpoint=str(ckpt.path), output=str(out), mode=mode, passed=passed, tolerance=tol,
+            checkpoint=str(ckpt.path), output=str(out), mode=mode, kv_cache=kv_cache, passed=passed, tolerance=tol,
             outputs={k: d.as_dict() for k, d in parity.outputs.items()}, layers=layers,
             shapes=[list(s) for s in parity.shapes], tokens=parity.tokens,
             file_bytes=tmp.stat().st_size + (data.stat().st_size if external else 0), opset=OPSET,

@@ -1,6 +1,6 @@
 """The Transformer (runtime/model.py) as an ONNX graph: input ids and attention mask in; logits (and
 class probabilities for classifiers) and each MoE layer's expert choices out; batch and sequence axes
-dynamic.
+dynamic. Optionally with KV-cache inputs and outputs, for decoding.
 
 Rows are right-padded (`attention_mask` 0 after each row's tokens, as Engine.score and classify
 batch them); positions run 0..S-1 in every row. Padding is never attended to; unlike the torch model
@@ -50,9 +50,12 @@ def rope(g: Graph, x: str, cos: str, sin: str, head_dim: int) -> str:
     return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
 
 
-def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias: str, hint: str) -> str:
-    """Multi-head or grouped-query attention over [B, S, D]; bias [B, 1, S, S] (0 or -inf) holds the mask.
-    Grouped queries are laid out [B, G, H/G, S, Dh] so one broadcasting MatMul meets their kv head."""
+def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias: str, hint: str,
+              past: tuple[str, str] | None = None) -> tuple[str, tuple[str, str] | None]:
+    """Multi-head or grouped-query attention over [B, S, D]; bias [B, 1, S, L] (0 or -inf) holds the mask.
+    Grouped queries are laid out [B, G, H/G, S, Dh] so one broadcasting MatMul meets their kv head.
+    With `past` (keys and values [B, G, P, Dh] of earlier positions) the new ones are appended and
+    returned as the present cache; L = P + S."""
     a = block.attention
     H, G, Dh = a.n_heads, a.n_kv_heads, a.head_dim
 
@@ -63,6 +66,10 @@ def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias:
     q = rope(g, heads(a.wq, H, "wq"), cos, sin, Dh)
     k = rope(g, heads(a.wk, G, "wk"), cos, sin, Dh)
     v = heads(a.wv, G, "wv")
+    present = None
+    if past is not None:
+        k, v = g.op("Concat", past[0], k, axis=2), g.op("Concat", past[1], v, axis=2)
+        present = (k, v)
     if G != H:
         q = g.reshape(q, [0, G, H // G, -1, Dh])
         k, v = g.unsqueeze(k, [2]), g.unsqueeze(v, [2])
@@ -73,13 +80,13 @@ def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias:
     if G != H:
         o = g.reshape(o, [0, H, -1, Dh])
     o = g.reshape(g.op("Transpose", o, perm=[0, 2, 1, 3]), [0, 0, H * Dh])
-    return g.linear(o, np32(a.wo.weight), f"{hint}.wo")
+    return g.linear(o, np32(a.wo.weight), f"{hint}.wo"), present
 
 
-def mask_bias(g: Graph, cfg: MoEConfig, pos: str, attention_mask: str) -> str:
-    """[B, 1, S, S]: 0 where query i may see key j, -inf elsewhere (model._mask): causal (and the sliding
+def mask_bias(g: Graph, cfg: MoEConfig, q_pos: str, k_pos: str, attention_mask: str) -> str:
+    """[B, 1, S, L]: 0 where query i may see key j, -inf elsewhere (model._mask): causal (and the sliding
     window) for language models, padding keys never; every query sees itself, so no row is all -inf."""
-    i, j = g.unsqueeze(pos, [1]), g.unsqueeze(pos, [0])
+    i, j = g.unsqueeze(q_pos, [1]), g.unsqueeze(k_pos, [0])
     allowed = g.unsqueeze(g.op("Cast", attention_mask, to=onnx.TensorProto.BOOL), [1, 2])  # [B, 1, 1, S]
     if cfg.causal:
         causal = g.op("LessOrEqual", j, i)
@@ -90,30 +97,49 @@ def mask_bias(g: Graph, cfg: MoEConfig, pos: str, attention_mask: str) -> str:
     return g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
 
 
-def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None = None
+def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None = None, kv_cache: bool = False
                 ) -> tuple[onnx.ModelProto, list[LayerForm]]:
     """The model's forward graph in `mode` (moe_graph.py), and how each MoE layer was written.
-    Call after model.prepare_inference(pack=False), which builds the VQ tables."""
+    Call after model.prepare_inference(pack=False), which builds the VQ tables.
+
+    kv_cache: the graph also takes `past_key.N` / `past_value.N` [B, G, P, Dh] (P = 0 for a prompt) and
+    returns `present_key.N` / `present_value.N` [B, G, P + S, Dh]; the ids are then positions P..P+S-1
+    and `attention_mask` covers all P + S (a decode step of a language model)."""
     if mode not in MODES:
         raise ValueError(f"unknown export mode {mode!r}; expected one of: {', '.join(MODES)}")
     cfg = model.cfg
+    if kv_cache and cfg.task != "lm":
+        raise ValueError(f"a KV-cache graph decodes a language model; this model's task is {cfg.task!r}")
     g = Graph("moeserve")
     ids = g.input("input_ids", INT64, ["batch", "seq"])
-    attention_mask = g.input("attention_mask", INT64, ["batch", "seq"])
+    attention_mask = g.input("attention_mask", INT64, ["batch", "total" if kv_cache else "seq"])
+    pasts: list[tuple[str, str] | None] = [None] * cfg.n_layers
+    cache_shape = ["batch", cfg.kv_heads, "past", cfg.head_dim]
+    if kv_cache:
+        pasts = [(g.input(f"past_key.{b}", FLOAT, cache_shape), g.input(f"past_value.{b}", FLOAT, cache_shape))
+                 for b in range(cfg.n_layers)]
 
     x = g.op("Gather", g.weight(np32(model.tok_embeddings.weight), "tok_embeddings.weight"), ids, axis=0)
     seq = g.op("Gather", g.op("Shape", ids), g.const(1), axis=0)
-    pos = g.op("Range", g.const(0), seq, g.const(1), hint="positions")
-    cos = g.op("Gather", g.weight(np32(model.rope_cos), "rope_cos"), pos, axis=0)  # [S, Dh]
-    sin = g.op("Gather", g.weight(np32(model.rope_sin), "rope_sin"), pos, axis=0)
-    bias = mask_bias(g, cfg, pos, attention_mask)
+    if kv_cache:
+        past_len = g.op("Gather", g.op("Shape", pasts[0][0]), g.const(2), axis=0)
+        total = g.op("Add", past_len, seq)
+        q_pos = g.op("Range", past_len, total, g.const(1), hint="positions")
+        k_pos = g.op("Range", g.const(0), total, g.const(1), hint="key_positions")
+    else:
+        q_pos = k_pos = g.op("Range", g.const(0), seq, g.const(1), hint="positions")
+    cos = g.op("Gather", g.weight(np32(model.rope_cos), "rope_cos"), q_pos, axis=0)  # [S, Dh]
+    sin = g.op("Gather", g.weight(np32(model.rope_sin), "rope_sin"), q_pos, axis=0)
+    bias = mask_bias(g, cfg, q_pos, k_pos, attention_mask)
     ids_shape = g.op("Shape", ids)
 
-    forms, expert_outputs = [], []
+    forms, expert_outputs, presents = [], [], []
     for b, block in enumerate(model.layers):
         hint = f"layers.{b}"
-        x = g.op("Add", x, attention(g, norm(g, x, block.attention_norm, f"{hint}.attention_norm"), block, cfg,
-                                     cos, sin, bias, f"{hint}.attention"))
+        h, present = attention(g, norm(g, x, block.attention_norm, f"{hint}.attention_norm"), block, cfg,
+                               cos, sin, bias, f"{hint}.attention", pasts[b])
+        presents.append(present)
+        x = g.op("Add", x, h)
         h = norm(g, x, block.ffn_norm, f"{hint}.ffn_norm")
         if isinstance(block.ffn, MoELayer):
             y_TD, experts_TK, form = moe_layer(g, g.reshape(h, [-1, cfg.d_model]), block.ffn, mode, b)
@@ -141,8 +167,13 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
         g.output(g.linear(x, np32(head), "output.weight"), "logits", FLOAT, ["batch", "seq", cfg.vocab_size])
     for n, (value, form) in enumerate(zip(expert_outputs, forms)):
         g.output(value, expert_output_name(n), INT64, ["batch", "seq", cfg.experts_per_token])
+    if kv_cache:
+        for b, (k, v) in enumerate(presents):
+            g.output(k, f"present_key.{b}", FLOAT, ["batch", cfg.kv_heads, "total", cfg.head_dim])
+            g.output(v, f"present_value.{b}", FLOAT, ["batch", cfg.kv_heads, "total", cfg.head_dim])
 
     meta = {"moeserve.format": FORMAT, "moeserve.mode": mode, "moeserve.config": cfg.to_json(),
+            "moeserve.kv_cache": str(kv_cache).lower(),
             "moeserve.layers": json.dumps([f.__dict__ for f in forms])}
     return g.model({**meta, **(metadata or {})}), forms
 

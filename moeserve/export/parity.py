@@ -12,6 +12,7 @@ import torch
 
 from moeserve.export.onnx_graph import expert_output_name
 from moeserve.runtime.engine import Engine
+from moeserve.runtime.onnx_engine import presents_as_past, session_feed
 
 # fp32 graphs: the same math in another order, ~1e-6 on logits of trained models; past 1e-4 something differs.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2e-1}
@@ -76,9 +77,14 @@ def check(session, engine: Engine, seed: int = 0) -> Parity:
     n_moe = len(engine.model.moe_layers)
     parity = Parity(held_out_shapes(cfg.max_seq_len), agree=[0] * n_moe)
     names = [o.name for o in session.get_outputs()]
+    cached = any(i.name.startswith("past_") for i in session.get_inputs())
+
+    def run(feed: dict) -> dict:
+        return dict(zip(names, session.run(None, feed)))
+
     for i, (batch, seq) in enumerate(parity.shapes):
         ids, mask = held_out_inputs(batch, seq, cfg.vocab_size, seed + i)
-        got = dict(zip(names, session.run(None, {"input_ids": ids, "attention_mask": mask})))
+        got = run(session_feed(session, ids, mask))
         ref_logits, ref_top1 = reference_top1(engine, torch.from_numpy(ids), torch.from_numpy(mask))
         real = mask.astype(bool)
         if cfg.task == "classify":
@@ -90,4 +96,10 @@ def check(session, engine: Engine, seed: int = 0) -> Parity:
         for n in range(n_moe):
             graph_top1 = got[expert_output_name(n)][real][:, 0]
             parity.agree[n] += int((graph_top1 == ref_top1[n].numpy()).sum())
+        if cached and seq > 1:  # the last token as a decode step on the cache of the others
+            full = np.ones_like(mask)
+            past = presents_as_past(run(session_feed(session, ids[:, :-1], full[:, :-1])))
+            step = run(session_feed(session, ids[:, -1:], full, past))["logits"][:, -1]
+            want, _ = reference_top1(engine, torch.from_numpy(ids), torch.from_numpy(full))
+            parity.outputs.setdefault("logits, cached step", Diff()).add(step, want[:, -1].numpy())
     return parity

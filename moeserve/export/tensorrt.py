@@ -136,6 +136,9 @@ def build_engine(onnx_path: str | os.PathLike, out: str | os.PathLike, precision
                           f"(export with --mode portable for TensorRT)")
     meta = {p.key: p.value for p in model.metadata_props}
     del model
+    if meta.get("moeserve.kv_cache") == "true":
+        raise ExportError(f"{onnx_path} is a KV-cache graph; TensorRT engines are built from the forward graph "
+                          f"(export without --kv-cache)")
     cfg = json.loads(meta["moeserve.config"]) if "moeserve.config" in meta else None
     if max_seq is None:
         if cfg is None:

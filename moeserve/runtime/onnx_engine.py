@@ -2,11 +2,12 @@
 session of a graph that `moeserve export onnx` wrote, so that serve, score and bench run an exported
 model as they run a checkpoint (`--backend onnx`, or any path ending in .onnx).
 
-The graph carries its config and tokenizer in its metadata, so the .onnx file alone is enough. It is
-the forward graph (no KV cache), so generation recomputes the whole prefix at each step: left
-padding shifts a row's positions by a constant, which RoPE attention does not see, so each row gets
-what it would alone. Correct, O(n^2) in the generated length: the path for scoring and
-classification at ONNX Runtime's speed, and for checking an export end to end.
+The graph carries its config and tokenizer in its metadata, so the .onnx file alone is enough.
+Generation runs the prompt, then one token per step: with a KV-cache export (`--kv-cache`) each step
+feeds the previous step's keys and values back; with a plain forward graph each step recomputes the
+whole prefix (correct, O(n^2) in the generated length). Either way prompts are left-padded and positions
+are column indices: that shifts a row's positions by a constant, which RoPE attention does not see, so
+each row gets what it would alone.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ def onnx_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def session_feed(session, ids: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray] | None = None) -> dict:
+    """Inputs for a moeserve graph: ids and mask, and for a KV-cache graph the past keys and values
+    (empty, P = 0, when `past` is None)."""
+    feed = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+    for i in session.get_inputs():
+        if i.name.startswith("past_"):
+            _, heads, _, head_dim = i.shape
+            feed[i.name] = past[i.name] if past is not None else np.zeros((ids.shape[0], heads, 0, head_dim), np.float32)
+    return feed
+
+
+def presents_as_past(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A KV-cache graph's present_* outputs, named as the past_* inputs of the next call."""
+    return {"past_" + k.removeprefix("present_"): v for k, v in outputs.items() if k.startswith("present_")}
+
+
 class OnnxEngine(Engine):
     """An exported model behind the Engine's calls; one call at a time, like Engine."""
 
@@ -57,7 +74,10 @@ class OnnxEngine(Engine):
         self._experts = sorted((n for n in names if n.startswith("expert_ids.")), key=lambda n: int(n.split(".")[1]))
         self.expert_load = ExpertLoad(len(self._experts), cfg.n_experts)
         self._lock = threading.RLock()
-        self._history: Tensor | None = None  # generation: the ids so far, [B, columns]
+        self.kv_cache = any(i.name.startswith("past_") for i in session.get_inputs())
+        self._history: Tensor | None = None  # generation without a cache: the ids so far, [B, columns]
+        self._past: dict[str, np.ndarray] | None = None  # generation with one: the keys and values so far
+        self._decoding = False  # between _prefill and _end_decode of a KV-cache graph
 
     @classmethod
     def load(cls, path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None,
@@ -96,10 +116,13 @@ class OnnxEngine(Engine):
 
     # ---- the model call ----------------------------------------------------------------------------
     def _session_run(self, ids: Tensor, mask: Tensor, count_from: int = 0) -> ModelOutput:
-        """The graph on ids / mask [B, S]; expert load counted for real tokens of columns >= count_from."""
-        feed = {"input_ids": ids.cpu().numpy().astype(np.int64), "attention_mask": mask.cpu().numpy().astype(np.int64)}
+        """The graph on ids [B, S] and mask [B, S] (or [B, P + S] with a cache); expert load counted for the
+        real tokens among ids' columns >= count_from. A decode call keeps the present keys and values."""
+        feed = session_feed(self.session, ids.cpu().numpy(), mask.cpu().numpy(), self._past)
         outs = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feed)))
-        real = mask.bool()[:, count_from:].numpy()
+        if self._past is not None or self._decoding:
+            self._past = presents_as_past(outs)
+        real = mask.bool()[:, mask.shape[1] - ids.shape[1]:][:, count_from:].numpy()
         aux = []
         for name in self._experts:
             ids_TK = torch.from_numpy(outs[name][:, count_from:][real])
@@ -117,17 +140,20 @@ class OnnxEngine(Engine):
             attention_mask = torch.ones_like(input_ids)
         return self._session_run(input_ids, attention_mask)
 
-    # ---- generation by recomputation (see the module docstring) ------------------------------------
+    # ---- generation: the KV-cache graph, or recomputation (see the module docstring) ----------------
     def _prefill(self, ids: Tensor, mask: Tensor, pos: Tensor, length: int) -> Tensor:
+        self._decoding = self.kv_cache
         self._history = ids.cpu()
         return self._session_run(self._history, mask[:, : ids.shape[1]]).logits[:, -1]
 
     def _decode(self, step_ids: Tensor, col: int, mask: Tensor, position_ids: Tensor) -> Tensor:
+        if self.kv_cache:
+            return self._session_run(step_ids, mask[:, : col + 1]).logits[:, -1]
         self._history = torch.cat([self._history, step_ids.cpu()], dim=1)
         return self._session_run(self._history, mask[:, : col + 1], count_from=col).logits[:, -1]
 
     def _end_decode(self) -> None:
-        self._history = None
+        self._history, self._past, self._decoding = None, None, False
 
 
 def _tokenizer(cfg: MoEConfig, meta: dict[str, str]) -> Tokenizer | None:

@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.export.onnx_export import export_onnx
+from moeserve.export.tensorrt import build_engine, unsupported_ops
 from moeserve.runtime.engine import Engine, EngineError, load_engine
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.onnx_engine import OnnxEngine
@@ -59,6 +61,26 @@ def test_scores_generations_routes_and_load_equal_the_torch_engine(lm):
     assert torch.allclose(logits, ref.forward(torch.tensor([[1, 5, 9]])), atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["portable", "fused"])
+def test_kv_cache_export_decodes_like_the_torch_engine(lm, tmp_path, mode):
+    ckpt, _ = lm
+    report = export_onnx(ckpt, tmp_path / "kv.onnx", mode, kv_cache=True)
+    assert report.kv_cache and report.outputs["logits, cached step"]["max_abs_diff"] <= 1e-4
+    ref, got = Engine.load(ckpt, dtype="float32", device="cpu"), load_engine(report.output)
+    assert got.kv_cache
+    prompts = ["def ", "import numpy as np\n", "x"]
+    assert got.generate(prompts, max_new_tokens=12) == ref.generate(prompts, max_new_tokens=12)
+    assert torch.equal(got.expert_load.snapshot(), ref.expert_load.snapshot())  # each token routed once
+    for a, b in zip(got.score(TEXTS), ref.score(TEXTS)):  # scoring feeds an empty cache
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+    names = {i.name for i in got.session.get_inputs()}
+    assert {"past_key.0", "past_value.1"} <= names
+    if mode == "portable":
+        assert unsupported_ops(onnx.load(report.output)) == []
+        with pytest.raises(ValueError, match="KV-cache graph"):
+            build_engine(report.output, tmp_path / "kv.plan")
+
+
 def test_classifier_probabilities_equal_the_torch_engine(tmp_path):
     ckpt = checkpoint(tmp_path, "cls", task="classify", n_classes=3, causal=False, router="softmax")
     onnx_path = Path(export_onnx(ckpt, tmp_path / "cls.onnx", "fused").output)
@@ -66,6 +88,9 @@ def test_classifier_probabilities_equal_the_torch_engine(tmp_path):
     assert torch.allclose(torch.tensor(got), torch.tensor(ref), atol=1e-5)
     with pytest.raises(EngineError, match="language model"):
         load_engine(onnx_path).score(["x"])
+    with pytest.raises(ValueError, match="--kv-cache is for language models"):
+        export_onnx(ckpt, tmp_path / "cls-kv.onnx", "fused", kv_cache=True)
+    assert not (tmp_path / "cls-kv.onnx").exists()
 
 
 def test_load_errors_are_named(lm, tmp_path):
