@@ -12,6 +12,7 @@ from moeserve.config import PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
 from moeserve.runtime import BACKENDS
 
+BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
                                                 PermissionError)
 
@@ -78,8 +79,9 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     cfg = ScoreConfig(
         input=args.input, output=args.output, format=args.format, text_field=args.text_field, id_field=args.id_field,
-        dtype=args.dtype, device=args.device, backend=args.backend, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
-        chunk_size=args.chunk_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
+        dtype=args.dtype, device=args.device, backend=args.backend, batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens, chunk_size=args.chunk_size, resume=args.resume, overwrite=args.overwrite,
+        progress=not args.quiet,
     )
     summary = score_file(args.checkpoint, cfg, log=lambda msg: print(f"moeserve score: {msg}", file=sys.stderr))
     if summary.already_complete:
@@ -102,8 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
                       shutdown_timeout_s=args.shutdown_timeout, threads=args.threads)
     return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
-                 progress=not args.quiet,
-                 access_log=not args.no_access_log, log_level=args.log_level)
+                 progress=not args.quiet, access_log=not args.no_access_log, log_level=args.log_level)
 
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
-    g.add_argument("--backend", default="auto", choices=BACKENDS, help="torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path")
+    g.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "if set, else no auth)")
     sv.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
-    sv.add_argument("--backend", default="auto", choices=BACKENDS, help="torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path")
+    sv.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows per model batch (default: 32)")
     sv.add_argument("--max-batch-tokens", type=int, default=16384, metavar="N",
@@ -288,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the built-in model)")
     et.add_argument("--out", type=Path, required=True, metavar="FILE", help="the engine file to write")
     et.add_argument("--precision", default="fp16", choices=("fp32", "fp16", "bf16"),
-                    help="fp32, fp16 (default) or bf16; tolerances in docs/export.md")
+                    help="fp32, fp16 (default) or bf16; max abs tolerance on logits 1e-4, 5e-2, 2e-1")
     et.add_argument("--max-batch", type=int, default=8, metavar="N", help="largest batch of the profile (default: 8)")
     et.add_argument("--max-seq", type=int, metavar="N", help="longest sequence of the profile (default: the context)")
     et.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations (default: float32, for reproducible scores; auto: bf16 on GPUs "
                    "and CPUs with fast bf16)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: auto: a GPU if there is one)")
-    s.add_argument("--backend", default="auto", choices=BACKENDS, help="torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path")
+    s.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     s.add_argument("--batch-size", type=int, default=64, metavar="N", help="most rows per forward pass (default: 64)")
     s.add_argument("--batch-tokens", type=int, default=16384, metavar="N",
                    help="most tokens per forward pass, padding included (default: 16384)")
@@ -365,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
                          description="Export a checkpoint in each ONNX mode (parity-checked) and time the scoring "
                          "forward (ids -> logits) of the torch Engine in fp32 and of each export on ONNX Runtime's "
-                         "CPU provider, rounds interleaved, at each batch size.")
+                         "CPU provider, at each batch size and length, and greedy generation against a fused "
+                         "--kv-cache export; backends take turns in blocks.")
     bo.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint (default: the built-in default model)")
     bo.add_argument("--batches", type=int, nargs="+", default=[1, 8], metavar="B", help="batch sizes (default: 1 8)")
     bo.add_argument("--seqs", type=int, nargs="+", default=[1, 64], metavar="S",

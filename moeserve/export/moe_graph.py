@@ -184,7 +184,8 @@ def discrete_path(g: Graph, x_TD: str, layer: MoELayer, form: str, hint: str) ->
         x_tilde = v_ED
     else:
         c = cfg.vq_blend_rate
-        x_tilde = g.op("Add", g.op("Mul", g.const(1 - 2 * c, np.float32), x_TD), g.op("Mul", g.const(c, np.float32), v_ED))
+        x_tilde = g.op("Add", g.op("Mul", g.const(1 - 2 * c, np.float32), x_TD),
+                       g.op("Mul", g.const(c, np.float32), v_ED))
     if form == "fused":  # nearest code = top-1 of -distance; the renormalised single gate is 1
         return moe_op(g, x_tilde, g.op("Neg", dist), layer.experts, 1, True, hint), codes
     onehot = g.op("Cast", g.op("Equal", g.unsqueeze(codes, [-1]), g.const(np.arange(cfg.n_experts))), to=FLOAT)

@@ -36,7 +36,8 @@ def norm(g: Graph, x: str, module: torch.nn.Module, hint: str) -> str:
         return g.op("Mul", y, g.weight(np32(module.weight), f"{hint}.weight"))
     d = g.op("Sub", x, g.op("ReduceMean", x, axes=[-1], keepdims=1))
     var = g.op("ReduceMean", g.op("Pow", d, two), axes=[-1], keepdims=1)
-    y = g.op("Mul", g.op("Div", d, g.op("Sqrt", g.op("Add", var, eps))), g.weight(np32(module.weight), f"{hint}.weight"))
+    y = g.op("Div", d, g.op("Sqrt", g.op("Add", var, eps)))
+    y = g.op("Mul", y, g.weight(np32(module.weight), f"{hint}.weight"))
     return g.op("Add", y, g.weight(np32(module.bias), f"{hint}.bias"))
 
 

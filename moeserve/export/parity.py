@@ -1,6 +1,6 @@
 """Parity of an exported graph with the torch model: held-out inputs of several shapes through both,
 the absolute difference per output at real (unpadded) positions, and how often each MoE layer's
-top-1 expert agrees. The export report (report.py) is built from this.
+top-1 expert agrees. The export report (onnx_export.py) is built from this.
 """
 
 from __future__ import annotations

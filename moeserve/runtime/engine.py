@@ -434,7 +434,6 @@ class Engine:
         return routes
 
 
-
 def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "auto", *, threads: int | None = None) -> Engine:
     """A checkpoint directory on torch, or a graph from `moeserve export onnx` on ONNX Runtime
@@ -449,4 +448,3 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | tor
     if is_onnx:
         raise EngineError(f"{path} is an ONNX export; run it with --backend onnx (or auto)")
     return Engine.load(path, dtype=dtype, device=device)
-

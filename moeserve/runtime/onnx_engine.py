@@ -53,7 +53,8 @@ def session_feed(session, ids: np.ndarray, mask: np.ndarray, past: dict[str, np.
     for i in session.get_inputs():
         if i.name.startswith("past_"):
             _, heads, _, head_dim = i.shape
-            feed[i.name] = past[i.name] if past is not None else np.zeros((ids.shape[0], heads, 0, head_dim), np.float32)
+            empty = np.zeros((ids.shape[0], heads, 0, head_dim), np.float32)
+            feed[i.name] = past[i.name] if past is not None else empty
     return feed
 
 
@@ -80,8 +81,7 @@ class OnnxEngine(Engine):
         self._decoding = False  # between _prefill and _end_decode of a KV-cache graph
 
     @classmethod
-    def load(cls, path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None,
-             **_) -> "OnnxEngine":
+    def load(cls, path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None) -> "OnnxEngine":
         try:
             import onnxruntime as ort
         except ImportError as e:
@@ -128,8 +128,8 @@ class OnnxEngine(Engine):
             ids_TK = torch.from_numpy(outs[name][:, count_from:][real])
             counts = torch.bincount(ids_TK.reshape(-1), minlength=self.cfg.n_experts)
             discrete = self.cfg.router == "vq" and self.cfg.vq_mode == "discrete"
-            aux.append(MoEAux(counts, None if discrete else Routing(ids_TK, torch.ones_like(ids_TK, dtype=torch.float32)),
-                              codes=ids_TK[:, 0] if discrete else None))
+            routing = None if discrete else Routing(ids_TK, torch.ones_like(ids_TK, dtype=torch.float32))
+            aux.append(MoEAux(counts, routing, codes=ids_TK[:, 0] if discrete else None))
         self.expert_load.add([a.counts for a in aux])
         return ModelOutput(torch.from_numpy(outs["logits"]), aux)
 

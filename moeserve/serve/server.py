@@ -39,10 +39,12 @@ def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto
         checkpoint = default_model_path(progress=progress)
         cfg.model_name = cfg.model_name or DEFAULT_MODEL_NAME
     path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir() and path.suffix != ".onnx" and backend != "onnx":
+        raise NotADirectoryError(f"checkpoint {str(path)!r} is not a directory (nor an .onnx export)")
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(message)s")
     app = create_app(lambda: load_engine(path, backend, dtype=dtype, device=device, threads=cfg.threads), cfg)
     state: ServerState = app.state.serve
