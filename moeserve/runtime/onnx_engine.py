@@ -71,8 +71,9 @@ class OnnxEngine(Engine):
         self.model = None  # no torch model: every model call goes through the session
         self.cfg, self.tokenizer = cfg, tokenizer
         self.name, self.path = name, path
-        names = [o.name for o in session.get_outputs()]
-        self._experts = sorted((n for n in names if n.startswith("expert_ids.")), key=lambda n: int(n.split(".")[1]))
+        self._outputs = [o.name for o in session.get_outputs()]
+        self._experts = sorted((n for n in self._outputs if n.startswith("expert_ids.")),
+                               key=lambda n: int(n.split(".")[1]))
         self.expert_load = ExpertLoad(len(self._experts), cfg.n_experts)
         self._lock = threading.RLock()
         self.kv_cache = any(i.name.startswith("past_") for i in session.get_inputs())
@@ -119,7 +120,7 @@ class OnnxEngine(Engine):
         """The graph on ids [B, S] and mask [B, S] (or [B, P + S] with a cache); expert load counted for the
         real tokens among ids' columns >= count_from. A decode call keeps the present keys and values."""
         feed = session_feed(self.session, ids.cpu().numpy(), mask.cpu().numpy(), self._past)
-        outs = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feed)))
+        outs = dict(zip(self._outputs, self.session.run(None, feed)))
         if self._past is not None or self._decoding:
             self._past = presents_as_past(outs)
         real = mask.bool()[:, mask.shape[1] - ids.shape[1]:][:, count_from:].numpy()
