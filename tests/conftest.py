@@ -1,7 +1,14 @@
 """Fixtures shared across the test tree."""
 
+import os
+
 import pytest
 import torch
+
+# Engines in tests take the unmeasured default dispatch plan: a timed calibration would make the path a
+# test runs depend on the machine's load, and cost seconds per model shape. The calibration itself is
+# tested in tests/runtime/test_calibration.py, with its own cache directory; subprocesses inherit this.
+os.environ["MOESERVE_CALIBRATION"] = "off"
 
 
 @pytest.fixture(scope="module")

@@ -126,6 +126,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     from moeserve.export.graph import OPSET
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
+    from moeserve.runtime.calibration import DispatchPlan
     from moeserve.runtime.engine import Engine
 
     if mode not in MODES:
@@ -138,7 +139,8 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     if kv_cache and cfg.task != "lm":
         raise ExportError(f"--kv-cache is for language models; this model's task is {cfg.task!r}")
     model = model.float()
-    model.prepare_inference(pack=False)  # builds VQ tables; the graph reads the plain weights
+    plain = DispatchPlan()  # plain weights: the graph reads them, and the parity reference runs them
+    model.prepare_inference(plain)  # builds VQ tables
     metadata = {"moeserve.checkpoint": str(ckpt.path)}
     if (ckpt.path / "tokenizer.json").is_file() and cfg.tokenizer == "hf":
         metadata["moeserve.tokenizer_json"] = (ckpt.path / "tokenizer.json").read_text(encoding="utf-8")
@@ -153,7 +155,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
         onnx.save_model(proto, tmp, save_as_external_data=external, location=data.name if external else None)
         log("checking parity with the torch model on held-out inputs")
         session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
-        parity = check(session, Engine(model, name=ckpt.path.name))
+        parity = check(session, Engine(model, name=ckpt.path.name, plan=plain))
         del session
         tol = TOLERANCE["float32"]
         passed = all(d.max_abs <= tol for d in parity.outputs.values())

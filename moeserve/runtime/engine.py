@@ -23,7 +23,8 @@ from torch import Tensor
 
 from moeserve.config import MoEConfig
 from moeserve.runtime import BACKENDS
-from moeserve.runtime.device import cpu_has_fast_bf16
+from moeserve.runtime.calibration import DispatchPlan, ExpertShape, plan_for, resolve_mode
+from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.tokenizer import Tokenizer
 
@@ -45,15 +46,20 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto': bf16 on GPUs and on CPUs with native bf16 GEMMs (AMX / AVX512-BF16), else fp32."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
+    """'auto': bf16 on GPUs and on CPUs with native bf16 GEMMs (AMX / AVX512-BF16), else fp32. Any dtype
+    torch runs here is accepted, fast or not (bf16 on an AVX2-only CPU runs, slowly); one it cannot run
+    is an EngineError naming it, not a traceback from the first forward pass."""
     if dtype == "auto":
         fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
         return torch.bfloat16 if fast else torch.float32
-    if dtype not in DTYPES:
+    if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
         raise EngineError(f"dtype {dtype!r}: expected 'auto' or one of {', '.join(sorted(DTYPES))}")
-    return DTYPES[dtype]
+    dt = DTYPES.get(dtype, dtype)
+    why = dtype_unsupported(str(device), dt)
+    if why is not None:
+        raise EngineError(f"dtype {str(dt).removeprefix('torch.')} does not run on this {device.type} with torch "
+                          f"{torch.__version__} ({why}); use float32")
+    return dt
 
 
 class ExpertLoad:
@@ -160,32 +166,41 @@ def _filter_logits(logits_V: Tensor, p: SamplingParams) -> Tensor:
 
 class Engine:
     """A model, its tokenizer, and the expert-load counter; one call at a time (a lock guards the
-    model, whose KV cache is per call)."""
+    model, whose KV cache is per call).
+
+    The model is laid out by a DispatchPlan (calibration.py): `plan` if given, else the one measured
+    for this model's shapes on this machine (cached after the first time; `calibration` 'off' takes the
+    unmeasured defaults, 'redo' measures again; None: $MOESERVE_CALIBRATION, else 'auto')."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *, name: str = "model",
-                 path: Path | None = None, pack: bool | None = None):
+                 path: Path | None = None, plan: DispatchPlan | None = None, calibration: str | None = None):
         self.model = model.eval()
         self.cfg: MoEConfig = model.cfg
         self.tokenizer = tokenizer
         self.name, self.path = name, path
         self.expert_load = ExpertLoad(len(model.moe_layers), self.cfg.n_experts)
         self._lock = threading.RLock()
-        model.prepare_inference(pack=pack)
+        if plan is None:
+            shape = ExpertShape.of(self.cfg) if model.moe_layers else None
+            plan = plan_for(shape, self.device, self.dtype, calibration)
+        self.plan = model.prepare_inference(plan)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-             *, verify: bool = True, pack: bool | None = None) -> "Engine":
+             *, verify: bool = True, plan: DispatchPlan | None = None, calibration: str | None = None) -> "Engine":
         """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`."""
         from moeserve.checkpoint import load_model
         from moeserve.tokenizer import load_checkpoint_tokenizer
 
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        resolve_mode(calibration)  # a bad mode is named before the weights are read
         model, ckpt = load_model(path, verify=verify)
         model = model.to(device=dev, dtype=dt)
         tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
-        return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, pack=pack)
+        return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,
+                   calibration=calibration)
 
     @classmethod
     def from_model(cls, model: Transformer, tokenizer: Tokenizer | None = None, dtype: str | torch.dtype = "float32",
@@ -435,9 +450,11 @@ class Engine:
 
 
 def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | torch.dtype = "auto",
-                device: str | torch.device = "auto", *, threads: int | None = None) -> Engine:
+                device: str | torch.device = "auto", *, threads: int | None = None,
+                calibration: str | None = None) -> Engine:
     """A checkpoint directory on torch, or a graph from `moeserve export onnx` on ONNX Runtime
-    (runtime/onnx_engine.py); backend 'auto' goes by the path: a .onnx file is an export."""
+    (runtime/onnx_engine.py); backend 'auto' goes by the path: a .onnx file is an export. `calibration`
+    is the torch Engine's (an ONNX Runtime session chooses its own kernels)."""
     if backend not in BACKENDS:
         raise EngineError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     is_onnx = Path(path).suffix == ".onnx"
@@ -447,4 +464,4 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | tor
         return OnnxEngine.load(path, dtype=str(dtype), device=str(device), threads=threads)
     if is_onnx:
         raise EngineError(f"{path} is an ONNX export; run it with --backend onnx (or auto)")
-    return Engine.load(path, dtype=dtype, device=device)
+    return Engine.load(path, dtype=dtype, device=device, calibration=calibration)

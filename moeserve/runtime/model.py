@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.config import MoEConfig
+from moeserve.runtime.calibration import DispatchPlan, default_plan
 from moeserve.runtime.experts import FeedForward
 from moeserve.runtime.moe import MoEAux, MoELayer
-from moeserve.runtime.packing import onednn_packing_available, pack_linears_, pack_weight, packed_linear
+from moeserve.runtime.packing import pack_linears_, pack_weight, packed_linear, unpack_linears_
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -148,19 +149,23 @@ class Transformer(nn.Module):
                 layer.router.constrain_()
 
     @torch.no_grad()
-    def prepare_inference(self, pack: bool | None = None, **kwargs) -> None:
-        """Lay out the model for inference: fused experts and VQ tables in every MoE layer (kwargs go to
-        Experts.prepare_inference) and, where oneDNN packing is available (pack=None) or asked for, every
-        other linear map packed too (packing.py). Call again after changing weights, dtype or device."""
+    def prepare_inference(self, plan: DispatchPlan | None = None) -> DispatchPlan:
+        """Lay out the model for inference as `plan` says (calibration.py; None: the defaults for this
+        device and dtype, unmeasured): fused experts and VQ tables in every MoE layer, packed or plain,
+        with the plan's dispatch thresholds, and every other linear map packed or plain. Call again after
+        changing weights, dtype or device."""
         w = self.tok_embeddings.weight
-        pack = onednn_packing_available(w.device, w.dtype) if pack is None else pack
+        plan = plan or default_plan(w.device, w.dtype)
         for layer in self.moe_layers:
-            layer.prepare_inference(pack=pack, **kwargs)
+            layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max)
         self.head_packed = None
-        if pack:
+        if plan.pack_dense:
             pack_linears_(self)
             if self.cfg.task == "lm" and self.cfg.tie_embeddings:
                 self.head_packed = pack_weight(w)
+        else:
+            unpack_linears_(self)
+        return plan
 
     # ---- KV cache -------------------------------------------------------------------------
     def setup_cache(self, batch: int, max_len: int | None = None) -> None:

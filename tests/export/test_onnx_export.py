@@ -32,6 +32,7 @@ from moeserve.checkpoint import save_checkpoint  # noqa: E402
 from moeserve.config import preset  # noqa: E402
 from moeserve.export.onnx_export import export_onnx  # noqa: E402
 from moeserve.export.onnx_graph import build_graph  # noqa: E402
+from moeserve.runtime.calibration import DispatchPlan  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
 from moeserve.runtime.model import Transformer  # noqa: E402
 
@@ -203,7 +204,7 @@ class Zoo:
     def model(self, name: str) -> Transformer:
         if name not in self._models:
             model = make_model(name)
-            model.prepare_inference(pack=False)  # builds the VQ tables build_graph reads
+            model.prepare_inference(DispatchPlan())  # builds the VQ tables build_graph reads
             self._models[name] = model
         return self._models[name]
 

@@ -15,6 +15,7 @@ from moeserve.export.onnx_export import ExportError, export_onnx
 from moeserve.export.onnx_graph import build_graph
 from moeserve.export.tensorrt import (OPS_FILE, TENSORRT_PRECISIONS, build_engine, supported_ops, tensorrt_missing,
                                       unsupported_ops)
+from moeserve.runtime.calibration import DispatchPlan
 from moeserve.runtime.model import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def tiny_graph(router: str, mode: str) -> onnx.ModelProto:
     torch.manual_seed(0)
     model = Transformer(preset("tiny", router=router)).float()
-    model.prepare_inference(pack=False)
+    model.prepare_inference(DispatchPlan())
     with torch.no_grad():
         return build_graph(model, mode)[0]
 

@@ -29,6 +29,7 @@ import torch
 
 import moeserve.runtime.experts as experts_mod
 from moeserve.config import MoEConfig
+from moeserve.runtime import device
 from moeserve.runtime.experts import (
     Experts,
     InferenceWeights,
@@ -465,6 +466,26 @@ def test_layer_inference_bf16(name, path, pack):
         ref = moe_reference(v, codes[:, None], torch.ones(codes.shape[0], 1), ex.w1.float(), ex.w2.float(),
                             ex.w3.float())
         check_bf16(y.reshape(-1, LD), ref.detach())
+
+
+@pytest.mark.parametrize("onednn_bf16", ["this cpu", "forced off"])
+@pytest.mark.parametrize("path", list(FORCE))
+def test_bf16_layout_follows_the_packing_probe(monkeypatch, onednn_bf16, path):
+    """prepare_inference's default in bf16 packs only where oneDNN can (AVX512 / AMX); elsewhere the weights
+    stay plain and every path still equals the reference. The plain side is forced on every machine."""
+    if onednn_bf16 == "forced off":
+        monkeypatch.setattr(device, "onednn_bf16_available", lambda: False)
+    layer = make_layer("softmax", 2, torch.bfloat16)
+    x = layer_input(2, 40).bfloat16()
+    with torch.no_grad():
+        y_sorted = layer(x)
+        gather_max, grouped_mm = FORCE[path]
+        w = layer.experts.prepare_inference(grouped_mm=grouped_mm, gather_max=gather_max)
+        assert w.packed == onednn_packing_available("cpu", torch.bfloat16)
+        if onednn_bf16 == "forced off":
+            assert not w.packed
+        y = layer(x)
+    torch.testing.assert_close(y.float(), y_sorted.float(), atol=BF16_TOL, rtol=BF16_TOL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from moeserve.config import preset
+from moeserve.runtime import device
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams, resolve_dtype
 from moeserve.runtime.model import Transformer
+from moeserve.runtime.packing import PackedLinear, onednn_packing_available
 from moeserve.tokenizer import ByteTokenizer
 
 PROMPTS = ["def f(x):", "import os\nimport sys\nclass A:\n", "a", "x = [1, 2,"]
@@ -93,7 +95,7 @@ def test_eos_ends_a_row():
     with torch.no_grad():  # make <eos> the certain next token
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] *= 0
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] += 50 * eng.model.norm.weight.sign()
-    eng.model.prepare_inference()  # packed copies follow weight edits only when re-prepared
+    eng.model.prepare_inference(eng.plan)  # packed copies follow weight edits only when re-prepared
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=10)])[0]
     assert c.token_ids == [] and c.finish_reason == "stop"
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=3, ignore_eos=True)])[0]
@@ -196,13 +198,24 @@ def test_dtype_resolution():
         resolve_dtype("int8", cpu)
 
 
-def test_bf16_engine_generates_like_fp32_at_first_tokens():
+@pytest.mark.parametrize("onednn_bf16", ["this cpu", "forced off"])
+def test_bf16_engine_generates_like_fp32_at_first_tokens(monkeypatch, onednn_bf16):
+    """bf16 on the machine's own path, and on the unpacked fallback forced on every machine (AVX2-only CPUs
+    take it for real). The fp32 engine's model is packed in place where fp32 packing is the default; its
+    bf16 copy must come out laid out for bf16, never holding the fp32 packed weights."""
+    if onednn_bf16 == "forced off":
+        monkeypatch.setattr(device, "onednn_bf16_available", lambda: False)
     fp32 = make_engine()
     bf16 = Engine.from_model(make_engine().model, ByteTokenizer(), dtype="bfloat16")
+    packed = onednn_packing_available("cpu", torch.bfloat16)
+    assert bf16.plan.pack_dense == bf16.plan.pack_experts == packed
+    assert any(isinstance(m, PackedLinear) for m in bf16.model.modules()) == packed
+    assert all(layer.experts.inference.packed == packed for layer in bf16.model.moe_layers)
     a = fp32.forward(torch.tensor([fp32.encode("def f(x): return x")]))
     b = bf16.forward(torch.tensor([bf16.encode("def f(x): return x")]))
     assert b.dtype == torch.float32 and bf16.dtype == torch.bfloat16
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+    assert len(bf16.generate("def ", max_new_tokens=8)[0].encode()) > 0
 
 
 def test_tiny_temperature_and_top_p_are_greedy_not_nan():

@@ -1,0 +1,337 @@
+"""How this machine runs a model: weight layout and dispatch path, measured here rather than assumed.
+
+Three choices decide an MoE model's speed on a CPU, and their best answers differ from CPU to CPU:
+
+  pack_dense, pack_experts   oneDNN-packed weights or plain ones (packing.py). Packing made fp32 GEMMs
+                             2.4x faster on an AVX512 EPYC and slower on an AVX2 one, and bf16 weights
+                             cannot be packed at all without AVX512 (device.onednn_bf16_available).
+  gather_max                 up to how many tokens the gather path beats the grouped one (experts.py)
+  grouped_mm                 for many tokens, one grouped_mm call or a loop over the experts
+
+`plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend
+on the values) the first time a shape is loaded on a machine, and caches the plan as JSON under the
+cache directory, keyed by the CPU, torch's thread count and version, the dtype and the shape: a few
+seconds, once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo"
+measures again. On CUDA the defaults stand (grouped_mm for many tokens): the CUDA choices have not been
+measured on a GPU yet.
+
+How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
+packed with a loop) is timed at token counts 1, 2, 4, ..., 256 on the path it would take there (gather
+up to its own crossover, grouped beyond). The winner is the configuration whose times are closest to
+the best measured time at every count (geometric mean of time / best), so that one fast at decode but
+slow at prefill cannot win on a sum that the largest count dominates. Within 2% of the winner, the
+simpler configuration (plain before packed, a loop before grouped_mm) is kept: that is noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.cache import cache_root
+from moeserve.config import MoEConfig
+from moeserve.runtime.device import cpu_name
+from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
+from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
+
+VERSION = 1  # bump when what is measured or how it is decided changes: older cache files are then ignored
+MODES = ("auto", "off", "redo")
+ENV = "MOESERVE_CALIBRATION"
+TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DENSE_TOKENS = (1, 16, 128)
+BUDGET_S = 3.0  # the ladder stops growing past this; each count still gets MIN_ROUNDS
+MIN_ROUNDS, MAX_ROUNDS = 3, 25
+TIE = 1.02  # within 2% of the best score, the simpler configuration wins
+
+# configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first
+CONFIGS: dict[str, tuple[str, str, bool, bool]] = {
+    "plain": ("gather/plain", "grouped/plain", False, False),
+    "plain + grouped_mm": ("gather/plain", "grouped_mm/plain", False, True),
+    "packed": ("gather/packed", "grouped/packed", True, False),
+}
+
+log = logging.getLogger("moeserve.runtime")
+
+
+class CalibrationError(ValueError):
+    """A calibration mode other than auto, off or redo."""
+
+
+@dataclass
+class DispatchPlan:
+    """The choices the model's inference layout is built from (Transformer.prepare_inference)."""
+
+    pack_dense: bool = False  # attention, dense FFN and tied LM-head weights oneDNN-packed
+    pack_experts: bool = False  # expert weights oneDNN-packed
+    grouped_mm: bool = False  # many tokens: one grouped_mm call instead of a loop over the experts
+    gather_max: int = 1  # at most this many tokens: the gather path
+    source: str = "default"  # default (not measured), measured (now), cached (measured before, on this machine)
+    reason: str = ""  # the measurements that decided, in words
+    timings: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)  # ms per candidate per count
+
+    def describe(self) -> str:
+        grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
+        return (f"experts {'packed' if self.pack_experts else 'plain'}, gather path up to {self.gather_max} "
+                f"token{'s' if self.gather_max != 1 else ''} then {grouped}; dense layers "
+                f"{'packed' if self.pack_dense else 'plain'} ({self.source})")
+
+
+def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "not measured") -> DispatchPlan:
+    """Without measuring: packed wherever oneDNN can pack, gather for one token, grouped_mm on CUDA."""
+    pack = onednn_packing_available(device, dtype)
+    return DispatchPlan(pack, pack, torch.device(device).type == "cuda", 1, "default", reason)
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What the time of an MoE layer depends on."""
+
+    d_model: int
+    d_ff: int
+    n_experts: int
+    top_k: int
+    act: str
+
+    @classmethod
+    def of(cls, cfg: MoEConfig) -> "ExpertShape":
+        discrete = cfg.router == "vq" and cfg.vq_mode == "discrete"  # one expert per token
+        return cls(cfg.d_model, cfg.d_ff, cfg.n_experts, 1 if discrete else cfg.top_k, cfg.expert_act)
+
+
+def resolve_mode(mode: str | None = None) -> str:
+    """`mode`, else $MOESERVE_CALIBRATION, else auto."""
+    value = mode if mode is not None else os.environ.get(ENV, "auto")
+    if value not in MODES:
+        where = f"${ENV}" if mode is None else "calibration"
+        raise CalibrationError(f"{where} = {value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def plan_for(shape: ExpertShape | None, device: torch.device | str, dtype: torch.dtype, mode: str | None = None,
+             root: Path | None = None) -> DispatchPlan:
+    """The plan for a model of `shape` (None: no MoE layer) on this machine: cached, measured now, or
+    the default where calibration is off or does not apply."""
+    mode = resolve_mode(mode)
+    if mode == "off":
+        return default_plan(device, dtype, f"calibration off ({ENV}=off)")
+    if torch.device(device).type != "cpu":
+        return default_plan(device, dtype, "CUDA: defaults (not calibrated on a GPU yet)")
+    if shape is None:
+        return default_plan(device, dtype, "no MoE layer to calibrate")
+    key = calibration_key(shape, dtype)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = (root or cache_root()) / "calibration" / f"{digest}.json"
+    if mode == "auto":
+        cached = _read(path, key)
+        if cached is not None:
+            return cached
+    t0 = time.perf_counter()
+    plan = calibrate(shape, dtype)
+    seconds = time.perf_counter() - t0
+    log.info("calibrated %s on this CPU in %.1f s: %s", _shape_text(shape, dtype), seconds, plan.describe())
+    _write(path, key, plan, seconds)
+    return plan
+
+
+def calibration_key(shape: ExpertShape, dtype: torch.dtype) -> dict:
+    return {"version": VERSION, "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": _name(dtype),
+            "shape": asdict(shape)}
+
+
+# ---- measuring --------------------------------------------------------------------------------
+def calibrate(shape: ExpertShape, dtype: torch.dtype, budget_s: float = BUDGET_S) -> DispatchPlan:
+    """Time every candidate on this CPU and choose (module docstring)."""
+    g = torch.Generator().manual_seed(0)
+    E, D, Fh = shape.n_experts, shape.d_model, shape.d_ff
+
+    def weight(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=g) * dims[-1] ** -0.5).to(dtype)
+
+    w1, w2 = weight(E, Fh, D), weight(E, D, Fh)
+    w3 = weight(E, Fh, D) if shape.act == "swiglu" else None
+    layouts = {"plain": fuse_expert_weights(w1, w2, w3, shape.act, pack=False)}
+    skipped: dict[str, str] = {}
+    if onednn_packing_available("cpu", dtype):
+        layouts["packed"] = fuse_expert_weights(w1, w2, w3, shape.act, pack=True)
+    else:
+        skipped["packed"] = f"oneDNN cannot pack {_name(dtype)} weights on this CPU"
+    gmm = fuse_expert_weights(w1, w2, w3, shape.act, pack=False, grouped_mm=True)
+    why_not_gmm = _fails(lambda: moe_grouped(*_routing(shape, 8, dtype, g), gmm))
+    if why_not_gmm is None:
+        layouts["grouped_mm"] = gmm
+    else:
+        skipped["plain + grouped_mm"] = f"grouped_mm does not run here ({why_not_gmm})"
+
+    candidates: dict[str, tuple[Callable, InferenceWeights]] = {}
+    for name, w in layouts.items():
+        if name != "grouped_mm":
+            candidates[f"gather/{name}"] = (moe_gather, w)
+            candidates[f"grouped/{name}"] = (moe_grouped, w)
+    if "grouped_mm" in layouts:
+        candidates["grouped_mm/plain"] = (moe_grouped, layouts["grouped_mm"])
+
+    timings: dict[str, dict[int, float]] = {name: {} for name in candidates}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i, T in enumerate(TOKEN_COUNTS):
+            if i >= 2 and time.perf_counter() - start > budget_s:
+                break
+            args = _routing(shape, T, dtype, g)
+            ms = _interleaved({n: (lambda fn=fn, w=w: fn(*args, w)) for n, (fn, w) in candidates.items()},
+                              budget_s / len(TOKEN_COUNTS))
+            for n, t in ms.items():
+                timings[n][T] = t
+        timings.update(_dense_timings(D, dtype, g, budget_s / len(TOKEN_COUNTS)))
+    return choose(timings, skipped)
+
+
+def _routing(shape: ExpertShape, T: int, dtype: torch.dtype, g: torch.Generator):
+    """x [T, D], K distinct experts per token drawn uniformly, positive gates: a balanced router."""
+    x = torch.randn(T, shape.d_model, generator=g).to(dtype)
+    ids = torch.rand(T, shape.n_experts, generator=g).argsort(dim=-1)[:, : shape.top_k]
+    gates = torch.rand(T, shape.top_k, generator=g).to(dtype)
+    return x, ids, gates
+
+
+def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: float) -> dict[str, dict[int, float]]:
+    """A [D, D] projection (attention's shape) plain and packed."""
+    if not onednn_packing_available("cpu", dtype):
+        return {}
+    w = (torch.randn(D, D, generator=g) * D**-0.5).to(dtype)
+    packed = pack_weight(w)
+    out: dict[str, dict[int, float]] = {"linear/plain": {}, "linear/packed": {}}
+    for T in DENSE_TOKENS:
+        x = torch.randn(T, D, generator=g).to(dtype)
+        ms = _interleaved({"linear/plain": lambda: F.linear(x, w), "linear/packed": lambda: packed_linear(x, packed)},
+                          min_time)
+        for n, t in ms.items():
+            out[n][T] = t
+    return out
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], min_time: float) -> dict[str, float]:
+    """Median ms per call, the candidates taking turns within each round so that the machine's drift
+    (a 2-core VM's speed wanders by 15%) hits all of them alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or time.perf_counter() - start < min_time):
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[n].append((time.perf_counter() - t0) * 1e3)
+        rounds += 1
+    return {n: round(statistics.median(ts), 4) for n, ts in times.items()}
+
+
+def _fails(fn: Callable[[], object]) -> str | None:
+    try:
+        with torch.inference_mode():
+            fn()
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        return str(e).splitlines()[0][:160]
+    return None
+
+
+# ---- choosing ---------------------------------------------------------------------------------
+def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None = None) -> DispatchPlan:
+    """The plan from measured times (module docstring): pure, so that tests can hand it any timings."""
+    counts = sorted(timings["gather/plain"])
+    expert = [n for n in timings if not n.startswith("linear/")]
+    best = {T: min(timings[n][T] for n in expert) for T in counts}
+    scores: dict[str, tuple[float, int]] = {}
+    for name, (gather, grouped, _, _) in CONFIGS.items():
+        if gather not in timings or grouped not in timings:
+            continue
+        g, m = timings[gather], timings[grouped]
+        gather_max = 0
+        for T in counts:
+            if g[T] > m[T]:
+                break
+            gather_max = T
+        ratios = [(g[T] if T <= gather_max else m[T]) / best[T] for T in counts]
+        scores[name] = (math.exp(statistics.fmean(math.log(r) for r in ratios)), gather_max)
+    top = min(s for s, _ in scores.values())
+    name = next(n for n, (s, _) in scores.items() if s <= top * TIE)
+    _, _, pack_experts, grouped_mm = CONFIGS[name]
+    gather_max = scores[name][1]
+
+    pack_dense, dense_text = False, "dense layers plain (oneDNN cannot pack this dtype here)"
+    if "linear/packed" in timings:
+        ratio = _geomean_ratio(timings["linear/packed"], timings["linear/plain"])
+        pack_dense = ratio * TIE < 1
+        dense_text = f"dense layers {'packed' if pack_dense else 'plain'} (packed/plain time {ratio:.2f}x)"
+    others = "; ".join(f"{n} {s:.2f}x" for n, (s, _) in scores.items() if n != name)
+    crossover = _crossover_text(timings[CONFIGS[name][0]], timings[CONFIGS[name][1]], gather_max, counts)
+    reason = (f"experts {name}: {scores[name][0]:.2f}x the best time per token count ({others or 'no other candidate'})"
+              f"; {crossover}; {dense_text}")
+    if skipped:
+        reason += "; not candidates: " + "; ".join(f"{n}: {why}" for n, why in skipped.items())
+    return DispatchPlan(pack_dense, pack_experts, grouped_mm, gather_max, "measured", reason, timings)
+
+
+def _geomean_ratio(a: dict[int, float], b: dict[int, float]) -> float:
+    return math.exp(statistics.fmean(math.log(a[T] / b[T]) for T in a))
+
+
+def _crossover_text(gather: dict[int, float], grouped: dict[int, float], gather_max: int, counts: list[int]) -> str:
+    after = next((T for T in counts if T > gather_max), None)
+    if after is None:
+        return f"gather faster at every count up to {gather_max}"
+    at = [f"gather {gather[T]:.3g} vs grouped {grouped[T]:.3g} ms at {T}" for T in (gather_max, after) if T]
+    return f"gather path up to {gather_max} token{'s' if gather_max != 1 else ''} ({', '.join(at)})"
+
+
+# ---- the cache file ---------------------------------------------------------------------------
+def _read(path: Path, key: dict) -> DispatchPlan | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:  # a hash collision or a hand-edited file: measure rather than trust it
+            raise ValueError("its key is for another machine, torch, dtype or shape")
+        plan = DispatchPlan(**{**data["plan"], "source": "cached"})
+        plan.timings = {n: {int(T): float(ms) for T, ms in row.items()} for n, row in plan.timings.items()}
+        return plan
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("calibration file %s is unusable (%s); measuring again", path, e)
+        return None
+
+
+def _write(path: Path, key: dict, plan: DispatchPlan, seconds: float) -> None:
+    record = {"key": key, "plan": asdict(plan), "seconds": round(seconds, 2),
+              "measured": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a re-measure next time, nothing else
+        log.warning("could not save the calibration to %s (%s); it will be measured again next time", path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shape_text(shape: ExpertShape, dtype: torch.dtype) -> str:
+    return (f"MoE dispatch (D {shape.d_model}, F {shape.d_ff}, E {shape.n_experts}, k {shape.top_k}, "
+            f"{shape.act}, {_name(dtype)})")

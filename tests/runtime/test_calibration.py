@@ -1,0 +1,251 @@
+"""Dispatch calibration: the choice from measured times (pure, any timings), the measuring on this machine,
+the cache (per machine, torch, dtype and shape; redo, off, corrupt or unwritable files), and an Engine laid
+out by the plan it gets, giving the same answers as the unmeasured defaults."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from moeserve.config import preset
+from moeserve.runtime import calibration as cal
+from moeserve.runtime import device
+from moeserve.runtime.calibration import (
+    CalibrationError,
+    DispatchPlan,
+    ExpertShape,
+    calibrate,
+    choose,
+    default_plan,
+    plan_for,
+)
+from moeserve.runtime.engine import Engine
+from moeserve.runtime.model import Transformer
+from moeserve.runtime.packing import PackedLinear, onednn_packing_available
+from moeserve.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SHAPE = ExpertShape(d_model=32, d_ff=48, n_experts=4, top_k=2, act="swiglu")  # a call takes ~0.1 ms
+COUNTS = (1, 2, 4, 8, 16)
+
+
+def timings(**rows: list[float]) -> dict[str, dict[int, float]]:
+    """Candidate name (with / for __) -> ms at COUNTS."""
+    return {name.replace("__", "/"): dict(zip(COUNTS, ms)) for name, ms in rows.items()}
+
+
+# ---- choose: times in, plan out --------------------------------------------------------------
+def test_packed_wins_where_it_is_faster_at_every_count():
+    t = timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2.5, 3, 6, 10],
+                gather__packed=[0.5, 1, 2, 4, 8], grouped__packed=[1, 1.2, 1.5, 3, 5])
+    t["linear/plain"], t["linear/packed"] = {1: 1.0, 16: 2.0}, {1: 0.5, 16: 1.0}
+    plan = choose(t)
+    assert (plan.pack_experts, plan.grouped_mm, plan.gather_max, plan.pack_dense) == (True, False, 2, True)
+    assert plan.source == "measured" and plan.reason.startswith("experts packed: 1.00x")
+    assert "plain 2.00x" in plan.reason and "dense layers packed (packed/plain time 0.50x)" in plan.reason
+
+
+def test_the_crossover_is_the_last_count_before_grouped_first_wins():
+    base = dict(grouped__plain=[2, 2, 2, 2, 2])
+    assert choose(timings(gather__plain=[1, 1, 1, 3, 1], **base)).gather_max == 4  # a later win does not count
+    assert choose(timings(gather__plain=[3, 1, 1, 1, 1], **base)).gather_max == 0  # grouped even for one token
+    plan = choose(timings(gather__plain=[1, 1, 1, 1, 1], **base))
+    assert plan.gather_max == 16 and "gather faster at every count up to 16" in plan.reason
+
+
+def test_the_score_is_relative_at_every_count_not_a_sum_of_times():
+    """packed 2x faster at 1 token but 3x slower from 4 on: plain. Then packed 2x faster up to 4 tokens and
+    10% slower at 8 and 16: packed, although its summed time is the larger (35.5 vs 35 ms): the largest
+    count must not decide alone."""
+    t = timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 2, 2, 2],
+                gather__packed=[0.5, 3, 6, 24, 48], grouped__packed=[1, 3, 6, 6, 6])
+    assert not choose(t).pack_experts
+    t = timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 2, 10, 20],
+                gather__packed=[0.5, 1, 2, 20, 40], grouped__packed=[1, 1, 1, 11, 22])
+    plan = choose(t)
+    assert plan.pack_experts and plan.gather_max == 2
+
+
+def test_within_two_percent_the_simpler_configuration_is_kept():
+    t = timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 2, 2, 2],
+                gather__packed=[0.99, 2, 4, 8, 16], grouped__packed=[2, 1.98, 1.98, 1.98, 1.98],
+                grouped_mm__plain=[2, 1.99, 1.99, 1.99, 1.99])
+    plan = choose(t)
+    assert not plan.pack_experts and not plan.grouped_mm
+    t["grouped_mm/plain"] = {T: 1.0 for T in COUNTS}
+    plan = choose(t)
+    assert plan.grouped_mm and not plan.pack_experts
+
+
+def test_missing_candidates_are_named():
+    plan = choose(timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 2, 2, 2]),
+                  {"packed": "oneDNN cannot pack bfloat16 weights on this CPU"})
+    assert not plan.pack_experts and not plan.pack_dense
+    assert "not candidates: packed: oneDNN cannot pack bfloat16" in plan.reason
+    assert "dense layers plain (oneDNN cannot pack this dtype here)" in plan.reason
+
+
+# ---- calibrate: measured here -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_calibrate_times_every_candidate_this_cpu_can_run(dtype):
+    plan = calibrate(SHAPE, dtype, budget_s=0.5)
+    can_pack = onednn_packing_available("cpu", dtype)
+    assert ("gather/packed" in plan.timings) == can_pack and ("linear/packed" in plan.timings) == can_pack
+    assert {"gather/plain", "grouped/plain"} <= set(plan.timings)
+    counts = sorted(plan.timings["gather/plain"])
+    assert counts == list(cal.TOKEN_COUNTS[: len(counts)]) and len(counts) >= 2
+    assert all(ms > 0 for row in plan.timings.values() for ms in row.values())
+    assert plan.pack_experts <= can_pack and plan.pack_dense <= can_pack and plan.gather_max in (0, *counts)
+    again = choose(plan.timings)  # the choice is choose()'s, on what was measured
+    assert (again.pack_dense, again.pack_experts, again.grouped_mm, again.gather_max) == (
+        plan.pack_dense, plan.pack_experts, plan.grouped_mm, plan.gather_max)
+
+
+def test_calibrate_without_onednn_bf16_measures_only_plain_weights(monkeypatch):
+    """The fallback side of the probe on every machine: bf16 calibrated without packed candidates."""
+    monkeypatch.setattr(device, "onednn_bf16_available", lambda: False)
+    plan = calibrate(SHAPE, torch.bfloat16, budget_s=0.3)
+    assert not plan.pack_experts and not plan.pack_dense
+    assert not any("packed" in name for name in plan.timings)
+    assert "oneDNN cannot pack bfloat16 weights on this CPU" in plan.reason
+
+
+# ---- plan_for: the cache -------------------------------------------------------------------------
+def cache_files(root):
+    return sorted((root / "calibration").glob("*.json")) if (root / "calibration").exists() else []
+
+
+def test_measured_once_then_read_from_the_cache(tmp_path):
+    first = plan_for(SHAPE, "cpu", torch.float32, "auto", root=tmp_path)
+    assert first.source == "measured"
+    [path] = cache_files(tmp_path)
+    record = json.loads(path.read_text())
+    assert record["key"]["shape"] == {"d_model": 32, "d_ff": 48, "n_experts": 4, "top_k": 2, "act": "swiglu"}
+    assert record["key"]["dtype"] == "float32" and record["key"]["torch"] == torch.__version__
+    assert record["key"]["threads"] == torch.get_num_threads()
+    second = plan_for(SHAPE, "cpu", torch.float32, "auto", root=tmp_path)
+    assert second.source == "cached"
+    assert (second.pack_dense, second.pack_experts, second.grouped_mm, second.gather_max, second.reason,
+            second.timings) == (first.pack_dense, first.pack_experts, first.grouped_mm, first.gather_max,
+                                first.reason, first.timings)
+    # another dtype, shape or thread count is another calibration
+    plan_for(SHAPE, "cpu", torch.bfloat16, "auto", root=tmp_path)
+    plan_for(ExpertShape(32, 48, 4, 1, "swiglu"), "cpu", torch.float32, "auto", root=tmp_path)
+    assert len(cache_files(tmp_path)) == 3
+    assert plan_for(SHAPE, "cpu", torch.float32, "redo", root=tmp_path).source == "measured"
+    assert len(cache_files(tmp_path)) == 3
+
+
+def test_off_measures_nothing(tmp_path, monkeypatch):
+    plan = plan_for(SHAPE, "cpu", torch.float32, "off", root=tmp_path)
+    assert plan.source == "default" and cache_files(tmp_path) == []
+    pack = onednn_packing_available("cpu", torch.float32)
+    assert (plan.pack_dense, plan.pack_experts, plan.grouped_mm, plan.gather_max) == (pack, pack, False, 1)
+    monkeypatch.setenv("MOESERVE_CALIBRATION", "off")
+    assert plan_for(SHAPE, "cpu", torch.float32, root=tmp_path).source == "default"
+    monkeypatch.setenv("MOESERVE_CALIBRATION", "auto")
+    assert plan_for(SHAPE, "cpu", torch.float32, root=tmp_path).source == "measured"
+
+
+def test_a_bad_mode_is_named(tmp_path, monkeypatch):
+    with pytest.raises(CalibrationError, match="calibration = 'sometimes': expected one of auto, off, redo"):
+        plan_for(SHAPE, "cpu", torch.float32, "sometimes", root=tmp_path)
+    monkeypatch.setenv("MOESERVE_CALIBRATION", "0")
+    with pytest.raises(CalibrationError, match=r"\$MOESERVE_CALIBRATION = '0'"):
+        plan_for(SHAPE, "cpu", torch.float32, root=tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["not json", "other key", "missing plan"])
+def test_an_unusable_cache_file_is_measured_again(tmp_path, caplog, damage):
+    plan_for(SHAPE, "cpu", torch.float32, "auto", root=tmp_path)
+    [path] = cache_files(tmp_path)
+    record = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{truncated")
+    elif damage == "other key":
+        record["key"]["cpu"] = "some other CPU"
+        path.write_text(json.dumps(record))
+    else:
+        del record["plan"]
+        path.write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger="moeserve.runtime"):
+        plan = plan_for(SHAPE, "cpu", torch.float32, "auto", root=tmp_path)
+    assert plan.source == "measured" and "is unusable" in caplog.text
+    assert plan_for(SHAPE, "cpu", torch.float32, "auto", root=tmp_path).source == "cached"  # rewritten whole
+
+
+def test_an_unwritable_cache_costs_a_warning_not_the_load(tmp_path, caplog):
+    root = tmp_path / "a-file"
+    root.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="moeserve.runtime"):
+        plan = plan_for(SHAPE, "cpu", torch.float32, "auto", root=root)
+    assert plan.source == "measured" and "could not save the calibration" in caplog.text
+
+
+def test_where_calibration_does_not_apply_the_defaults_stand(tmp_path):
+    assert plan_for(None, "cpu", torch.float32, "auto", root=tmp_path).reason == "no MoE layer to calibrate"
+    cuda = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
+    assert cuda.source == "default" and cuda.grouped_mm and not cuda.pack_experts
+    assert cache_files(tmp_path) == []
+
+
+# ---- an Engine laid out by its plan -------------------------------------------------------------
+def tiny_model(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(preset("tiny", router="softmax", **overrides))
+
+
+def layout(engine: Engine) -> tuple:
+    model = engine.model
+    ws = [layer.experts.inference for layer in model.moe_layers]
+    return (any(isinstance(m, PackedLinear) for m in model.modules()), model.head_packed is not None,
+            {w.packed for w in ws}, {w.grouped_mm for w in ws}, {w.gather_max for w in ws})
+
+
+def test_engine_runs_the_calibrated_plan_and_answers_as_the_defaults_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path))
+    calibrated = Engine.from_model(tiny_model(), ByteTokenizer(), calibration="auto")
+    plan = calibrated.plan
+    assert plan.source == "measured" and len(cache_files(tmp_path)) == 1
+    assert layout(calibrated) == (plan.pack_dense, plan.pack_dense, {plan.pack_experts}, {plan.grouped_mm},
+                                  {plan.gather_max})
+    default = Engine.from_model(tiny_model(), ByteTokenizer(), calibration="off")
+    assert default.plan.source == "default"
+    ids = torch.tensor([default.encode("def f(x):\n    return x")])
+    torch.testing.assert_close(calibrated.forward(ids), default.forward(ids), atol=1e-4, rtol=1e-4)
+    prompts = ["def f(x):", "import os\n", "a"]
+    assert calibrated.generate(prompts, max_new_tokens=12) == default.generate(prompts, max_new_tokens=12)
+    assert Engine.from_model(tiny_model(), ByteTokenizer(), calibration="auto").plan.source == "cached"
+
+
+@pytest.mark.parametrize("plan", [
+    DispatchPlan(pack_dense=False, pack_experts=False, grouped_mm=True, gather_max=4),
+    DispatchPlan(pack_dense=True, pack_experts=True, grouped_mm=False, gather_max=0),
+], ids=["plain-grouped_mm", "packed-loop"])
+def test_a_plan_given_is_the_layout_built_and_a_new_one_replaces_it(plan):
+    if plan.pack_dense and not onednn_packing_available("cpu", torch.float32):
+        pytest.skip("no oneDNN packing in this build of torch")
+    engine = Engine.from_model(tiny_model(), ByteTokenizer(), plan=plan)
+    assert engine.plan is plan
+    assert layout(engine) == (plan.pack_dense, plan.pack_dense, {plan.pack_experts}, {plan.grouped_mm},
+                              {plan.gather_max})
+    before = engine.generate(["def "], max_new_tokens=8)
+    other = DispatchPlan(pack_dense=not plan.pack_dense and onednn_packing_available("cpu", torch.float32))
+    engine.model.prepare_inference(other)  # packed modules go back to plain ones, and the other way
+    assert layout(engine)[0] == other.pack_dense and layout(engine)[2] == {False}
+    assert engine.generate(["def "], max_new_tokens=8) == before
+
+
+def test_engine_load_names_a_bad_mode_before_reading_weights(tmp_path):
+    with pytest.raises(CalibrationError, match="calibration = 'yes'"):
+        Engine.load(tmp_path / "no-such-checkpoint", calibration="yes")
+
+
+def test_default_plan_follows_the_device_and_dtype():
+    assert default_plan("cpu", torch.float32).pack_experts == onednn_packing_available("cpu", torch.float32)
+    assert default_plan("cpu", torch.bfloat16).pack_dense == onednn_packing_available("cpu", torch.bfloat16)
+    assert "gather path up to 1 token then a loop over experts" in default_plan("cpu", torch.float32).describe()
