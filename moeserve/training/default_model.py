@@ -2,7 +2,9 @@
 
 Nothing is downloaded: the corpus is the Python standard library's source, the model the `small`
 preset. The cache key covers everything that shapes the weights (model and training configs, the
-corpus hash, the package version), so a changed recipe never serves a stale model.
+corpus hash, the package version), so a changed recipe never serves a stale model. The number of
+steps is fitted to the machine's speed within a time budget (trainer.py), so a slower CPU trains a
+shorter run of the same recipe; the checkpoint's recipe records how many steps it got.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import moeserve
+from moeserve.cache import cache_root
 from moeserve.checkpoint import CheckpointError, load_checkpoint
 from moeserve.config import MoEConfig, preset
 from moeserve.training.data import load_corpus
@@ -22,20 +25,16 @@ from moeserve.training.trainer import TrainConfig, train
 DEFAULT_PRESET = "small"
 DEFAULT_ROUTER = "xmoe"
 # save_every: an interrupted first run (Ctrl-C while a user waits) picks up from its last checkpoint.
+# time_budget_s: 300 steps where the CPU is fast enough (about 0.7 s/step: AVX512-BF16, bf16 autocast), fewer
+# where it is not (1.0-1.3 s/step in fp32 on an AVX2-only EPYC: some 180-230 steps), so that the first start
+# takes about 4 minutes on 2 cores of any CPU. The fp32 step is compute-bound (its GEMMs run at ~85% of that
+# EPYC's peak, docs/benchmarks.md), so no faster kernel closes that gap.
 DEFAULT_TRAIN = TrainConfig(steps=300, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, eval_every=100,
-                            save_every=100)
+                            save_every=100, time_budget_s=240)
 
 
 def default_config() -> MoEConfig:
     return preset(DEFAULT_PRESET, router=DEFAULT_ROUTER)
-
-
-def cache_root() -> Path:
-    """$MOESERVE_CACHE, else $XDG_CACHE_HOME/moeserve, else ~/.cache/moeserve."""
-    if os.environ.get("MOESERVE_CACHE"):
-        return Path(os.environ["MOESERVE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "moeserve"
 
 
 def default_model_dir(root: Path | None = None, corpus_sha256: str | None = None) -> Path:
@@ -60,7 +59,8 @@ def default_model_path(progress: bool = True, root: Path | None = None) -> Path:
     partial = path.with_name(path.name + ".partial")
     if progress:
         print(f"moeserve: training the default model ({DEFAULT_PRESET} preset, {DEFAULT_ROUTER} router, "
-              f"{tc.steps} steps) into {path}; this happens once")
+              f"up to {tc.steps} steps, fitted to about {tc.time_budget_s / 60:.0f} minutes on this machine) into "
+              f"{path}; this happens once")
     train(cfg, tc, partial, resume=True, progress=progress, corpus=corpus)  # resumes an interrupted first run
     os.replace(partial, path)
     return path

@@ -6,6 +6,13 @@ papers' auxiliary losses -> backward -> clip -> optimizer step -> constraints (X
 Exact resume: a batch is a pure function of (seed, step), and a checkpoint holds the model, the
 optimizer moments, the OMoE projectors and the RNG, so a run resumed at step s repeats the
 uninterrupted run's steps s, s+1, ... bit for bit on the same machine.
+
+A time budget fits the run to the machine (the built-in default model must train in minutes on any
+CPU, and CPUs differ 2x in speed): the first `pace_steps` steps are timed, and `steps` shrinks to what
+that pace fits in `time_budget_s`, evaluations included. Those first steps lie inside the warm-up,
+whose learning rates do not depend on `steps`, so the fitted run is exactly the run that would have
+asked for the fitted number of steps from the start; the fitted number is saved in the recipe and a
+resumed run keeps it.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +62,8 @@ class TrainConfig:
     save_every: int = 0  # 0 = only at the end
     seed: int = 0
     dtype: str = "auto"  # auto = bf16 autocast on CPUs with AMX / AVX512-BF16; float32; bfloat16
+    time_budget_s: float | None = None  # fit `steps` to what this machine does in this many seconds (never more)
+    pace_steps: int = 10  # with a budget: steps timed before the fit; at most warmup_steps (module docstring)
     data: list[str] = field(default_factory=list)  # empty = the embedded default corpus
     text_field: str = "text"
 
@@ -73,6 +83,12 @@ class TrainConfig:
             raise ValueError(f"train option 'optimizer' = {self.optimizer!r}: expected 'adamw' or 'omoe'")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"train option 'dtype' = {self.dtype!r}: expected auto, float32 or bfloat16")
+        if self.time_budget_s is not None:
+            if not (self.time_budget_s > 0 and math.isfinite(self.time_budget_s)):
+                raise ValueError(f"train option 'time_budget_s' = {self.time_budget_s!r}: expected a positive number")
+            if not 2 <= self.pace_steps <= self.warmup_steps:
+                raise ValueError(f"train option 'pace_steps' = {self.pace_steps!r}: expected 2 to warmup_steps "
+                                 f"({self.warmup_steps}), so that the fit happens inside the warm-up")
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -94,6 +110,28 @@ def lm_loss(model: Transformer, x: torch.Tensor, y: torch.Tensor, amp: torch.dty
         out = model(x)
     task = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
     return task, out
+
+
+def fit_steps(tc: TrainConfig, step_seconds: list[float], elapsed: float, done: int) -> int:
+    """The most steps (at most tc.steps, at least the `done` ones and the warm-up) whose time at the measured
+    pace, evaluations included (an evaluation batch costs about a third of a training step: forward only),
+    fits in tc.time_budget_s, `elapsed` seconds of which are spent. The pace is the median step time, the
+    first step left out (it pays for first-touch allocations)."""
+    pace = _pace(step_seconds)
+    eval_cost = tc.eval_batches * pace / 3
+
+    def total(n: int) -> float:
+        evals = n // tc.eval_every - done // tc.eval_every + (n % tc.eval_every != 0)
+        return elapsed + (n - done) * pace + evals * eval_cost
+
+    n = tc.steps
+    while n > max(done, tc.warmup_steps) and total(n) > tc.time_budget_s:
+        n -= 1
+    return n
+
+
+def _pace(step_seconds: list[float]) -> float:
+    return statistics.median(step_seconds[1:] or step_seconds)
 
 
 @torch.no_grad()
@@ -193,6 +231,8 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
         load_into(model, ckpt)
         _restore_train_state(adamw, omoe, ckpt.train_state, ckpt.train_meta)
         start, train_seconds = int(ckpt.train_meta["step"]), float(ckpt.train_meta.get("train_seconds", 0.0))
+        if tc.time_budget_s is not None and start >= tc.pace_steps:  # fitted before the interruption: keep it
+            tc = dataclasses.replace(tc, steps=int(ckpt.manifest["recipe"]["train"]["steps"]))
     optimizer = omoe or adamw
     amp = autocast_dtype(tc)
     batcher = Batcher(corpus.train, tc.batch_size, seq_len, tc.seed)
@@ -219,9 +259,10 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
 
     model.train()
     t_start = time.perf_counter() - train_seconds
-    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, disable=not progress, desc="train",
-               unit="step", mininterval=1.0, dynamic_ncols=True)
-    for step in bar:
+    bar = tqdm(initial=start, total=tc.steps, disable=not progress, desc="train", unit="step", mininterval=1.0,
+               dynamic_ncols=True)
+    step_seconds: list[float] = []
+    for step in range(start, tc.steps):
         t0 = time.perf_counter()
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, tc)
@@ -237,6 +278,13 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
         optimizer.zero_grad(set_to_none=True)
         model.constrain_()
         dt = time.perf_counter() - t0
+        step_seconds.append(dt)
+        if tc.time_budget_s is not None and step + 1 == tc.pace_steps:
+            tc = dataclasses.replace(tc, steps=fit_steps(tc, step_seconds, time.perf_counter() - t_start, step + 1))
+            recipe["train"]["steps"] = bar.total = tc.steps
+            if progress:
+                bar.write(f"train: {_pace(step_seconds):.2f} s/step on this machine: {tc.steps} steps fit the "
+                          f"{tc.time_budget_s:.0f} s budget")
         rec = {
             "step": step, "loss": task.item(), "balance_loss": aux.balance.item(),
             "vq_codebook_loss": aux.vq_codebook.item(), "vq_commitment_loss": aux.vq_commitment.item(),
@@ -254,5 +302,8 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
         metrics["train_seconds"] = time.perf_counter() - t_start
         if step + 1 == tc.steps or (tc.save_every and (step + 1) % tc.save_every == 0):
             save(step + 1)
+        bar.update()
+        if step + 1 == tc.steps:  # a fitted run ends before the range it started with
+            break
     bar.close()
     return metrics

@@ -1,14 +1,16 @@
 """Training end to end on the `tiny` preset: every router learns, and resume is exact."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from moeserve.checkpoint import load_checkpoint
 from moeserve.config import preset
 from moeserve.training import data as data_mod
+from moeserve.training import trainer as trainer_mod
 from moeserve.training.data import load_corpus
-from moeserve.training.trainer import LOG_NAME, TrainConfig, lr_at, train
+from moeserve.training.trainer import LOG_NAME, TrainConfig, fit_steps, lr_at, train
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +116,65 @@ def test_resume_on_other_data_is_refused(tmp_path, corpus):
     text.write_text("a different corpus entirely\n" * 400)
     with pytest.raises(Exception, match="same --data"):
         train(preset("tiny"), _tc(steps=4, eval_every=2, data=[str(text)]), out, resume=True, progress=False)
+
+
+# ---- a time budget fits the run to the machine ---------------------------------------------------------
+def test_fit_steps_at_a_given_pace():
+    tc = TrainConfig(steps=300, warmup_steps=30, eval_every=100, eval_batches=8, time_budget_s=220)
+    first_slow = [2.0] + [1.0] * 9  # the first step is left out of the pace
+    # 11 s spent; n steps cost (n - 10) s more, plus 3 evaluations of 8 batches at a third of a step each
+    assert fit_steps(tc, first_slow, elapsed=11.0, done=10) == 211
+    assert fit_steps(tc, [0.5] * 10, elapsed=5.0, done=10) == 300  # fast enough: never more than asked
+    assert fit_steps(tc, [10.0] * 10, elapsed=100.0, done=10) == 30  # never less than the warm-up
+
+
+@pytest.mark.parametrize("field,value", [("time_budget_s", 0.0), ("time_budget_s", float("inf")),
+                                         ("pace_steps", 40), ("pace_steps", 1)])
+def test_budget_options_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{"warmup_steps": 30, "time_budget_s": 100.0, field: value})
+
+
+def test_a_budget_run_equals_the_run_asked_for_its_fitted_steps(tmp_path, corpus):
+    cfg = preset("tiny")
+    tc = _tc(steps=400, eval_every=20, time_budget_s=1.0, pace_steps=5)
+    metrics = train(cfg, tc, tmp_path / "fit", progress=False, corpus=corpus)
+    n = load_checkpoint(tmp_path / "fit").manifest["recipe"]["train"]["steps"]
+    assert 10 <= n < 400 and metrics["step"] == n
+    fitted = _losses(tmp_path / "fit")
+    assert [r["step"] for r in fitted] == list(range(n))
+    assert fitted[-1]["lr"] == pytest.approx(lr_at(n - 1, TrainConfig(steps=n, warmup_steps=10)))  # schedule of n steps
+
+    train(cfg, replace(tc, steps=n, time_budget_s=None), tmp_path / "asked", progress=False, corpus=corpus)
+    asked = _losses(tmp_path / "asked")
+    assert [(r["loss"], r["lr"], r.get("val_loss")) for r in asked] == [
+        (r["loss"], r["lr"], r.get("val_loss")) for r in fitted]
+    sa, sb = load_checkpoint(tmp_path / "fit").state_dict, load_checkpoint(tmp_path / "asked").state_dict
+    assert all(sa[k].equal(sb[k]) for k in sa)
+
+
+def test_a_resumed_budget_run_keeps_its_fitted_steps(tmp_path, corpus, monkeypatch):
+    """The fit is timing, so it is pinned here: 18 steps; the resumed process would fit 30, and must not."""
+    cfg = preset("tiny")
+    tc = _tc(steps=60, save_every=8, eval_every=12, time_budget_s=100.0, pace_steps=5)
+    monkeypatch.setattr(trainer_mod, "fit_steps", lambda *a: 18)
+    train(cfg, tc, tmp_path / "a", progress=False, corpus=corpus)
+
+    real_get = data_mod.Batcher.get
+
+    def crash_at_13(self, step):
+        if step == 13:
+            raise KeyboardInterrupt("simulated kill")
+        return real_get(self, step)
+
+    monkeypatch.setattr(data_mod.Batcher, "get", crash_at_13)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tc, tmp_path / "b", progress=False, corpus=corpus)
+    monkeypatch.setattr(data_mod.Batcher, "get", real_get)
+    monkeypatch.setattr(trainer_mod, "fit_steps", lambda *a: 30)
+    train(cfg, tc, tmp_path / "b", resume=True, progress=False, corpus=corpus)
+
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert [r["step"] for r in b] == list(range(18))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert load_checkpoint(tmp_path / "b").manifest["recipe"]["train"]["steps"] == 18
