@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.train import machine
+from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES, Engine, SamplingParams
 
 TINY_MIXTRAL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -34,17 +34,25 @@ def write_tiny_mixtral(path: Path, seed: int = 0, **overrides) -> Path:
 
 
 def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16, repeats: int = 5,
-                 backends: tuple[str, ...] = ("eager", "grouped_mm"), checkpoint: Path | None = None) -> dict:
+                 backends: tuple[str, ...] = ("eager", "grouped_mm"), checkpoint: Path | None = None,
+                 calibration: str | None = None) -> dict:
     """Runs of the implementations are interleaved (one of each per round, after a warm-up of each),
-    so that drift in the machine's speed hits all of them alike; the median round is reported."""
+    so that drift in the machine's speed hits all of them alike; the median round is reported. The
+    Engine runs the dispatch plan calibrated for this machine (reported); a dtype torch does not run
+    here is skipped, with the reason."""
     from transformers import MixtralForCausalLM
 
-    rows, costs = [], []
+    rows, costs, plans, skipped = [], [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint or write_tiny_mixtral(Path(tmp) / "tiny-mixtral")
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            engine = Engine.load(path, dtype=dtype, device="cpu")
+            why = dtype_unsupported("cpu", dtype)
+            if why is not None:
+                skipped[dtype_name] = f"torch does not run {dtype_name} on this CPU ({why})"
+                continue
+            engine = Engine.load(path, dtype=dtype, device="cpu", calibration=calibration)
+            plans[dtype_name] = {"plan": engine.plan.describe(), "reason": engine.plan.reason}
             torch.manual_seed(1)
             prompt = torch.randint(0, engine.cfg.vocab_size, (1, prompt_len))
             params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -83,8 +91,9 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
             for a in accounting:
                 a["dtype"] = dtype_name
             costs.extend(accounting)
-    return {"accounting": costs, "model": TINY_MIXTRAL if checkpoint is None else str(checkpoint), "new_tokens": new_tokens,
-            "prompt_len": prompt_len, "batch": 1, "repeats": repeats, "machine": machine(), "results": rows}
+    return {"accounting": costs, "model": TINY_MIXTRAL if checkpoint is None else str(checkpoint),
+            "new_tokens": new_tokens, "prompt_len": prompt_len, "batch": 1, "repeats": repeats, "machine": machine(),
+            "plans": plans, "skipped": skipped, "results": rows}
 
 
 def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: int = 200) -> list[dict]:
@@ -110,7 +119,10 @@ def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: 
 
 
 def markdown(report: dict) -> str:
-    lines = ["| dtype | implementation | tokens/s | p50 s | same tokens | moeserve speed-up |",
+    lines = [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}" for dtype, p in report["plans"].items()]
+    lines += [f"skipped {dtype}: {why}" for dtype, why in report["skipped"].items()]
+    lines += [""] if lines else []
+    lines += ["| dtype | implementation | tokens/s | p50 s | same tokens | moeserve speed-up |",
              "| --- | --- | ---: | ---: | --- | ---: |"]
     for r in report["results"]:
         same = "yes" if r["same_tokens"] else f"no (first {r.get('matching_prefix')} equal)"
@@ -124,7 +136,8 @@ def markdown(report: dict) -> str:
 
 
 def main(args) -> int:
-    report = bench_engine(args.dtypes, args.new_tokens, args.prompt_len, args.repeats, checkpoint=args.checkpoint)
+    report = bench_engine(args.dtypes, args.new_tokens, args.prompt_len, args.repeats, checkpoint=args.checkpoint,
+                          calibration="redo" if args.calibrate else None)
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from moeserve.bench.server_process import MODEL_NAME, ServerLog, running_server, sigterm_as_exit
-from moeserve.bench.train import machine
+from moeserve.runtime.device import machine
 
 PROMPTS: tuple[str, ...] = (
     "def ", "import os\n", "class Node:\n", "for i in range(", "return self.", "if __name__ == ",

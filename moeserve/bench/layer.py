@@ -6,6 +6,10 @@ backend, at several token counts. The dense GEMM of the same FLOPs is timed in t
 the ceiling an MoE layer's expert math can reach on this machine, so "% of GEMM" says how much of
 the machine the dispatch leaves unused. Each implementation's output is checked against the
 reference before it is timed.
+
+"moeserve (auto)" is the layer as the engine runs it: laid out by the plan the calibration picked for
+this shape on this machine (runtime/calibration.py), printed with the measurements that decided it.
+The fixed variants (gather or grouped, plain or packed weights, grouped_mm) show what each choice costs.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ from typing import Callable
 
 import torch
 
-from moeserve.bench.train import machine
 from moeserve.config import MoEConfig
+from moeserve.runtime.calibration import ExpertShape, calibrate, plan_for
+from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES
 from moeserve.runtime.experts import moe_reference
 from moeserve.runtime.moe import MoELayer
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
-
 
 
 @dataclass
@@ -89,15 +93,43 @@ def hf_block(layer: MoELayer, backend: str):
 
 
 def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), min_time: float = 0.3,
-                hf_backends: tuple[str, ...] = ("eager", "grouped_mm"), progress: bool = True) -> dict:
-    rows = []
+                hf_backends: tuple[str, ...] = ("eager", "grouped_mm"), progress: bool = True,
+                calibration: str | None = None) -> dict:
+    """Every implementation at every token count, per dtype. What this machine cannot run (a dtype torch
+    does not run here, packing oneDNN cannot do, a transformers backend that raises) is left out and
+    listed under "skipped" with the reason; "moeserve (auto)" runs the plan the calibration picked."""
+    rows, plans, skipped = [], {}, []
+
+    def skip(dtype_name: str, what: str, why: str) -> None:
+        skipped.append({"dtype": dtype_name, "impl": what, "why": why})
+        if progress:
+            print(f"  {dtype_name:8s} skipping {what}: {why}", flush=True)
+
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
+        why = dtype_unsupported("cpu", dtype)
+        if why is not None:
+            skip(dtype_name, "every implementation", f"torch does not run {dtype_name} on this CPU ({why})")
+            continue
+        plan = plan_for(ExpertShape(shape.d_model, shape.d_ff, shape.n_experts, shape.top_k, "swiglu"), "cpu", dtype,
+                        calibration)
+        plans[dtype_name] = {"plan": plan.describe(), "reason": plan.reason, "source": plan.source,
+                             "pack_experts": plan.pack_experts, "grouped_mm": plan.grouped_mm,
+                             "gather_max": plan.gather_max}
+        if progress:
+            print(f"  {dtype_name:8s} calibration: {plan.describe()}\n           why: {plan.reason}", flush=True)
+        can_pack = onednn_packing_available("cpu", dtype)
+        if not can_pack:
+            skip(dtype_name, "oneDNN-packed implementations", f"oneDNN cannot pack {dtype_name} weights on this CPU")
         base = moeserve_layer(shape)
         layer = moeserve_layer(shape).to(dtype)
-        layer.prepare_inference()
-        gather_max = layer.experts.inference.gather_max
-        packed = layer.experts.inference.packed
+        layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max)
+        variants = {"gather, plain": dict(pack=False, gather_max=1 << 30),
+                    "grouped, plain": dict(pack=False, gather_max=0),
+                    "grouped_mm, plain": dict(pack=False, gather_max=0, grouped_mm=True)}
+        if can_pack:
+            variants.update({"gather, packed": dict(pack=True, gather_max=1 << 30),
+                             "grouped, packed": dict(pack=True, gather_max=0)})
         for T in tokens:
             torch.manual_seed(1)
             x = torch.randn(1, T, shape.d_model)
@@ -115,23 +147,21 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                 a @ w13
                 h @ w2
 
-            if onednn_packing_available("cpu", dtype):
-                p13, p2 = pack_weight(w13.T), pack_weight(w2.T)
-
-                def gemm_packed():
-                    packed_linear(a, p13)
-                    packed_linear(h, p2)
-
             impls: dict[str, Callable[[], torch.Tensor | None]] = {
                 "dense GEMM (same FLOPs)": gemm,
                 "reference loop": lambda: moe_reference(x_TD, routing.expert_ids, routing.gates, layer.experts.w1,
                                                         layer.experts.w2, layer.experts.w3),
                 "moeserve (auto)": lambda: layer(x_d),
             }
-            if onednn_packing_available("cpu", dtype):
+            if can_pack:
+                p13, p2 = pack_weight(w13.T), pack_weight(w2.T)
+
+                def gemm_packed():
+                    packed_linear(a, p13)
+                    packed_linear(h, p2)
+
                 impls["dense GEMM (same FLOPs), oneDNN packed"] = gemm_packed
-            for name, kw in (("gather", dict(gather_max=1 << 30)), ("grouped", dict(gather_max=0)),
-                             ("grouped_mm", dict(gather_max=0, grouped_mm=True))):
+            for name, kw in variants.items():
                 variant = moeserve_layer(shape).to(dtype)
                 variant.prepare_inference(**kw)
                 impls[f"moeserve {name}"] = (lambda v: lambda: v(x_d))(variant)
@@ -141,7 +171,12 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                     impls[f"transformers {backend}"] = (lambda b: lambda: b(x_d))(block)
             for name, fn in impls.items():
                 with torch.inference_mode():
-                    y = fn()
+                    try:
+                        y = fn()
+                    except (RuntimeError, NotImplementedError) as e:
+                        if not any(s["dtype"] == dtype_name and s["impl"] == name for s in skipped):
+                            skip(dtype_name, name, str(e).splitlines()[0][:200])
+                        continue
                     err = None if y is None else (y.float() - ref32).abs().max().item()
                     times = time_ms(fn, min_time)
                 p50 = statistics.median(times)
@@ -151,10 +186,7 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                              "runs": len(times)})
                 if progress:
                     print(f"  {dtype_name:8s} T={T:<5d} {name:26s} {p50:9.3f} ms", flush=True)
-        for r in rows:
-            if r["dtype"] == dtype_name:
-                r["gather_max"], r["packed"] = gather_max, packed
-    return {"shape": shape.__dict__, "machine": machine(), "results": rows}
+    return {"shape": shape.__dict__, "machine": machine(), "plans": plans, "skipped": skipped, "results": rows}
 
 
 def speedups(report: dict) -> list[dict]:
@@ -177,7 +209,10 @@ def speedups(report: dict) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| dtype | T | implementation | p50 ms | p90 ms | GFLOP/s | max abs err vs fp32 ref |",
+    lines = [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}" for dtype, p in report["plans"].items()]
+    lines += [f"skipped ({s['dtype']}) {s['impl']}: {s['why']}" for s in report["skipped"]]
+    lines += [""] if lines else []
+    lines += ["| dtype | T | implementation | p50 ms | p90 ms | GFLOP/s | max abs err vs fp32 ref |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
         err = "-" if r["max_abs_err_vs_fp32"] is None else f"{r['max_abs_err_vs_fp32']:.1e}"
@@ -186,53 +221,35 @@ def markdown(report: dict) -> str:
     lines += ["", "| dtype | T | moeserve ms | transformers best | x transformers best | x reference | of GEMM "
               "| of packed GEMM |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for s in speedups(report):
-        lines.append(f"| {s['dtype']} | {s['tokens']} | {s['moeserve_ms']:.3f} | {s['hf_best']} {s['hf_best_ms']} | "
-                     f"{s['speedup_vs_hf_best']} | {s['speedup_vs_reference']} | {s['fraction_of_gemm']:.0%} | "
+        hf = f"{s['hf_best']} {s['hf_best_ms']} | {s['speedup_vs_hf_best']}" if s["hf_best"] else "- | -"
+        lines.append(f"| {s['dtype']} | {s['tokens']} | {s['moeserve_ms']:.3f} | {hf} | "
+                     f"{s['speedup_vs_reference']} | {s['fraction_of_gemm']:.0%} | "
                      + (f"{s['fraction_of_packed_gemm']:.0%} |" if s["fraction_of_packed_gemm"] else "- |"))
     return "\n".join(lines)
 
 
-def sweep_gather_threshold(dtype: str = "bfloat16", shape: Shape = Shape(), max_tokens: int = 64,
-                           rounds: int = 200) -> dict:
-    """p50 of the gather and grouped paths at growing token counts, calls interleaved so that both see
-    the same machine state. gather_max (in tokens) is the last count before grouped first wins."""
-    x_all = torch.randn(max_tokens, shape.d_model, dtype=DTYPES[dtype])
-    paths = {}
-    for name, kw in (("gather", dict(gather_max=1 << 30)), ("grouped", dict(gather_max=0))):
-        layer = moeserve_layer(shape).to(DTYPES[dtype])
-        layer.prepare_inference(**kw)
-        paths[name] = layer
-    out, T = [], 1
-    while T <= max_tokens:
-        x = x_all[:T][None]
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        with torch.inference_mode():
-            for layer in paths.values():
-                layer(x)
-            for _ in range(rounds):
-                for name, layer in paths.items():
-                    t0 = time.perf_counter()
-                    layer(x)
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-        out.append({"tokens": T, **{f"{n}_ms": round(statistics.median(ts), 4) for n, ts in times.items()}})
-        T *= 2
-    gather_max = 0
-    for r in out:
-        if r["gather_ms"] > r["grouped_ms"]:
-            break
-        gather_max = r["tokens"]
-    return {"dtype": dtype, "rows": out, "gather_max": gather_max}
+def sweep(dtype: str, shape: Shape = Shape()) -> str:
+    """The calibration measured afresh (nothing read from or written to the cache): every candidate's
+    p50 at every token count, and the plan those times give."""
+    plan = calibrate(ExpertShape(shape.d_model, shape.d_ff, shape.n_experts, shape.top_k, "swiglu"), DTYPES[dtype])
+    names = list(plan.timings)
+    counts = sorted({T for row in plan.timings.values() for T in row})
+    lines = ["| T | " + " | ".join(f"{n} ms" for n in names) + " |", "| ---: |" + " ---: |" * len(names)]
+    for T in counts:
+        lines.append(f"| {T} | " + " | ".join(f"{plan.timings[n][T]:.3f}" if T in plan.timings[n] else "-"
+                                             for n in names) + " |")
+    return "\n".join(lines + ["", f"{dtype}: {plan.describe()}", f"why: {plan.reason}"])
 
 
 def main(args) -> int:
+    shape = Shape(args.d_model, args.d_ff, args.experts, args.top_k)
     if args.sweep:
-        res = sweep_gather_threshold(args.dtypes[0])
-        for r in res["rows"]:
-            print(r)
-        print(f"gather path is faster up to {res['gather_max']} tokens ({res['dtype']})")
+        for dtype in args.dtypes:
+            why = dtype_unsupported("cpu", DTYPES[dtype])
+            print(f"{dtype}: skipped, torch does not run it on this CPU ({why})" if why else sweep(dtype, shape))
         return 0
-    report = bench_layer(args.tokens, args.dtypes, Shape(args.d_model, args.d_ff, args.experts, args.top_k),
-                         args.min_time, progress=not args.quiet)
+    report = bench_layer(args.tokens, args.dtypes, shape, args.min_time, progress=not args.quiet,
+                         calibration="redo" if args.calibrate else None)
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

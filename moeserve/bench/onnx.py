@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.train import machine
 from moeserve.export import MODES
 from moeserve.export.onnx_export import export_onnx
+from moeserve.runtime.device import machine
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.onnx_engine import OnnxEngine
 
