@@ -4,15 +4,20 @@ library; errors a user can cause print one line naming what is wrong and exit wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from moeserve.config import PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
 from moeserve.runtime import BACKENDS
 
 BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
+CALIBRATE_HELP = ("measure again which weight layout and dispatch path are fastest on this machine for this model's "
+                  "shapes (measured once and cached otherwise; MOESERVE_CALIBRATION=off skips it)")
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
                                                 PermissionError)
 
@@ -43,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     tc = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, optimizer=args.optimizer,
         omoe_every=args.omoe_every, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
-        dtype=args.dtype, data=args.data or [], text_field=args.text_field,
+        dtype=args.dtype, data=args.data or [], text_field=args.text_field, time_budget_s=args.time_budget,
     )
     metrics = train(cfg, tc, args.out, resume=args.resume, progress=not args.quiet)
     print(json.dumps({"out": str(args.out), **metrics}, indent=2))
@@ -65,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from moeserve.training.default_model import default_model_path
 
         path = default_model_path(progress=not args.quiet)
-    engine = load_engine(path, args.backend, dtype=args.dtype)
+    engine = load_engine(path, args.backend, dtype=args.dtype, calibration=_calibration(args))
     if engine.cfg.task != "lm":
         raise ValueError(f"{path} is a '{engine.cfg.task}' model; generate needs a language model")
     text = engine.generate(args.prompt, args.max_tokens, args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -104,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
                       shutdown_timeout_s=args.shutdown_timeout, threads=args.threads)
     return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
-                 progress=not args.quiet, access_log=not args.no_access_log, log_level=args.log_level)
+                 calibration=_calibration(args), progress=not args.quiet, access_log=not args.no_access_log,
+                 log_level=args.log_level)
 
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
@@ -128,6 +134,11 @@ def cmd_export_tensorrt(args: argparse.Namespace) -> int:
                              log=_stderr_log("export", args.quiet))
     print(json.dumps(report, indent=2))
     return 0 if report["passed"] else 1
+
+
+def _calibration(args: argparse.Namespace) -> str | None:
+    """--calibrate: measure again; else None, which leaves it to $MOESERVE_CALIBRATION (default auto)."""
+    return "redo" if args.calibrate else None
 
 
 def _default_checkpoint(quiet: bool) -> Path:
@@ -186,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the Python standard library's source)")
     t.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
     t.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    t.add_argument("--time-budget", type=float, metavar="S", help="fit the run to this machine: after 10 timed steps, "
+                   "train only as many of --steps as fit in S seconds (the learning-rate schedule is that of the "
+                   "shorter run; the checkpoint's recipe records it)")
     t.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     t.add_argument("--batch-size", type=int, default=16)
@@ -222,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     g.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
+    g.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
@@ -242,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
     sv.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
+    sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     sv.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows per model batch (default: 32)")
     sv.add_argument("--max-batch-tokens", type=int, default=16384, metavar="N",
                     help="padded tokens per model batch (default: 16384)")
@@ -349,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--experts", type=int, default=8, help="E (default: 8)")
     bl.add_argument("--top-k", type=int, default=2, help="k (default: 2)")
     bl.add_argument("--min-time", type=float, default=0.3, help="seconds of timed runs per cell (default: 0.3)")
-    bl.add_argument("--sweep", action="store_true", help="instead: find where the grouped path overtakes gather")
+    bl.add_argument("--sweep", action="store_true", help="instead: measure the calibration's candidates at every "
+                    "token count and print them with the plan they give (nothing is cached)")
+    bl.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     bl.add_argument("--json", type=Path, help="write the report as JSON")
     bl.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     bl.set_defaults(func=cmd_bench_layer)
@@ -361,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
     be.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: 16)")
     be.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds after one warm-up (default: 5)")
+    be.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     be.add_argument("--json", type=Path, help="write the report as JSON")
     be.set_defaults(func=cmd_bench_engine)
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
@@ -418,12 +437,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _runtime_log_to_stderr(quiet: bool) -> Iterator[None]:
+    """What the runtime reports while it loads (a calibration, the first time a model's shape is met) goes to
+    stderr, apart from the command's output, for the length of the command only."""
+    log = logging.getLogger("moeserve.runtime")
+    if quiet:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("moeserve: %(message)s"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # the server's own logging config would print it twice
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from moeserve.checkpoint import CheckpointError
 
     try:
-        return args.func(args)
+        with _runtime_log_to_stderr(quiet=getattr(args, "quiet", False)):
+            return args.func(args)
     except (CheckpointError, *USER_ERRORS) as e:
         print(f"moeserve {args.command}: error: {e}", file=sys.stderr)
         return 2

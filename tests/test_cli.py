@@ -1,15 +1,16 @@
 """The `moeserve` command as a user runs it: real processes, exit codes, messages."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def run(*args, check=False):
+def run(*args, check=False, env=None):
     p = subprocess.run([sys.executable, "-m", "moeserve.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, env=None if env is None else {**os.environ, **env})
     if check and p.returncode != 0:
         raise AssertionError(p.stderr)
     return p
@@ -41,6 +42,37 @@ def test_generate_is_deterministic_and_continues_the_prompt(ckpt):
     assert a.stdout == b.stdout and a.stdout.startswith("def ") and len(a.stdout) > len("def \n")
 
 
+def test_generate_in_bf16_prints_text_on_any_cpu(ckpt):
+    """bf16 on this CPU's own path: packed where oneDNN packs bf16, plain elsewhere (AVX2-only CPUs)."""
+    p = run("generate", ckpt, "--prompt", "def ", "--max-tokens", "16", "--temperature", "0", "--dtype", "bfloat16",
+            check=True)
+    assert p.stdout.startswith("def ") and len(p.stdout) > len("def \n") and "Traceback" not in p.stderr
+
+
+def test_generate_in_bf16_without_onednn_bf16(ckpt, monkeypatch, capsys):
+    """The fallback side of the probe, forced on every machine: unpacked bf16 weights, same command."""
+    from moeserve.cli import main
+    from moeserve.runtime import device
+
+    monkeypatch.setattr(device, "onednn_bf16_available", lambda: False)
+    assert main(["generate", str(ckpt), "--prompt", "def ", "--max-tokens", "16", "--temperature", "0",
+                 "--dtype", "bfloat16", "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_generate_calibrates_once_per_machine_and_says_so(ckpt, tmp_path):
+    env = {"MOESERVE_CACHE": str(tmp_path), "MOESERVE_CALIBRATION": "auto"}
+    args = ("generate", ckpt, "--max-tokens", "4", "--temperature", "0", "--dtype", "float32")
+    first = run(*args, env=env, check=True)
+    assert "moeserve: calibrated MoE dispatch (D 64, F 128, E 4, k 2, swiglu, float32)" in first.stderr
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    second = run(*args, env=env, check=True)
+    assert "calibrated" not in second.stderr and second.stdout == first.stdout
+    assert "calibrated MoE dispatch" in run(*args, "--calibrate", env=env, check=True).stderr
+    bad = run(*args, env={**env, "MOESERVE_CALIBRATION": "maybe"})
+    assert bad.returncode == 2 and "$MOESERVE_CALIBRATION = 'maybe': expected one of auto, off, redo" in bad.stderr
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -51,6 +83,7 @@ def test_generate_is_deterministic_and_continues_the_prompt(ckpt):
         (["train", "--preset", "tiny", "--data", "{tmp}/bad.jsonl", "--out", "{tmp}/x"], "bad.jsonl"),
         (["inspect", "{tmp}/nowhere"], "nowhere"),
         (["generate", "{tmp}/nowhere"], "nowhere"),
+        (["generate", "{tmp}/nowhere", "--dtype", "int4"], "int4"),
     ],
 )
 def test_user_errors_exit_2_with_a_named_cause(tmp_path, args, needle):

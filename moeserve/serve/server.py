@@ -30,7 +30,8 @@ class _Server(uvicorn.Server):
 
 
 def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto", device: str = "auto",
-          backend: str = "auto", progress: bool = True, access_log: bool = True, log_level: str = "info") -> int:
+          backend: str = "auto", calibration: str | None = None, progress: bool = True, access_log: bool = True,
+          log_level: str = "info") -> int:
     """Serve a checkpoint (None: the built-in default model, trained first if not cached) until
     stopped. Returns the exit status: 1 if the model failed to load."""
     if checkpoint is None:
@@ -46,7 +47,8 @@ def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto
     if not path.is_dir() and path.suffix != ".onnx" and backend != "onnx":
         raise NotADirectoryError(f"checkpoint {str(path)!r} is not a directory (nor an .onnx export)")
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(message)s")
-    app = create_app(lambda: load_engine(path, backend, dtype=dtype, device=device, threads=cfg.threads), cfg)
+    app = create_app(lambda: load_engine(path, backend, dtype=dtype, device=device, threads=cfg.threads,
+                                         calibration=calibration), cfg)
     state: ServerState = app.state.serve
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.shutdown_timeout_s,
                             access_log=access_log, log_level=log_level)
