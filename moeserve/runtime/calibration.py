@@ -16,8 +16,8 @@ measures again. On CUDA the defaults stand (grouped_mm for many tokens): the CUD
 measured on a GPU yet.
 
 How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
-packed with a loop) is timed at token counts 1, 2, 4, ..., 256 on the path it would take there (gather
-up to its own crossover, grouped beyond). The winner is the configuration whose times are closest to
+packed with a loop, packed for the gather path with grouped_mm beyond) is timed at token counts 1, 2, 4,
+..., 256 on the path it would take there (gather up to its own crossover, grouped beyond). The winner is the configuration whose times are closest to
 the best measured time at every count (geometric mean of time / best), so that one fast at decode but
 slow at prefill cannot win on a sum that the largest count dominates. Within 2% of the winner, the
 simpler configuration (plain before packed, a loop before grouped_mm) is kept: that is noise.
@@ -33,7 +33,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -56,11 +56,14 @@ BUDGET_S = 3.0  # the ladder stops growing past this; each count still gets MIN_
 MIN_ROUNDS, MAX_ROUNDS = 3, 25
 TIE = 1.02  # within 2% of the best score, the simpler configuration wins
 
-# configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first
+# configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first. The last
+# holds the experts twice over (packed for the gather path, stacked plain for grouped_mm): a third more memory
+# than "packed", so it is taken only where it beats every other by more than the tie margin.
 CONFIGS: dict[str, tuple[str, str, bool, bool]] = {
     "plain": ("gather/plain", "grouped/plain", False, False),
     "plain + grouped_mm": ("gather/plain", "grouped_mm/plain", False, True),
     "packed": ("gather/packed", "grouped/packed", True, False),
+    "packed + grouped_mm": ("gather/packed", "grouped_mm/plain", True, True),
 }
 
 log = logging.getLogger("moeserve.runtime")
@@ -126,7 +129,7 @@ def plan_for(shape: ExpertShape | None, device: torch.device | str, dtype: torch
     the default where calibration is off or does not apply."""
     mode = resolve_mode(mode)
     if mode == "off":
-        return default_plan(device, dtype, f"calibration off ({ENV}=off)")
+        return default_plan(device, dtype, "calibration off")
     if torch.device(device).type != "cpu":
         return default_plan(device, dtype, "CUDA: defaults (not calibrated on a GPU yet)")
     if shape is None:
@@ -169,7 +172,8 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, budget_s: float = BUDGET_S
         layouts["packed"] = fuse_expert_weights(w1, w2, w3, shape.act, pack=True)
     else:
         skipped["packed"] = f"oneDNN cannot pack {_name(dtype)} weights on this CPU"
-    gmm = fuse_expert_weights(w1, w2, w3, shape.act, pack=False, grouped_mm=True)
+    del w1, w3  # a layer's experts are held at most three times over while measuring
+    gmm = replace(layouts["plain"], grouped_mm=True)  # the same stacked tensors
     why_not_gmm = _fails(lambda: moe_grouped(*_routing(shape, 8, dtype, g), gmm))
     if why_not_gmm is None:
         layouts["grouped_mm"] = gmm

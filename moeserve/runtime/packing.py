@@ -5,7 +5,7 @@ op inductor's freezing pass uses) skips the per-call reorder of a plain `F.linea
 depends on the CPU: on an AVX512-BF16 EPYC, decode-sized bf16 GEMMs ran about 2x faster and fp32 GEMMs
 about 2.4x (MKL's sgemm took a slow path there); on an AVX2-only EPYC, packed fp32 GEMMs ran slower
 than plain ones, and bf16 cannot be packed at all (device.onednn_bf16_available). So packing is
-*available* where torch can do it, and *used* where calibrate.py measured it faster on this machine.
+*available* where torch can do it, and *used* where calibration.py measured it faster on this machine.
 Packed tensors are opaque (no autograd, no views), so packing is for inference only and every packed
 module keeps its plain weight for training, state_dict and export.
 """

@@ -81,6 +81,15 @@ def test_within_two_percent_the_simpler_configuration_is_kept():
     assert plan.grouped_mm and not plan.pack_experts
 
 
+def test_packed_decode_with_grouped_mm_prefill_when_each_wins_its_half():
+    t = timings(gather__plain=[2, 4, 8, 16, 32], grouped__plain=[3, 3, 4, 6, 10],
+                gather__packed=[1, 2, 4, 8, 16], grouped__packed=[2, 2, 3, 6, 10],
+                grouped_mm__plain=[3, 3, 3, 3, 5])
+    plan = choose(t)
+    assert (plan.pack_experts, plan.grouped_mm, plan.gather_max) == (True, True, 2)
+    assert plan.reason.startswith("experts packed + grouped_mm: 1.00x")
+
+
 def test_missing_candidates_are_named():
     plan = choose(timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 2, 2, 2]),
                   {"packed": "oneDNN cannot pack bfloat16 weights on this CPU"})
