@@ -2,10 +2,10 @@
 
 Compares moeserve's dispatch paths with the plain per-expert loop (the reference the tests check
 against) and, where transformers is installed, with its MixtralSparseMoeBlock under each experts
-backend, at several token counts. The dense GEMM of the same FLOPs is timed in the same run: it is
-the ceiling an MoE layer's expert math can reach on this machine, so "% of GEMM" says how much of
-the machine the dispatch leaves unused. Each implementation's output is checked against the
-reference before it is timed.
+backend, at several token counts; the implementations take turns call by call. The dense GEMM of the
+same FLOPs is timed in the same run: it is the ceiling an MoE layer's expert math can reach on this
+machine, so "% of GEMM" says how much of the machine the dispatch leaves unused. Each
+implementation's output is checked against the reference before it is timed.
 
 "moeserve (auto)" is the layer as the engine runs it: laid out by the plan the calibration picked for
 this shape on this machine (runtime/calibration.py), printed with the measurements that decided it.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.calibration import ExpertShape, calibrate, plan_for
@@ -43,15 +44,22 @@ class Shape:
         return 2.0 * 3 * self.d_model * self.d_ff * tokens * self.top_k
 
 
-def time_ms(fn: Callable[[], object], min_time: float = 0.3, min_runs: int = 5, max_runs: int = 2000) -> list[float]:
-    """Wall times (ms) of repeated calls after two warm-up calls, for at least `min_time` seconds."""
-    fn(), fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < min_time):
-        t0 = time.perf_counter()
+def interleaved_ms(fns: dict[str, Callable[[], object]], min_time: float = 0.3, min_runs: int = 5,
+                   max_runs: int = 2000) -> dict[str, list[float]]:
+    """Wall times (ms) of each implementation, the implementations taking turns call by call (after a warm-up
+    call each) until each has had about `min_time` seconds: a shared machine's speed drifts (a 2-core VM's
+    by 15% and more within a minute), and taking turns makes the drift hit every implementation alike
+    instead of whichever happened to be timed during a slow spell."""
+    for fn in fns.values():
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    start, runs = time.perf_counter(), 0
+    while runs < max_runs and (runs < min_runs or time.perf_counter() - start < min_time * len(fns)):
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[n].append((time.perf_counter() - t0) * 1e3)
+        runs += 1
     return times
 
 
@@ -138,14 +146,16 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
             routing = layer.router(x_TD)
             with torch.no_grad():
                 ref32 = base(x)  # fp32 reference of the same weights
-            w13 = torch.cat([layer.experts.w1, layer.experts.w3], 1)[0].T.contiguous().detach()
-            w2 = layer.experts.w2[0].T.contiguous().detach()
+            # one expert's weights in the [out, in] layout moeserve's own linear maps use (a bf16 `a @ w` on the
+            # transposed layout took 60x longer on an AVX2 CPU: a baseline no implementation here runs)
+            w13 = torch.cat([layer.experts.w1, layer.experts.w3], 1)[0].contiguous().detach()
+            w2 = layer.experts.w2[0].contiguous().detach()
             a = torch.randn(T * shape.top_k, shape.d_model, dtype=dtype)
             h = torch.randn(T * shape.top_k, shape.d_ff, dtype=dtype)
 
             def gemm():
-                a @ w13
-                h @ w2
+                F.linear(a, w13)
+                F.linear(h, w2)
 
             impls: dict[str, Callable[[], torch.Tensor | None]] = {
                 "dense GEMM (same FLOPs)": gemm,
@@ -154,7 +164,7 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                 "moeserve (auto)": lambda: layer(x_d),
             }
             if can_pack:
-                p13, p2 = pack_weight(w13.T), pack_weight(w2.T)
+                p13, p2 = pack_weight(w13), pack_weight(w2)
 
                 def gemm_packed():
                     packed_linear(a, p13)
@@ -169,23 +179,26 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                 block = hf_block(layer, backend)
                 if block is not None:
                     impls[f"transformers {backend}"] = (lambda b: lambda: b(x_d))(block)
-            for name, fn in impls.items():
-                with torch.inference_mode():
+            errors: dict[str, float | None] = {}
+            with torch.inference_mode():
+                for name, fn in impls.items():
                     try:
                         y = fn()
                     except (RuntimeError, NotImplementedError) as e:
                         if not any(s["dtype"] == dtype_name and s["impl"] == name for s in skipped):
                             skip(dtype_name, name, str(e).splitlines()[0][:200])
                         continue
-                    err = None if y is None else (y.float() - ref32).abs().max().item()
-                    times = time_ms(fn, min_time)
-                p50 = statistics.median(times)
+                    errors[name] = None if y is None else (y.float() - ref32).abs().max().item()
+                times = interleaved_ms({name: impls[name] for name in errors}, min_time)
+            for name, err in errors.items():
+                p50 = statistics.median(times[name])
                 rows.append({"dtype": dtype_name, "tokens": T, "impl": name, "p50_ms": round(p50, 4),
-                             "p90_ms": round(percentile(times, 0.9), 4), "p99_ms": round(percentile(times, 0.99), 4),
+                             "p90_ms": round(percentile(times[name], 0.9), 4),
+                             "p99_ms": round(percentile(times[name], 0.99), 4),
                              "gflops": round(shape.flops(T) / p50 / 1e6, 1), "max_abs_err_vs_fp32": err,
-                             "runs": len(times)})
+                             "runs": len(times[name])})
                 if progress:
-                    print(f"  {dtype_name:8s} T={T:<5d} {name:26s} {p50:9.3f} ms", flush=True)
+                    print(f"  {dtype_name:8s} T={T:<5d} {name:38s} {p50:9.3f} ms", flush=True)
     return {"shape": shape.__dict__, "machine": machine(), "plans": plans, "skipped": skipped, "results": rows}
 
 
