@@ -45,6 +45,21 @@ def test_tiny_beats_unigram(tmp_path, corpus, overrides, optimizer):
     assert ckpt.manifest["recipe"]["corpus_sha256"] == corpus.sha256
 
 
+def killed_at(step: int, monkeypatch, run) -> None:
+    """Run `run` with the batch of `step` raising KeyboardInterrupt, as a kill there would end it."""
+    real_get = data_mod.Batcher.get
+
+    def get(self, s):
+        if s == step:
+            raise KeyboardInterrupt("simulated kill")
+        return real_get(self, s)
+
+    with monkeypatch.context() as m:
+        m.setattr(data_mod.Batcher, "get", get)
+        with pytest.raises(KeyboardInterrupt):
+            run()
+
+
 def _losses(out):
     return [json.loads(line) for line in (out / LOG_NAME).read_text().splitlines()]
 
@@ -56,17 +71,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, corpus, monkeypatch, over
     tc = _tc(steps=24, save_every=8, eval_every=12, optimizer=optimizer)
     train(cfg, tc, tmp_path / "a", progress=False, corpus=corpus)
 
-    real_get = data_mod.Batcher.get
-
-    def crash_at_19(self, step):
-        if step == 19:
-            raise KeyboardInterrupt("simulated kill")
-        return real_get(self, step)
-
-    monkeypatch.setattr(data_mod.Batcher, "get", crash_at_19)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, tc, tmp_path / "b", progress=False, corpus=corpus)
-    monkeypatch.setattr(data_mod.Batcher, "get", real_get)
+    killed_at(19, monkeypatch, lambda: train(cfg, tc, tmp_path / "b", progress=False, corpus=corpus))
     assert load_checkpoint(tmp_path / "b", load_train_state=True).train_meta["step"] == 16
     train(cfg, tc, tmp_path / "b", resume=True, progress=False, corpus=corpus)
 
@@ -160,17 +165,7 @@ def test_a_resumed_budget_run_keeps_its_fitted_steps(tmp_path, corpus, monkeypat
     monkeypatch.setattr(trainer_mod, "fit_steps", lambda *a: 18)
     train(cfg, tc, tmp_path / "a", progress=False, corpus=corpus)
 
-    real_get = data_mod.Batcher.get
-
-    def crash_at_13(self, step):
-        if step == 13:
-            raise KeyboardInterrupt("simulated kill")
-        return real_get(self, step)
-
-    monkeypatch.setattr(data_mod.Batcher, "get", crash_at_13)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, tc, tmp_path / "b", progress=False, corpus=corpus)
-    monkeypatch.setattr(data_mod.Batcher, "get", real_get)
+    killed_at(13, monkeypatch, lambda: train(cfg, tc, tmp_path / "b", progress=False, corpus=corpus))
     monkeypatch.setattr(trainer_mod, "fit_steps", lambda *a: 30)
     train(cfg, tc, tmp_path / "b", resume=True, progress=False, corpus=corpus)
 
