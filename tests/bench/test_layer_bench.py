@@ -42,8 +42,11 @@ def test_every_implementation_the_machine_runs_is_timed_and_correct(monkeypatch,
     packed = {"dense GEMM (same FLOPs), oneDNN packed", "moeserve gather, packed", "moeserve grouped, packed"}
     for dtype in ("bfloat16", "float32"):
         can_pack = onednn_packing_available("cpu", getattr(torch, dtype))
+        # grouped_mm is timed wherever this torch has it; where it does not, it is skipped with the reason
+        named_skips = {s["impl"] for s in report["skipped"] if s["dtype"] == dtype and s["why"]}
         for T in (1, 3):
-            assert impls(report, dtype, T) == always | (packed if can_pack else set()), (dtype, T)
+            ran = impls(report, dtype, T)
+            assert ran | (named_skips & {"moeserve grouped_mm, plain"}) == always | (packed if can_pack else set())
         assert any(s["dtype"] == dtype and s["impl"] == "oneDNN-packed implementations"
                    for s in report["skipped"]) == (not can_pack)
     if onednn_bf16 == "forced off":
