@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.calibration import ExpertShape, calibrate, plan_for
+from moeserve.runtime.calibration import ExpertShape, calibrate, interleaved_ms, plan_for
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES
 from moeserve.runtime.experts import moe_reference
@@ -39,28 +38,13 @@ class Shape:
     n_experts: int = 8
     top_k: int = 2
 
+    def experts(self) -> ExpertShape:
+        """The calibration's key for this layer (Mixtral-style: SwiGLU experts)."""
+        return ExpertShape(self.d_model, self.d_ff, self.n_experts, self.top_k, "swiglu")
+
     def flops(self, tokens: int) -> float:
         """Expert FLOPs per forward: 3 matrices of D x F per (token, expert), 2 FLOPs per multiply-add."""
         return 2.0 * 3 * self.d_model * self.d_ff * tokens * self.top_k
-
-
-def interleaved_ms(fns: dict[str, Callable[[], object]], min_time: float = 0.3, min_runs: int = 5,
-                   max_runs: int = 2000) -> dict[str, list[float]]:
-    """Wall times (ms) of each implementation, the implementations taking turns call by call (after a warm-up
-    call each) until each has had about `min_time` seconds: a shared machine's speed drifts (a 2-core VM's
-    by 15% and more within a minute), and taking turns makes the drift hit every implementation alike
-    instead of whichever happened to be timed during a slow spell."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    start, runs = time.perf_counter(), 0
-    while runs < max_runs and (runs < min_runs or time.perf_counter() - start < min_time * len(fns)):
-        for n, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[n].append((time.perf_counter() - t0) * 1e3)
-        runs += 1
-    return times
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -119,8 +103,7 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
         if why is not None:
             skip(dtype_name, "every implementation", f"torch does not run {dtype_name} on this CPU ({why})")
             continue
-        plan = plan_for(ExpertShape(shape.d_model, shape.d_ff, shape.n_experts, shape.top_k, "swiglu"), "cpu", dtype,
-                        calibration)
+        plan = plan_for(shape.experts(), "cpu", dtype, calibration)
         plans[dtype_name] = {"plan": plan.describe(), "reason": plan.reason, "source": plan.source,
                              "pack_experts": plan.pack_experts, "grouped_mm": plan.grouped_mm,
                              "gather_max": plan.gather_max}
@@ -189,7 +172,8 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                             skip(dtype_name, name, str(e).splitlines()[0][:200])
                         continue
                     errors[name] = None if y is None else (y.float() - ref32).abs().max().item()
-                times = interleaved_ms({name: impls[name] for name in errors}, min_time)
+                times = interleaved_ms({name: impls[name] for name in errors}, min_time * len(errors),
+                                       min_rounds=5, max_rounds=2000)
             for name, err in errors.items():
                 p50 = statistics.median(times[name])
                 rows.append({"dtype": dtype_name, "tokens": T, "impl": name, "p50_ms": round(p50, 4),
@@ -244,7 +228,7 @@ def markdown(report: dict) -> str:
 def sweep(dtype: str, shape: Shape = Shape()) -> str:
     """The calibration measured afresh (nothing read from or written to the cache): every candidate's
     p50 at every token count, and the plan those times give."""
-    plan = calibrate(ExpertShape(shape.d_model, shape.d_ff, shape.n_experts, shape.top_k, "swiglu"), DTYPES[dtype])
+    plan = calibrate(shape.experts(), DTYPES[dtype])
     names = list(plan.timings)
     counts = sorted({T for row in plan.timings.values() for T in row})
     lines = ["| T | " + " | ".join(f"{n} ms" for n in names) + " |", "| ---: |" + " ---: |" * len(names)]

@@ -3,14 +3,15 @@
 Three choices decide an MoE model's speed on a CPU, and their best answers differ from CPU to CPU:
 
   pack_dense, pack_experts   oneDNN-packed weights or plain ones (packing.py). Packing made fp32 GEMMs
-                             2.4x faster on an AVX512 EPYC and slower on an AVX2 one, and bf16 weights
-                             cannot be packed at all without AVX512 (device.onednn_bf16_available).
+                             2.4x faster on an AVX512 EPYC; on an AVX2 one packed experts were faster at
+                             one shape and slower at another, and bf16 weights cannot be packed at all
+                             without AVX512 (device.onednn_bf16_available).
   gather_max                 up to how many tokens the gather path beats the grouped one (experts.py)
   grouped_mm                 for many tokens, one grouped_mm call or a loop over the experts
 
 `plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend
 on the values) the first time a shape is loaded on a machine, and caches the plan as JSON under the
-cache directory, keyed by the CPU, torch's thread count and version, the dtype and the shape: a few
+cache directory, keyed by the CPU, torch's thread count and version, the dtype and the shape: 1-7
 seconds, once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo"
 measures again. On CUDA the defaults stand (grouped_mm for many tokens): the CUDA choices have not been
 measured on a GPU yet.
@@ -199,7 +200,7 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
             if i >= 2 and time.perf_counter() - start > max_s:
                 break
             args = _routing(shape, T, dtype, g)
-            ms = _interleaved({n: (lambda fn=fn, w=w: fn(*args, w)) for n, (fn, w) in candidates.items()}, COUNT_S)
+            ms = _median_ms({n: (lambda fn=fn, w=w: fn(*args, w)) for n, (fn, w) in candidates.items()}, COUNT_S)
             for n, t in ms.items():
                 timings[n][T] = t
         timings.update(_dense_timings(D, dtype, g, COUNT_S))
@@ -223,28 +224,34 @@ def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: flo
     out: dict[str, dict[int, float]] = {"linear/plain": {}, "linear/packed": {}}
     for T in DENSE_TOKENS:
         x = torch.randn(T, D, generator=g).to(dtype)
-        ms = _interleaved({"linear/plain": lambda: F.linear(x, w), "linear/packed": lambda: packed_linear(x, packed)},
+        ms = _median_ms({"linear/plain": lambda: F.linear(x, w), "linear/packed": lambda: packed_linear(x, packed)},
                           min_time)
         for n, t in ms.items():
             out[n][T] = t
     return out
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], min_time: float) -> dict[str, float]:
-    """Median ms per call, the candidates taking turns within each round so that the machine's drift
-    (a 2-core VM's speed wanders by 15%) hits all of them alike."""
+def interleaved_ms(fns: dict[str, Callable[[], object]], min_time: float, min_rounds: int = MIN_ROUNDS,
+                   max_rounds: int = MAX_ROUNDS) -> dict[str, list[float]]:
+    """Wall times (ms) of each function, the functions taking turns call by call (after a warm-up call each)
+    for at least `min_rounds` rounds and `min_time` seconds in all: a shared machine's speed drifts (a 2-core
+    VM's by 15% and more within a minute), and taking turns makes the drift hit every one alike instead of
+    whichever happened to run during a slow spell. Used by the calibration and by `moeserve bench layer`."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {n: [] for n in fns}
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or time.perf_counter() - start < min_time):
+    start, rounds = time.perf_counter(), 0
+    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - start < min_time):
         for n, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[n].append((time.perf_counter() - t0) * 1e3)
         rounds += 1
-    return {n: round(statistics.median(ts), 4) for n, ts in times.items()}
+    return times
+
+
+def _median_ms(fns: dict[str, Callable[[], object]], min_time: float) -> dict[str, float]:
+    return {n: round(statistics.median(ts), 4) for n, ts in interleaved_ms(fns, min_time).items()}
 
 
 def _fails(fn: Callable[[], object]) -> str | None:
