@@ -20,6 +20,7 @@ from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 from moeserve.checkpoint import (  # noqa: E402
     CheckpointError, describe, load_checkpoint, load_model, verify_checkpoint,
 )
+from moeserve.runtime.model import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
 
 TOL = 1e-4  # fp32
@@ -151,11 +152,11 @@ def test_kv_cached_decode_matches_full_forward(tmp_path: Path, window: int | Non
     ids = torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         reference = hf(ids).logits
-        model.setup_cache(1, n)
-        out = model(ids[:, :prefill], input_pos=torch.arange(prefill)).logits
+        cache = KVCache.for_model(model, 1, n)
+        out = model(ids[:, :prefill], cache=cache.rows([0], [0], prefill)).logits
         torch.testing.assert_close(out, reference[:, :prefill], atol=TOL, rtol=0)
         for pos in range(prefill, n):
-            step = model(ids[:, pos:pos + 1], input_pos=torch.tensor([pos])).logits[:, -1]
+            step = model(ids[:, pos:pos + 1], cache=cache.rows([0], [pos], 1)).logits[:, -1]
             torch.testing.assert_close(step, reference[:, pos], atol=TOL, rtol=0)
 
 

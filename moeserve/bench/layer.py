@@ -128,7 +128,7 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
             x_TD = x_d[0]
             routing = layer.router(x_TD)
             with torch.no_grad():
-                ref32 = base(x)  # fp32 reference of the same weights
+                ref32 = base(x)[0]  # fp32 reference of the same weights
             # one expert's weights in the [out, in] layout moeserve's own linear maps use (a bf16 `a @ w` on the
             # transposed layout took 60x longer on an AVX2 CPU: a baseline no implementation here runs)
             w13 = torch.cat([layer.experts.w1, layer.experts.w3], 1)[0].contiguous().detach()
@@ -144,7 +144,7 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
                 "dense GEMM (same FLOPs)": gemm,
                 "reference loop": lambda: moe_reference(x_TD, routing.expert_ids, routing.gates, layer.experts.w1,
                                                         layer.experts.w2, layer.experts.w3),
-                "moeserve (auto)": lambda: layer(x_d),
+                "moeserve (auto)": lambda: layer(x_d)[0],
             }
             if can_pack:
                 p13, p2 = pack_weight(w13), pack_weight(w2)
@@ -157,7 +157,7 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
             for name, kw in variants.items():
                 variant = moeserve_layer(shape).to(dtype)
                 variant.prepare_inference(**kw)
-                impls[f"moeserve {name}"] = (lambda v: lambda: v(x_d))(variant)
+                impls[f"moeserve {name}"] = (lambda v: lambda: v(x_d)[0])(variant)
             for backend in hf_backends:
                 block = hf_block(layer, backend)
                 if block is not None:

@@ -17,6 +17,9 @@ Three paths:
 
   moe_gather    few tokens (decode): for each expert that was hit, gather its rows and run it.
                 No sort, no split; the cost is reading the hit experts' weights.
+  moe_indexed   few tokens, without a host sync (CUDA decode, captured as a graph): each token's K
+                experts' weights are indexed out of the stacked [E, ...] tensors (gpt-fast's way),
+                so shapes are fixed and nothing waits for the ids to reach the host.
   moe_grouped   many tokens (prefill): sort assignments by expert, gather x once, one GEMM per
                 expert over a contiguous block (or one torch grouped_mm call where that is faster,
                 i.e. on CUDA), one scatter-add back.
@@ -116,6 +119,7 @@ class InferenceWeights:
     packed: bool = False  # w13 / w2 hold oneDNN-packed tensors
     grouped_mm: bool = False  # many-token path: one torch grouped_mm call instead of a loop over experts
     gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
+    sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
 
@@ -135,7 +139,7 @@ class InferenceWeights:
 
 
 def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: str, pack: bool,
-                        grouped_mm: bool = False) -> InferenceWeights:
+                        grouped_mm: bool = False, sync_free: bool = False) -> InferenceWeights:
     """Copies of the weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`."""
     w13_EFD = w1_EFD if w3_EFD is None else torch.cat([w1_EFD, w3_EFD], dim=1)
     w13_EFD, w2_EDF = w13_EFD.detach().contiguous(), w2_EDF.detach().contiguous()
@@ -143,8 +147,8 @@ def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, a
         w13, w2 = [pack_weight(w) for w in w13_EFD], [pack_weight(w) for w in w2_EDF]
     else:
         w13, w2 = list(w13_EFD.unbind(0)), list(w2_EDF.unbind(0))
-    keep_stacked = grouped_mm or not pack
-    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, grouped_mm,
+    keep_stacked = grouped_mm or sync_free or not pack
+    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, grouped_mm, sync_free=sync_free,
                             w13_EFD=w13_EFD if keep_stacked else None, w2_EFD=w2_EDF if keep_stacked else None)
 
 
@@ -169,6 +173,16 @@ def moe_gather(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: Inferen
         tok_N = n_N // K
         out_TD.index_add_(0, tok_N, w.ffn(e, x_TD[tok_N]) * gates_N[n_N, None])
     return out_TD
+
+
+def moe_indexed(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
+    """y_t = sum_k g_tk f_{e_tk}(x_t) with the K weight matrices of each token gathered from the stack:
+    reads T*K experts' weights (a copy each), which for a decode step of a few rows is what any path reads."""
+    T, K = expert_ids_TK.shape
+    h_TKF = torch.einsum("td,tkfd->tkf", x_TD, w.w13_EFD[expert_ids_TK])
+    a_TKF = w.activation(h_TKF.reshape(T * K, -1)).view(T, K, -1)
+    y_TKD = torch.einsum("tkf,tkdf->tkd", a_TKF, w.w2_EFD[expert_ids_TK])
+    return (y_TKD * gates_TK[..., None].to(y_TKD.dtype)).sum(dim=1)
 
 
 def moe_grouped(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
@@ -218,13 +232,14 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def prepare_inference(self, pack: bool | None = None, grouped_mm: bool | None = None,
-                          gather_max: int | None = None) -> InferenceWeights:
+                          gather_max: int | None = None, sync_free: bool | None = None) -> InferenceWeights:
         """Build the inference layout from the current weights (again after any weight change).
-        pack=None: oneDNN packing where available; grouped_mm=None: on CUDA only."""
+        pack=None: oneDNN packing where available; grouped_mm=None and sync_free=None: on CUDA only."""
         dev, dtype = self.w1.device, self.w1.dtype
         pack = onednn_packing_available(dev, dtype) if pack is None else pack
         grouped_mm = (dev.type == "cuda") if grouped_mm is None else grouped_mm
-        self.inference = fuse_expert_weights(self.w1, self.w2, self.w3, self.act, pack, grouped_mm)
+        sync_free = (dev.type == "cuda") if sync_free is None else sync_free
+        self.inference = fuse_expert_weights(self.w1, self.w2, self.w3, self.act, pack, grouped_mm, sync_free)
         if gather_max is not None:
             self.inference.gather_max = gather_max
         return self.inference
@@ -234,7 +249,7 @@ class Experts(nn.Module):
         if w is None or keep_TK is not None or torch.is_grad_enabled():
             return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
         if x_TD.shape[0] <= w.gather_max:
-            return moe_gather(x_TD, expert_ids_TK, gates_TK, w)
+            return (moe_indexed if w.sync_free else moe_gather)(x_TD, expert_ids_TK, gates_TK, w)
         return moe_grouped(x_TD, expert_ids_TK, gates_TK, w)
 
 

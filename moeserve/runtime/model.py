@@ -37,41 +37,87 @@ def apply_rope(x_BHSDh: Tensor, cos_SDh: Tensor, sin_SDh: Tensor) -> Tensor:
     return (x_BHSDh * cos_SDh + torch.cat([-x2, x1], dim=-1) * sin_SDh).to(x_BHSDh.dtype)
 
 
-class KVCache(nn.Module):
-    """Keys and values of every position so far, written in place at `input_pos` (gpt-fast style)."""
+class KVCache:
+    """Keys and values of `slots` sequences, one [slots, G, max_len, Dh] pair per layer, allocated once
+    and passed into the forward pass (never installed into modules). A sequence owns a slot from its
+    prefill to its last token; a freed slot is reused without zeroing, because a sequence writes
+    positions 0..p before any query of it reads them, and no query reads past its own position."""
 
-    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None):
-        super().__init__()
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+    def __init__(self, n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        shape = (slots, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.slots, self.max_len = slots, max_len
 
-    def update(self, input_pos_S: Tensor, k_BGSDh: Tensor, v_BGSDh: Tensor) -> tuple[Tensor, Tensor]:
-        self.k[:, :, input_pos_S] = k_BGSDh
-        self.v[:, :, input_pos_S] = v_BGSDh
-        return self.k, self.v
+    @classmethod
+    def for_model(cls, model: "Transformer", slots: int, max_len: int | None = None) -> "KVCache":
+        cfg, w = model.cfg, model.tok_embeddings.weight
+        max_len = max_len or cfg.max_seq_len
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"cache length {max_len} exceeds max_seq_len={cfg.max_seq_len}")
+        return cls(cfg.n_layers, slots, max_len, cfg.kv_heads, cfg.head_dim, w.dtype, w.device)
+
+    def rows(self, slots: list[int], starts: list[int], n_tokens: int) -> "CacheRows":
+        """Row b of the next call is slot `slots[b]`, its tokens at positions starts[b] .. starts[b] + n_tokens - 1.
+        Built on the host from host-side numbers, so the forward pass never asks the device where it is."""
+        if len(slots) != len(starts) or not slots:
+            raise ValueError(f"{len(slots)} slots for {len(starts)} start positions")
+        if min(slots) < 0 or max(slots) >= self.slots or len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots}: expected distinct slots in [0, {self.slots})")
+        length = max(starts) + n_tokens
+        if min(starts) < 0 or length > self.max_len:
+            raise ValueError(f"positions up to {length - 1} do not fit a cache of {self.max_len}")
+        device = self.k[0].device
+        offsets = torch.arange(n_tokens)
+        positions = (torch.tensor(starts)[:, None] + offsets[None]).to(device)
+        first = slots[0]
+        contiguous = slots == list(range(first, first + len(slots)))
+        return CacheRows(self, torch.tensor(slots, device=device), positions, length,
+                         slice(first, first + len(slots)) if contiguous else None)
+
+
+@dataclass
+class CacheRows:
+    """Where the rows of one forward call live in a KVCache (KVCache.rows makes one)."""
+
+    cache: KVCache
+    slots: Tensor  # [B] the slot of each row
+    positions: Tensor  # [B, S] the position of each token: its RoPE angle and where its key and value are written
+    length: int  # keys attended over: the largest position + 1
+    contiguous: slice | None = None  # the slots as one range, when they are one: read in place, not gathered
+
+    def update(self, layer: int, k_BGSDh: Tensor, v_BGSDh: Tensor) -> tuple[Tensor, Tensor]:
+        """Write this call's keys and values; return every row's keys and values 0..length-1, [B, G, L, Dh]."""
+        k_all, v_all = self.cache.k[layer], self.cache.v[layer]
+        index = (self.slots[:, None], slice(None), self.positions)  # advanced indices -> [B, S, G, Dh]
+        k_all[index] = k_BGSDh.transpose(1, 2)
+        v_all[index] = v_BGSDh.transpose(1, 2)
+        if self.contiguous is not None:
+            return k_all[self.contiguous, :, : self.length], v_all[self.contiguous, :, : self.length]
+        return (k_all[:, :, : self.length].index_select(0, self.slots),
+                v_all[:, :, : self.length].index_select(0, self.slots))
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
-        self.cache: KVCache | None = None
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, input_pos_S: Tensor,
-                mask: Tensor | None, is_causal: bool) -> Tensor:
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
+                cache: CacheRows | None = None) -> Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cache is not None:
-            k, v = self.cache.update(input_pos_S, k, v)
+        if cache is not None:
+            k, v = cache.update(self.layer_id, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
@@ -87,17 +133,18 @@ class Block(nn.Module):
     def __init__(self, cfg: MoEConfig, layer_id: int):
         super().__init__()
         self.attention_norm = make_norm(cfg)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer_id)
         self.ffn_norm = make_norm(cfg)
         is_moe = layer_id in cfg.moe_layer_ids
         self.ffn: nn.Module = MoELayer(cfg) if is_moe else FeedForward(cfg.d_model, cfg.d_ff, cfg.expert_act)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor | None,
-                is_causal: bool, token_mask: Tensor | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, is_causal)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
+                token_mask: Tensor | None = None, cache: CacheRows | None = None) -> tuple[Tensor, MoEAux | None]:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, cache)
         if isinstance(self.ffn, MoELayer):
-            return h + self.ffn(self.ffn_norm(h), token_mask)
-        return h + self.ffn(self.ffn_norm(h))
+            y, aux = self.ffn(self.ffn_norm(h), token_mask)
+            return h + y, aux
+        return h + self.ffn(self.ffn_norm(h)), None
 
 
 @dataclass
@@ -167,50 +214,39 @@ class Transformer(nn.Module):
             unpack_linears_(self)
         return plan
 
-    # ---- KV cache -------------------------------------------------------------------------
-    def setup_cache(self, batch: int, max_len: int | None = None) -> None:
-        """A KV cache per layer in the model's dtype, for `batch` rows of up to `max_len` positions."""
-        max_len = max_len or self.cfg.max_seq_len
-        if max_len > self.cfg.max_seq_len:
-            raise ValueError(f"cache length {max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-        dtype, device = self.tok_embeddings.weight.dtype, self.tok_embeddings.weight.device
-        for b in self.layers:
-            b.attention.cache = KVCache(batch, max_len, self.cfg.kv_heads, self.cfg.head_dim, dtype, device)
-
-    def clear_cache(self) -> None:
-        for b in self.layers:
-            b.attention.cache = None
-
     # ---- forward --------------------------------------------------------------------------
-    def forward(self, input_ids: Tensor, input_pos: Tensor | None = None,
-                attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> ModelOutput:
-        """input_ids [B, S]; input_pos [S]: the positions of these tokens, and with a cache the slots they
-        are written to (default 0..S-1); attention_mask [B, L]: 1 for real tokens, 0 for padding (L = S,
-        or the cache length); padding is never attended to and never routed to an expert;
-        position_ids [B, S]: RoPE positions where they differ per row (a left-padded batch), else input_pos."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                cache: CacheRows | None = None, last_only: bool = False) -> ModelOutput:
+        """input_ids [B, S]. Without a cache: positions 0..S-1, and attention_mask [B, S] (1 real, 0 padding;
+        padding is never attended to and never routed to an expert). With one: the tokens sit at
+        `cache.positions` of their slots and attend to everything their sequence wrote before them.
+        Pure: the logits and each MoE layer's aux come back; nothing is left in the modules, and
+        nothing here waits for the device (with a cache the host has said where every row is).
+        last_only: logits of each row's last token only, [B, 1, V] (a prefill needs no more)."""
         B, S = input_ids.shape
-        if input_pos is None:
-            input_pos = torch.arange(S, device=input_ids.device)
-        pos = input_pos[None] if position_ids is None else position_ids
-        if int(pos.max()) >= self.cfg.max_seq_len or int(input_pos[-1]) >= self.cfg.max_seq_len:
-            raise ValueError(f"position {int(max(pos.max(), input_pos[-1]))} is past max_seq_len={self.cfg.max_seq_len}")
-        cache = self.layers[0].attention.cache
-        L = cache.k.shape[2] if cache is not None else S
-        mask = self._mask(input_pos, attention_mask, L, cached=cache is not None)
-        token_mask = None
-        if attention_mask is not None:
-            token_mask = attention_mask.bool() if cache is None else attention_mask.bool()[:, input_pos]
-            token_mask = None if bool(token_mask.all()) else token_mask  # one check here, not one per layer
-        is_causal = self.cfg.causal and cache is None
         x = self.tok_embeddings(input_ids)
-        cos, sin = self.rope_cos[pos][:, None].to(x.dtype), self.rope_sin[pos][:, None].to(x.dtype)  # [B|1, 1, S, Dh]
-        for block in self.layers:
-            x = block(x, cos, sin, input_pos, mask, is_causal, token_mask)
-        x = self.norm(x)
+        token_mask = None
+        if cache is None:
+            if S > self.cfg.max_seq_len:
+                raise ValueError(f"{S} tokens are past max_seq_len={self.cfg.max_seq_len}")
+            mask = self._mask(S, attention_mask)
+            if attention_mask is not None:
+                token_mask = attention_mask.bool()
+                token_mask = None if bool(token_mask.all()) else token_mask  # one check here, not one per layer
+            cos, sin = self.rope_cos[:S].to(x.dtype), self.rope_sin[:S].to(x.dtype)  # [S, Dh]
+        else:
+            if attention_mask is not None:
+                raise ValueError("a cached call has no padding: each row's tokens are real")
+            mask = self._cache_mask(cache)
+            pos = cache.positions
+            cos, sin = self.rope_cos[pos][:, None].to(x.dtype), self.rope_sin[pos][:, None].to(x.dtype)  # [B, 1, S, Dh]
+        is_causal = self.cfg.causal and cache is None
         aux = []
-        for layer in self.moe_layers:  # hand the aux over: a layer holding graph tensors would block deepcopy
-            aux.append(layer.last_aux)
-            layer.last_aux = None
+        for block in self.layers:
+            x, a = block(x, cos, sin, mask, is_causal, token_mask, cache)
+            if a is not None:
+                aux.append(a)
+        x = self.norm(x[:, -1:] if last_only else x)
         if self.cfg.task == "classify":
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
         if self.head_packed is not None and not torch.is_grad_enabled():
@@ -219,27 +255,40 @@ class Transformer(nn.Module):
             return ModelOutput(F.linear(x, self.tok_embeddings.weight), aux)
         return ModelOutput(self.output(x), aux)
 
-    def _mask(self, input_pos_S: Tensor, attention_mask_BL: Tensor | None, L: int, cached: bool) -> Tensor | None:
-        """Boolean [B|1, 1, S, L] mask, or None when SDPA's own causal flag (or nothing) suffices."""
+    def _mask(self, S: int, attention_mask_BS: Tensor | None) -> Tensor | None:
+        """Boolean [B|1, 1, S, S] mask of an uncached call, or None when SDPA's causal flag (or nothing) suffices."""
         window = self.cfg.sliding_window if self.cfg.causal else None
-        windowed = window is not None and int(input_pos_S[-1]) >= window  # some query cannot see all before it
-        if attention_mask_BL is None and not cached and not windowed:
+        windowed = window is not None and S > window  # some query cannot see all before it
+        if attention_mask_BS is None and not windowed:
             return None
-        k_pos_L = torch.arange(L, device=input_pos_S.device)
+        pos = torch.arange(S, device=self.rope_cos.device)
+        allowed = torch.ones(S, S, dtype=torch.bool, device=pos.device)
         if self.cfg.causal:
-            allowed = k_pos_L[None, :] <= input_pos_S[:, None]
+            allowed = pos[None, :] <= pos[:, None]
             if windowed:  # Mistral / Mixtral: key j is visible from query i when i - window < j <= i
-                allowed = allowed & (k_pos_L[None, :] > input_pos_S[:, None] - window)
-        else:  # bidirectional: every written position, never the cache's unwritten tail
-            allowed = (k_pos_L <= input_pos_S.max())[None, :].expand(input_pos_S.shape[0], L)
+                allowed = allowed & (pos[None, :] > pos[:, None] - window)
         allowed = allowed[None, None]
-        if attention_mask_BL is not None:
-            if attention_mask_BL.shape[-1] != L:
-                raise ValueError(f"attention_mask has length {attention_mask_BL.shape[-1]}, expected {L}")
-            allowed = allowed & attention_mask_BL.bool()[:, None, None, :]
+        if attention_mask_BS is not None:
+            if attention_mask_BS.shape[-1] != S:
+                raise ValueError(f"attention_mask has length {attention_mask_BS.shape[-1]}, expected {S}")
+            allowed = allowed & attention_mask_BS.bool()[:, None, None, :]
             # A padding query that may see nothing would make softmax NaN; let it see itself.
-            allowed = allowed | (k_pos_L[None, :] == input_pos_S[:, None])[None, None]
+            allowed = allowed | torch.eye(S, dtype=torch.bool, device=pos.device)[None, None]
         return allowed
+
+    def _cache_mask(self, cache: CacheRows) -> Tensor:
+        """[B, 1, S, L]: a query sees its sequence's keys up to its own position (causal, within the sliding
+        window), or every key its sequence wrote (bidirectional); never a key of an earlier owner of the slot."""
+        q_BS1 = cache.positions[:, :, None]
+        k_1L = torch.arange(cache.length, device=q_BS1.device)[None, None, :]
+        if self.cfg.causal:
+            allowed = k_1L <= q_BS1
+            if self.cfg.sliding_window is not None:
+                allowed = allowed & (k_1L > q_BS1 - self.cfg.sliding_window)
+        else:
+            last_B11 = cache.positions.amax(dim=1)[:, None, None]
+            allowed = (k_1L <= last_B11).expand(-1, q_BS1.shape[1], -1)
+        return allowed[:, None]
 
     def _pool(self, x_BSD: Tensor, attention_mask_BS: Tensor | None) -> Tensor:
         if attention_mask_BS is None:

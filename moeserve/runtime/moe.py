@@ -4,8 +4,9 @@
   vq, mixed (pre-training)   y = g_c(x) SMoE(x) + g_d(x) f_{k(x)}(x~),  [g_c, g_d] = softmax(W_g x)   (eq. 4)
   vq, discrete (serving)     y = f_{k(x)}(x~): no router, no gate, one expert per token            (eq. 5)
 
-Each forward leaves an `MoEAux` behind: what the balance and VQ losses (training/losses.py) and the
-expert-load accounting need, at the cost of one bincount.
+Each forward returns its output and an `MoEAux`: what the balance and VQ losses (training/losses.py)
+and the expert-load accounting need, at the cost of one bincount. Nothing is left in the module, so
+one layer can serve concurrent callers and a captured decode step has no side effects.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ class MoELayer(nn.Module):
             if is_vq else None
         )
         self.mix = nn.Linear(cfg.d_model, 2, bias=False) if is_vq and cfg.vq_mode == "mixed" else None
-        self.last_aux: MoEAux | None = None
         self.table: Tensor | None = None  # [E, D] f_j(x~_j) for VQ code layers; set by prepare_inference
         self.count_load = True  # the bincount of MoEAux.counts; off only to measure what it costs
 
@@ -78,13 +78,15 @@ class MoELayer(nn.Module):
             routing.keep = capacity_keep(routing.expert_ids, self.n_experts, capacity)
         return routing
 
-    def forward(self, x_BSD: Tensor, token_mask_BS: Tensor | None = None) -> Tensor:
-        """token_mask_BS: False for padding, which is neither routed nor counted and comes out as zeros."""
-        if token_mask_BS is not None and not bool(token_mask_BS.all()):
+    def forward(self, x_BSD: Tensor, token_mask_BS: Tensor | None = None) -> tuple[Tensor, MoEAux]:
+        """(y [B, S, D], aux). token_mask_BS: False for padding, which is neither routed nor counted and comes
+        out as zeros (the caller passes None when every token is real, so a decode step has no mask)."""
+        if token_mask_BS is not None:
             keep_T = token_mask_BS.reshape(-1)
             y_TD = x_BSD.new_zeros(keep_T.shape[0], x_BSD.shape[-1])
-            y_TD[keep_T] = self.forward(x_BSD.reshape(-1, x_BSD.shape[-1])[keep_T][None])[0]
-            return y_TD.reshape(x_BSD.shape)
+            y_1ND, aux = self.forward(x_BSD.reshape(-1, x_BSD.shape[-1])[keep_T][None])
+            y_TD[keep_T] = y_1ND[0]
+            return y_TD.reshape(x_BSD.shape), aux
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = codes_T = z = v = None
         if self.quantizer is None:
@@ -100,8 +102,7 @@ class MoELayer(nn.Module):
                 g_T2 = self.mix(x_TD).float().softmax(dim=-1).to(x_TD.dtype)
                 y_TD = g_T2[:, :1] * continuous_TD + g_T2[:, 1:] * discrete_TD
         counts = self._counts(routing, codes_T) if self.count_load else None
-        self.last_aux = MoEAux(counts, routing, codes_T, z, v)
-        return y_TD.reshape(x_BSD.shape)
+        return y_TD.reshape(x_BSD.shape), MoEAux(counts, routing, codes_T, z, v)
 
     def _counts(self, routing: Routing | None, codes_T: Tensor | None) -> Tensor:
         """Tokens per expert: the continuous router's kept assignments, else the VQ codes."""

@@ -386,7 +386,7 @@ def test_layer_inference_equals_reference(calls, name, K, path, pack):
         xs = [layer_input(B, S) for B, S in shapes]
         refs = [layer_reference(layer, x.reshape(-1, LD)) for x in xs]
         calls.clear()
-        ys_sorted = [layer(x) for x in xs]  # no inference layout yet: the sorted (training) path
+        ys_sorted = [layer(x)[0] for x in xs]  # no inference layout yet: the sorted (training) path
         assert set(calls) == {"moe_sorted"}
 
         gather_max, grouped_mm = FORCE[path]
@@ -394,11 +394,11 @@ def test_layer_inference_equals_reference(calls, name, K, path, pack):
         assert (layer.table is not None) == uses_table(name)
         for (B, S), x, y_sorted, (ref, load) in zip(shapes, xs, ys_sorted, refs):
             calls.clear()
-            y = layer(x)
+            y, aux = layer(x)
             msg = f"{name} K={K} {path} pack={pack} B,S={B},{S}"
             torch.testing.assert_close(y_sorted.reshape(-1, LD), ref, atol=FP32_ATOL, rtol=0)
             torch.testing.assert_close(y.reshape(-1, LD), ref, atol=FP32_ATOL, rtol=0, msg=lambda m: f"{msg}: {m}")
-            assert torch.equal(layer.last_aux.counts, load), msg
+            assert torch.equal(aux.counts, load), msg
             assert int(load.sum()) == B * S * (1 if is_discrete(name) else K)
 
             want = expected_calls(name, path)
@@ -408,7 +408,7 @@ def test_layer_inference_equals_reference(calls, name, K, path, pack):
                 assert ("grouped_mm" in calls) == (path == "grouped_mm"), msg
                 assert ("packed_linear" in calls) == (pack and path != "grouped_mm"), msg
             if ROUTERS[name].get("router") == "vq" and B * S >= 64:  # the test means something
-                assert layer.last_aux.codes.unique().numel() >= E - 1, layer.last_aux.codes.bincount(minlength=E)
+                assert aux.codes.unique().numel() >= E - 1, aux.codes.bincount(minlength=E)
 
 
 @pytest.mark.parametrize("name", ["vq_mixed_code", "vq_discrete_code", "vq_discrete_code_proj_cos"])
@@ -434,11 +434,11 @@ def test_capacity_limited_layer_stays_on_sorted_path(calls, K):
     layer.prepare_inference(pack=False, gather_max=10**9)
     x = layer_input(2, 40)
     with torch.no_grad():
-        y = layer(x)
+        y, aux = layer(x)
         ref, load = layer_reference(layer, x.reshape(-1, LD))
     assert [c for c in calls if c.startswith("moe_")] == ["moe_sorted"]
     torch.testing.assert_close(y.reshape(-1, LD), ref, atol=FP32_ATOL, rtol=0)
-    assert torch.equal(layer.last_aux.counts, load) and int(load.sum()) < 80 * K
+    assert torch.equal(aux.counts, load) and int(load.sum()) < 80 * K
 
 
 @pytest.mark.parametrize("name", ["softmax", "vq_mixed_code", "vq_discrete_code", "vq_discrete_blend"])
@@ -452,13 +452,13 @@ def test_layer_inference_bf16(name, path, pack):
     layer = make_layer(name, 2, torch.bfloat16)
     x = layer_input(2, 40).bfloat16()
     with torch.no_grad():
-        y_sorted = layer(x)
-        codes = layer.last_aux.codes
+        y_sorted, aux_sorted = layer(x)
+        codes = aux_sorted.codes
         gather_max, grouped_mm = FORCE[path]
         layer.prepare_inference(pack=pack, grouped_mm=grouped_mm, gather_max=gather_max)
-        y = layer(x)
+        y, aux = layer(x)
     if codes is not None:
-        assert torch.equal(layer.last_aux.codes, codes)
+        assert torch.equal(aux.codes, codes)
     torch.testing.assert_close(y.float(), y_sorted.float(), atol=BF16_TOL, rtol=BF16_TOL)
     if name == "vq_discrete_code":  # y = f_k(v_k): the fp32 reference on the bf16 weights and codes
         ex = layer.experts
@@ -478,13 +478,13 @@ def test_bf16_layout_follows_the_packing_probe(monkeypatch, onednn_bf16, path):
     layer = make_layer("softmax", 2, torch.bfloat16)
     x = layer_input(2, 40).bfloat16()
     with torch.no_grad():
-        y_sorted = layer(x)
+        y_sorted, _ = layer(x)
         gather_max, grouped_mm = FORCE[path]
         w = layer.experts.prepare_inference(grouped_mm=grouped_mm, gather_max=gather_max)
         assert w.packed == onednn_packing_available("cpu", torch.bfloat16)
         if onednn_bf16 == "forced off":
             assert not w.packed
-        y = layer(x)
+        y, _ = layer(x)
     torch.testing.assert_close(y.float(), y_sorted.float(), atol=BF16_TOL, rtol=BF16_TOL)
 
 
@@ -507,16 +507,16 @@ def test_token_mask_padding_is_not_routed_or_counted(name, path):
     mask[2, :] = False  # a row of padding only
     mask[0, :3] = False  # left padding
     with torch.no_grad():
-        y_full = layer(x)
-        counts_full = layer.last_aux.counts
-        y = layer(x, mask)
-        counts = layer.last_aux.counts
+        y_full, aux_full = layer(x)
+        counts_full = aux_full.counts
+        y, aux = layer(x, mask)
+        counts = aux.counts
         ref, load = layer_reference(layer, x[mask])
         # padding filled with garbage changes nothing
-        y_garbage = layer(torch.where(mask[..., None], x, torch.full_like(x, 1e4)), mask)
-        y_all = layer(x, torch.ones(B, S, dtype=torch.bool))
-        y_none = layer(x, torch.zeros(B, S, dtype=torch.bool))
-        counts_none = layer.last_aux.counts
+        y_garbage, _ = layer(torch.where(mask[..., None], x, torch.full_like(x, 1e4)), mask)
+        y_all, _ = layer(x, torch.ones(B, S, dtype=torch.bool))
+        y_none, aux_none = layer(x, torch.zeros(B, S, dtype=torch.bool))
+        counts_none = aux_none.counts
     assert y.shape == x.shape
     assert torch.equal(y[~mask], torch.zeros_like(y[~mask]))
     torch.testing.assert_close(y[mask], ref, atol=FP32_ATOL, rtol=0)
@@ -537,7 +537,7 @@ def test_layer_training_path_after_prepare_inference(calls, name):
     layer.prepare_inference(pack=onednn_packing_available("cpu", torch.float32), gather_max=10**9)
     x = layer_input(1, 32, seed=2)
     calls.clear()
-    y = layer(x)
+    y, _ = layer(x)
     assert {c for c in calls if c.startswith("moe_")} == {"moe_sorted"}
     with torch.no_grad():
         ref, _ = layer_reference(layer, x.reshape(-1, LD))
@@ -579,12 +579,12 @@ def test_layer_inference_cuda(calls, name, dtype):
     layer = make_layer(name, 2, dtype).cuda()
     x = layer_input(4, 50).to(device="cuda", dtype=dtype)
     with torch.no_grad():
-        y_sorted = layer(x)
+        y_sorted, _ = layer(x)
         layer.prepare_inference(gather_max=0)
         w = layer.experts.inference
         assert w.grouped_mm and not w.packed
         calls.clear()
-        y = layer(x)
+        y, _ = layer(x)
     if expected_calls(name, "grouped_mm"):
         assert "grouped_mm" in calls
     tol = dict(atol=FP32_ATOL, rtol=0) if dtype == torch.float32 else dict(atol=BF16_TOL, rtol=BF16_TOL)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.config import ConfigError, MoEConfig, preset
-from moeserve.runtime.model import ModelOutput, Transformer
+from moeserve.runtime.model import KVCache, ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.training.losses import aux_losses
 
@@ -38,11 +38,10 @@ def test_kv_cache_decoding_equals_full_forward(n_kv_heads, router):
     ids = rand_ids((B, S))
     with torch.no_grad():
         full = model(ids).logits
-        model.setup_cache(B, 16)
-        parts = [model(ids[:, :P], input_pos=torch.arange(P)).logits]
+        cache = KVCache.for_model(model, B, 16)
+        parts = [model(ids[:, :P], cache=cache.rows(list(range(B)), [0] * B, P)).logits]
         for t in range(P, S):
-            parts.append(model(ids[:, t : t + 1], input_pos=torch.tensor([t])).logits)
-        model.clear_cache()
+            parts.append(model(ids[:, t : t + 1], cache=cache.rows(list(range(B)), [t] * B, 1)).logits)
     inc = torch.cat(parts, dim=1)
     assert inc.shape == full.shape == (B, S, V)
     torch.testing.assert_close(inc, full, rtol=0, atol=1e-5)
@@ -55,8 +54,8 @@ def test_kv_cache_one_token_at_a_time_from_start():
     ids = rand_ids((1, 9), seed=4)
     with torch.no_grad():
         full = model(ids).logits
-        model.setup_cache(1, 9)
-        inc = torch.cat([model(ids[:, t : t + 1], input_pos=torch.tensor([t])).logits for t in range(9)], dim=1)
+        cache = KVCache.for_model(model, 1, 9)
+        inc = torch.cat([model(ids[:, t : t + 1], cache=cache.rows([0], [t], 1)).logits for t in range(9)], dim=1)
     torch.testing.assert_close(inc, full, rtol=0, atol=1e-5)
 
 
@@ -304,9 +303,7 @@ def test_bidirectional_model_with_cache_ignores_unwritten_slots():
     model = Transformer(preset("tiny", causal=False)).eval()
     ids = torch.randint(0, 256, (1, 8))
     full = model(ids).logits
-    model.setup_cache(1, 16)
-    cached = model(ids, torch.arange(8)).logits
-    model.clear_cache()
+    cached = model(ids, cache=KVCache.for_model(model, 1, 16).rows([0], [0], 8)).logits
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
 
 

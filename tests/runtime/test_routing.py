@@ -268,12 +268,12 @@ def test_vq_code_input_is_chosen_code_and_straight_through():
 def test_vq_discrete_layer_grad_reaches_x_as_grad_of_x_tilde():
     layer = _vq_layer(vq_mode="discrete", vq_input="code")
     x = torch.randn(2, 10, 64, requires_grad=True)
-    y = layer(x)
+    y, aux = layer(x)
     gy = torch.randn_like(y)
     (y * gy).sum().backward()
 
     # the same loss with x~ as a leaf, computed by hand
-    codes = layer.last_aux.codes
+    codes = aux.codes
     xt = layer.quantizer.codebook.detach()[codes].clone().requires_grad_(True)
     y_hand = torch.stack([ffn_by_hand(layer, int(codes[t]), xt[t]) for t in range(xt.shape[0])])
     (y_hand * gy.reshape(-1, 64)).sum().backward()
@@ -334,15 +334,16 @@ def test_vq_discrete_layer_output_by_hand(act, vq_input):
     book = layer.quantizer.codebook.detach()
     # tokens near each code so every expert is used
     x = book[torch.arange(24) % 4] + 0.3 * torch.randn(24, 64)
-    y = layer(x[None])[0]
+    y, aux = layer(x[None])
+    y = y[0]
     k = torch.cdist(x.double(), book.double()).argmin(-1)
-    assert torch.equal(layer.last_aux.codes, k)
+    assert torch.equal(aux.codes, k)
     assert k.unique().numel() == 4
     x_tilde = book[k] if vq_input == "code" else 0.9 * x + 0.05 * book[k]
     want = torch.stack([ffn_by_hand(layer, int(k[t]), x_tilde[t]) for t in range(24)])
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(layer.last_aux.counts, torch.bincount(k, minlength=4))
-    assert layer.last_aux.routing is None
+    assert torch.equal(aux.counts, torch.bincount(k, minlength=4))
+    assert aux.routing is None
 
 
 def test_vq_discrete_code_output_depends_on_code_only():
@@ -353,10 +354,12 @@ def test_vq_discrete_code_output_depends_on_code_only():
     x1 = base + 0.05 * torch.randn_like(base)
     x2 = base + 0.05 * torch.randn_like(base)
     assert not torch.equal(x1, x2)
-    y1 = layer(x1[None])[0]
-    c1 = layer.last_aux.codes.clone()
-    y2 = layer(x2[None])[0]
-    c2 = layer.last_aux.codes.clone()
+    y1, aux1 = layer(x1[None])
+    y1 = y1[0]
+    c1 = aux1.codes.clone()
+    y2, aux2 = layer(x2[None])
+    y2 = y2[0]
+    c2 = aux2.codes.clone()
     assert torch.equal(c1, c2)
     assert torch.equal(y1, y2)
 
@@ -364,7 +367,7 @@ def test_vq_discrete_code_output_depends_on_code_only():
     blend = _vq_layer(vq_mode="discrete", vq_input="blend")
     with torch.no_grad():
         blend.load_state_dict(layer.state_dict())
-    assert not torch.equal(blend(x1[None]), blend(x2[None]))
+    assert not torch.equal(blend(x1[None])[0], blend(x2[None])[0])
 
 
 @pytest.mark.parametrize("vq_input", ["code", "blend"])
@@ -373,7 +376,7 @@ def test_vq_mixed_layer_output_by_hand(vq_input):
     assert layer.mix.weight.shape == (2, 64)
     torch.manual_seed(3)
     x = torch.randn(20, 64)
-    y = layer(x[None])[0]
+    y = layer(x[None])[0][0]
 
     book = layer.quantizer.codebook.detach()
     k = torch.cdist(x.double(), book.double()).argmin(-1)
@@ -421,17 +424,18 @@ def test_capacity_drops_overflow_with_zero_output():
     gates = torch.rand(T, 1) + 0.5
     layer.router = FixedRouter(torch.zeros(T, 1, dtype=torch.long), gates)
     x = torch.randn(T, 64)
-    y = layer(x[None])[0]
+    y, aux = layer(x[None])
+    y = y[0]
     cap = math.ceil(1.0 * T * 1 / E)  # 2
     assert cap == 2
-    counts = layer.last_aux.counts
+    counts = aux.counts
     assert counts.tolist() == [cap, 0, 0, 0]
     for t in range(T):
         if t < cap:
             torch.testing.assert_close(y[t], gates[t, 0] * ffn_by_hand(layer, 0, x[t]), rtol=1e-5, atol=1e-6)
         else:
             assert torch.equal(y[t], torch.zeros(64)), t
-    keep = layer.last_aux.routing.keep
+    keep = aux.routing.keep
     assert keep[:, 0].tolist() == [True] * cap + [False] * (T - cap)
 
 
@@ -445,9 +449,10 @@ def test_capacity_limit_on_all_to_expert_zero(cf):
     ids = torch.stack([torch.zeros(T, dtype=torch.long), 1 + torch.arange(T) % 3], dim=1)
     layer.router = FixedRouter(ids, torch.full((T, K), 0.5))
     x = torch.randn(T, 64)
-    y = layer(x[None])[0]
+    y, aux = layer(x[None])
+    y = y[0]
     cap = math.ceil(cf * T * K / E)
-    counts = layer.last_aux.counts
+    counts = aux.counts
     assert counts.max() <= cap
     assert int(counts[0]) == min(cap, T)
     # by hand: the first `cap` tokens of each expert in slot-major order are kept
@@ -459,7 +464,7 @@ def test_capacity_limit_on_all_to_expert_zero(cf):
             if seen[e] < cap:
                 keep[t, k] = True
             seen[e] += 1
-    assert torch.equal(layer.last_aux.routing.keep, keep)
+    assert torch.equal(aux.routing.keep, keep)
     assert counts.tolist() == torch.bincount(ids[keep], minlength=E).tolist()
     want = smoe_by_hand(layer, x, ids, 0.5 * keep.float())
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
@@ -476,11 +481,12 @@ def test_capacity_first_choices_take_priority_over_second():
     ids = torch.tensor([[1, 0], [2, 0], [3, 0], [1, 0], [0, 2], [0, 3], [0, 1], [0, 2]])
     layer.router = FixedRouter(ids, torch.full((T, K), 0.5))
     x = torch.randn(T, 64)
-    y = layer(x[None])[0]
-    keep = layer.last_aux.routing.keep
+    y, aux = layer(x[None])
+    y = y[0]
+    keep = aux.routing.keep
     assert keep[4:, 0].all()  # all first choices to expert 0 kept
     assert not keep[:4, 1].any()  # the earlier tokens' second choices to expert 0 dropped
-    assert int(layer.last_aux.counts[0]) == cap
+    assert int(aux.counts[0]) == cap
     # token 0's output is only its first choice (expert 1)
     torch.testing.assert_close(y[0], 0.5 * ffn_by_hand(layer, 1, x[0]), rtol=1e-5, atol=1e-6)
     # token 4's output has both its choices

@@ -149,8 +149,8 @@ def test_state_survives_safetensors_save_and_resume(tmp_path):
     save_file(state, str(tmp_path / "omoe.safetensors"))
     base_state = copy.deepcopy(opt.base.state_dict())
 
-    # The resumed model: same weights. (A deepcopy is not possible here: after a training forward each
-    # MoELayer.last_aux holds non-leaf tensors, which torch refuses to deepcopy.)
+    # The resumed model: same weights, built afresh and loaded from the state dict as a resumed run's is
+    # (no layer keeps its MoEAux any more, so a deepcopy would also work; the state dict is what resuming uses).
     model2 = tiny(n_experts=2, top_k=1)
     model2.load_state_dict(model.state_dict())
     opt2 = OMoE(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2), cfg)
