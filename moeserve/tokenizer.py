@@ -76,6 +76,45 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
+class IncrementalDecoder:
+    """One sequence's text, decoded as its tokens arrive, at a cost per token that does not grow with
+    the text: each push decodes only the tokens since the last settled point (a tokenizer may need a
+    token's left neighbour to render it, e.g. a leading space), and the difference is the new text.
+    Text that ends in U+FFFD (a multi-byte character cut in half) is held until the next token settles
+    it, so no delta ever shows half a character; `flush` gives what is held when generation ends."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to text already given out, the context for what follows
+        self._read = 0
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def push(self, token_id: int) -> str:
+        """Add a token; the text it settles ('' while a character is incomplete)."""
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held (a character left incomplete decodes as U+FFFD, as `decode` would)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read])
+        after = decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        delta = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self._parts.append(delta)
+        return delta
+
+
 def load_tokenizer(kind: str, checkpoint_dir: str | Path | None = None, *, bos_id: int | None = None,
                    eos_id: int | None = None) -> Tokenizer:
     """The tokenizer of `kind`; bos_id / eos_id apply to 'hf' only (the byte tokenizer's are fixed)."""

@@ -3,7 +3,7 @@ and as each ONNX export of it on ONNX Runtime (portable, fused, and vq-table for
 1 and 8, in one process, the backends taking turns in blocks so that drift hits every one alike.
 
 What is timed is the call a server makes for scoring: ids [B, S] and a mask in, logits out, through
-`Engine.forward` / `OnnxEngine.forward` (expert-load accounting included in both). Each export is
+`Engine.forward` / an ONNX-backed `Engine.forward` (expert-load accounting included in both). Each export is
 made fresh by `export_onnx`, parity check included, so the numbers are for graphs that passed it.
 """
 
@@ -21,7 +21,7 @@ from moeserve.export import MODES
 from moeserve.export.onnx_export import export_onnx
 from moeserve.runtime.device import machine
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.onnx_engine import OnnxEngine
+from moeserve.runtime.onnx_engine import load_onnx_engine
 
 
 # Backends take turns in blocks, not call by call: ONNX Runtime's and torch's thread pools both spin a while
@@ -65,7 +65,7 @@ def bench_onnx(checkpoint: Path, batches: list[int], seqs: list[int], repeats: i
         for mode in modes:
             log(f"exporting --mode {mode}")
             report = export_onnx(checkpoint, Path(tmp) / f"{mode}.onnx", mode)
-            engines[f"onnxruntime {mode}"] = OnnxEngine.load(report.output, device="cpu", threads=threads)
+            engines[f"onnxruntime {mode}"] = load_onnx_engine(report.output, device="cpu", threads=threads)
             exports.append({"mode": mode, "file_mib": round(report.file_bytes / 2 ** 20, 2),
                             "max_abs_diff": report.outputs["logits"]["max_abs_diff"],
                             "fallbacks": len(report.fallbacks)})
@@ -82,7 +82,7 @@ def bench_onnx(checkpoint: Path, batches: list[int], seqs: list[int], repeats: i
             log("exporting --mode fused --kv-cache")
             kv = export_onnx(checkpoint, Path(tmp) / "fused-kv.onnx", "fused", kv_cache=True)
             decoders = {"torch eager fp32": torch_engine,
-                        "onnxruntime fused, KV cache": OnnxEngine.load(kv.output, device="cpu", threads=threads)}
+                        "onnxruntime fused, KV cache": load_onnx_engine(kv.output, device="cpu", threads=threads)}
             for batch in batches:
                 prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
                 log(f"timing greedy generation, batch {batch}, {new_tokens} new tokens")

@@ -66,7 +66,7 @@ class Parity:
 def reference_top1(engine: Engine, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(logits, top-1 expert per real token per MoE layer) from the torch model."""
     with torch.inference_mode():
-        out = engine._run(ids, attention_mask=mask)
+        out = engine.run(ids, attention_mask=mask)
     top1 = [(a.routing.expert_ids[:, 0] if a.routing is not None else a.codes) for a in out.aux]
     return out.logits.float(), top1
 
@@ -74,7 +74,7 @@ def reference_top1(engine: Engine, ids: torch.Tensor, mask: torch.Tensor) -> tup
 def check(session, engine: Engine, seed: int = 0) -> Parity:
     """Run `session` (an onnxruntime InferenceSession of `engine`'s model) and the engine on the same inputs."""
     cfg = engine.cfg
-    n_moe = len(engine.model.moe_layers)
+    n_moe = len(engine.cfg.moe_layer_ids)
     parity = Parity(held_out_shapes(cfg.max_seq_len), agree=[0] * n_moe)
     names = [o.name for o in session.get_outputs()]
     cached = any(i.name.startswith("past_") for i in session.get_inputs())

@@ -1,1 +1,1 @@
-BACKENDS = ("auto", "torch", "onnx")  # Engine on torch, OnnxEngine on ONNX Runtime; auto: by the model path
+BACKENDS = ("auto", "torch", "onnx")  # Engine over torch, or over ONNX Runtime (OnnxRunner); auto: by the model path

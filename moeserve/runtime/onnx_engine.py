@@ -1,19 +1,17 @@
-"""The Engine's surface (forward, score, classify, generate, route, expert load) over an ONNX Runtime
-session of a graph that `moeserve export onnx` wrote, so that serve, score and bench run an exported
-model as they run a checkpoint (`--backend onnx`, or any path ending in .onnx).
+"""A model runner (runner.py) over an ONNX Runtime session of a graph that `moeserve export onnx` wrote:
+the Engine holds it as it holds the torch model, so serve, score and bench run an exported model as they
+run a checkpoint (`--backend onnx`, or any path ending in .onnx).
 
 The graph carries its config and tokenizer in its metadata, so the .onnx file alone is enough.
 Generation runs the prompt, then one token per step: with a KV-cache export (`--kv-cache`) each step
-feeds the previous step's keys and values back; with a plain forward graph each step recomputes the
-whole prefix (correct, O(n^2) in the generated length). Either way prompts are left-padded and positions
-are column indices: that shifts a row's positions by a constant, which RoPE attention does not see, so
-each row gets what it would alone.
+feeds the slot's previous keys and values back; with a plain forward graph each step recomputes the
+whole prefix (correct, O(n^2) in the generated length). Each sequence runs alone (batch 1), so its
+positions are its own and no padding is needed.
 """
 
 from __future__ import annotations
 
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.engine import Engine, EngineError, ExpertLoad
+from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.model import ModelOutput
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.routing import Routing
@@ -63,49 +61,18 @@ def presents_as_past(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"past_" + k.removeprefix("present_"): v for k, v in outputs.items() if k.startswith("present_")}
 
 
-class OnnxEngine(Engine):
-    """An exported model behind the Engine's calls; one call at a time, like Engine."""
+class OnnxRunner:
+    """The model-runner protocol (runner.py) over an ONNX Runtime session. A slot's cache is its past
+    keys and values (a KV-cache graph) or its token ids so far (a plain graph, which recomputes the
+    prefix each step); a decode step runs each slot on its own, since the graph takes one past length
+    per call."""
 
-    def __init__(self, session, cfg: MoEConfig, tokenizer: Tokenizer | None, *, name: str, path: Path, mode: str):
-        self.session, self.mode = session, mode
-        self.model = None  # no torch model: every model call goes through the session
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.name, self.path = name, path
+    def __init__(self, session, cfg: MoEConfig, mode: str):
+        self.session, self.cfg, self.mode = session, cfg, mode
         self._outputs = [o.name for o in session.get_outputs()]
         self._experts = sorted((n for n in self._outputs if n.startswith("expert_ids.")),
                                key=lambda n: int(n.split(".")[1]))
-        self.expert_load = ExpertLoad(len(self._experts), cfg.n_experts)
-        self._lock = threading.RLock()
         self.kv_cache = any(i.name.startswith("past_") for i in session.get_inputs())
-        self._history: Tensor | None = None  # generation without a cache: the ids so far, [B, columns]
-        self._past: dict[str, np.ndarray] | None = None  # generation with one: the keys and values so far
-        self._decoding = False  # between _prefill and _end_decode of a KV-cache graph
-
-    @classmethod
-    def load(cls, path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None) -> "OnnxEngine":
-        try:
-            import onnxruntime as ort
-        except ImportError as e:
-            raise EngineError("an .onnx model needs onnxruntime: pip install 'moeserve[export]'") from e
-        path = Path(path)
-        if not path.is_file():
-            raise EngineError(f"{path}: no such ONNX file")
-        if str(dtype) not in ("float32", "fp32", "auto", "torch.float32"):
-            raise EngineError(f"dtype {dtype!r}: an exported ONNX graph runs in the float32 it was exported in")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        try:
-            session = ort.InferenceSession(str(path), options, providers=onnx_providers(device))
-        except EngineError:
-            raise
-        except Exception as e:  # onnxruntime raises its own types for a corrupt or foreign file
-            raise EngineError(f"{path}: onnxruntime cannot load it: {e}") from e
-        meta = session.get_modelmeta().custom_metadata_map
-        if "moeserve.config" not in meta:
-            raise EngineError(f"{path} was not written by moeserve export onnx (no moeserve.config metadata)")
-        cfg = MoEConfig.from_json(meta["moeserve.config"])
-        return cls(session, cfg, _tokenizer(cfg, meta), name=path.stem, path=path, mode=meta.get("moeserve.mode", "?"))
 
     @property
     def device(self) -> torch.device:
@@ -115,14 +82,12 @@ class OnnxEngine(Engine):
     def dtype(self) -> torch.dtype:
         return torch.float32
 
-    # ---- the model call ----------------------------------------------------------------------------
-    def _session_run(self, ids: Tensor, mask: Tensor, count_from: int = 0) -> ModelOutput:
-        """The graph on ids [B, S] and mask [B, S] (or [B, P + S] with a cache); expert load counted for the
-        real tokens among ids' columns >= count_from. A decode call keeps the present keys and values."""
-        feed = session_feed(self.session, ids.cpu().numpy(), mask.cpu().numpy(), self._past)
+    def _session_run(self, ids: Tensor, mask: Tensor, past: dict[str, np.ndarray] | None = None,
+                     count_from: int = 0) -> tuple[ModelOutput, dict[str, np.ndarray]]:
+        """The graph on ids [B, S] and mask [B, S] (or [B, P + S] with a past); the aux of the real tokens among
+        ids' columns >= count_from, and the present keys and values (empty for a graph without a cache)."""
+        feed = session_feed(self.session, ids.cpu().numpy(), mask.cpu().numpy(), past)
         outs = dict(zip(self._outputs, self.session.run(None, feed)))
-        if self._past is not None or self._decoding:
-            self._past = presents_as_past(outs)
         real = mask.bool()[:, mask.shape[1] - ids.shape[1]:][:, count_from:].numpy()
         aux = []
         for name in self._experts:
@@ -131,30 +96,64 @@ class OnnxEngine(Engine):
             discrete = self.cfg.router == "vq" and self.cfg.vq_mode == "discrete"
             routing = None if discrete else Routing(ids_TK, torch.ones_like(ids_TK, dtype=torch.float32))
             aux.append(MoEAux(counts, routing, codes=ids_TK[:, 0] if discrete else None))
-        self.expert_load.add([a.counts for a in aux])
-        return ModelOutput(torch.from_numpy(outs["logits"]), aux)
+        return ModelOutput(torch.from_numpy(outs["logits"]), aux), presents_as_past(outs)
 
-    def _run(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> ModelOutput:
-        if kwargs:
-            raise EngineError(f"the ONNX forward graph takes input ids and a right-padding mask, not {sorted(kwargs)}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        return self._session_run(input_ids, attention_mask)
+    def forward(self, ids: Tensor, attention_mask: Tensor | None = None) -> ModelOutput:
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+        return self._session_run(ids, mask)[0]
 
-    # ---- generation: the KV-cache graph, or recomputation (see the module docstring) ----------------
-    def _prefill(self, ids: Tensor, mask: Tensor, pos: Tensor, length: int) -> Tensor:
-        self._decoding = self.kv_cache
-        self._history = ids.cpu()
-        return self._session_run(self._history, mask[:, : ids.shape[1]]).logits[:, -1]
+    def new_cache(self, slots: int, max_len: int) -> dict[int, object]:
+        return {}
 
-    def _decode(self, step_ids: Tensor, col: int, mask: Tensor, position_ids: Tensor) -> Tensor:
+    def prefill(self, cache: dict, slot: int, ids_S: Tensor, start: int) -> ModelOutput:
+        ids = ids_S.cpu()[None]
         if self.kv_cache:
-            return self._session_run(step_ids, mask[:, : col + 1]).logits[:, -1]
-        self._history = torch.cat([self._history, step_ids.cpu()], dim=1)
-        return self._session_run(self._history, mask[:, : col + 1], count_from=col).logits[:, -1]
+            past = cache.get(slot) if start > 0 else None
+            out, cache[slot] = self._session_run(ids, torch.ones(1, start + ids.shape[1], dtype=torch.long), past)
+            return out
+        history = torch.cat([cache[slot], ids], dim=1) if start > 0 else ids
+        cache[slot] = history
+        return self._session_run(history, torch.ones_like(history), count_from=start)[0]
 
-    def _end_decode(self) -> None:
-        self._history, self._past, self._decoding = None, None, False
+    def decode(self, cache: dict, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
+        outs = [self.prefill(cache, slot, ids_B[b:b + 1], positions[b]) for b, slot in enumerate(slots)]
+        logits = torch.cat([o.logits[:, -1:] for o in outs])
+        aux = []
+        for layer in zip(*(o.aux for o in outs)):
+            counts = torch.stack([a.counts for a in layer]).sum(0)
+            routing = None if layer[0].routing is None else Routing(
+                torch.cat([a.routing.expert_ids for a in layer]), torch.cat([a.routing.gates for a in layer]))
+            codes = None if layer[0].codes is None else torch.cat([a.codes for a in layer])
+            aux.append(MoEAux(counts, routing, codes=codes))
+        return ModelOutput(logits, aux)
+
+
+def load_onnx_engine(path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None) -> Engine:
+    """An Engine over an ONNX Runtime session of a graph that `moeserve export onnx` wrote."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise EngineError("an .onnx model needs onnxruntime: pip install 'moeserve[export]'") from e
+    path = Path(path)
+    if not path.is_file():
+        raise EngineError(f"{path}: no such ONNX file")
+    if str(dtype) not in ("float32", "fp32", "auto", "torch.float32"):
+        raise EngineError(f"dtype {dtype!r}: an exported ONNX graph runs in the float32 it was exported in")
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(str(path), options, providers=onnx_providers(device))
+    except EngineError:
+        raise
+    except Exception as e:  # onnxruntime raises its own types for a corrupt or foreign file
+        raise EngineError(f"{path}: onnxruntime cannot load it: {e}") from e
+    meta = session.get_modelmeta().custom_metadata_map
+    if "moeserve.config" not in meta:
+        raise EngineError(f"{path} was not written by moeserve export onnx (no moeserve.config metadata)")
+    cfg = MoEConfig.from_json(meta["moeserve.config"])
+    runner = OnnxRunner(session, cfg, meta.get("moeserve.mode", "?"))
+    return Engine(runner, _tokenizer(cfg, meta), name=path.stem, path=path)
 
 
 def _tokenizer(cfg: MoEConfig, meta: dict[str, str]) -> Tokenizer | None:

@@ -18,7 +18,7 @@ from moeserve.export.onnx_export import export_onnx
 from moeserve.export.tensorrt import build_engine, unsupported_ops
 from moeserve.runtime.engine import Engine, EngineError, load_engine
 from moeserve.runtime.model import Transformer
-from moeserve.runtime.onnx_engine import OnnxEngine
+from moeserve.runtime.onnx_engine import OnnxRunner
 from moeserve.serve.app import ServeConfig
 
 from ..serve.conftest import live_server
@@ -49,7 +49,7 @@ def lm(tmp_path_factory) -> tuple[Path, Path]:
 def test_scores_generations_routes_and_load_equal_the_torch_engine(lm):
     ckpt, onnx_path = lm
     ref, got = Engine.load(ckpt, dtype="float32", device="cpu"), load_engine(onnx_path)
-    assert isinstance(got, OnnxEngine) and got.mode == "fused"
+    assert isinstance(got.runner, OnnxRunner) and got.runner.mode == "fused"
     for a, b in zip(got.score(TEXTS), ref.score(TEXTS)):
         assert a.n_tokens == b.n_tokens and a.logprob == pytest.approx(b.logprob, abs=1e-3)
     ref.expert_load.reset(), got.expert_load.reset()
@@ -67,13 +67,13 @@ def test_kv_cache_export_decodes_like_the_torch_engine(lm, tmp_path, mode):
     report = export_onnx(ckpt, tmp_path / "kv.onnx", mode, kv_cache=True)
     assert report.kv_cache and report.outputs["logits, cached step"]["max_abs_diff"] <= 1e-4
     ref, got = Engine.load(ckpt, dtype="float32", device="cpu"), load_engine(report.output)
-    assert got.kv_cache
+    assert got.runner.kv_cache
     prompts = ["def ", "import numpy as np\n", "x"]
     assert got.generate(prompts, max_new_tokens=12) == ref.generate(prompts, max_new_tokens=12)
     assert torch.equal(got.expert_load.snapshot(), ref.expert_load.snapshot())  # each token routed once
     for a, b in zip(got.score(TEXTS), ref.score(TEXTS)):  # scoring feeds an empty cache
         assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
-    names = {i.name for i in got.session.get_inputs()}
+    names = {i.name for i in got.runner.session.get_inputs()}
     assert {"past_key.0", "past_value.1"} <= names
     if mode == "portable":
         assert unsupported_ops(onnx.load(report.output)) == []

@@ -9,7 +9,7 @@ import torch
 from moeserve.config import preset
 from moeserve.runtime import device
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams, resolve_dtype
-from moeserve.runtime.model import Transformer
+from moeserve.runtime.model import KVCache, Transformer
 from moeserve.runtime.packing import PackedLinear, onednn_packing_available
 from moeserve.tokenizer import ByteTokenizer
 
@@ -52,13 +52,21 @@ def test_batch_sampled_equals_alone_per_seed(engine):
 
 
 def test_batch_prefill_logits_match_alone():
+    """Prompts of different lengths, each prefilled into its own slot of one KVCache and then decoded
+    together in one call, give the logits each prompt gives alone (prompt plus next token, uncached)."""
     eng = make_engine()
     rows = [eng.encode(p) for p in PROMPTS]
-    for r in rows:
-        alone = eng.forward(torch.tensor([r]))[0, -1]
-        ids, mask, pos = eng._left_pad(rows, max(len(x) for x in rows))
-        batch = eng.model(ids, attention_mask=mask, position_ids=pos).logits[rows.index(r), -1].float()
-        torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-5)
+    slots = [2, 0, 3, 1]  # not the rows' order: the decode step gathers its slots
+    cache = KVCache.for_model(eng.model, len(rows), max(len(r) for r in rows) + 1)
+    with torch.no_grad():
+        prefill = [eng.model(torch.tensor([r]), cache=cache.rows([slot], [0], len(r))).logits[0, -1].float()
+                   for r, slot in zip(rows, slots)]
+        next_ids = torch.stack([p.argmax() for p in prefill])  # each prompt's greedy next token
+        step = eng.model(next_ids[:, None], cache=cache.rows(slots, [len(r) for r in rows], 1)).logits[:, -1].float()
+    for i, r in enumerate(rows):
+        alone = eng.forward(torch.tensor([r + [int(next_ids[i])]]))[0]
+        torch.testing.assert_close(prefill[i], alone[-2], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step[i], alone[-1], atol=1e-5, rtol=1e-5)
 
 
 def test_logits_with_cache_match_full_forward():
@@ -68,15 +76,12 @@ def test_logits_with_cache_match_full_forward():
     params = SamplingParams(max_new_tokens=1)
     eng.generate_ids([ids[:5]], params)  # warm the code path; the check below is on the raw model
     m = eng.model
-    m.setup_cache(1, len(ids))
-    try:
-        with torch.no_grad():
-            m(torch.tensor([ids[:5]]), torch.arange(5))
-            for i in range(5, len(ids)):
-                step = m(torch.tensor([[ids[i]]]), torch.tensor([i])).logits[0, -1]
-                torch.testing.assert_close(step, full[i], atol=1e-5, rtol=1e-5)
-    finally:
-        m.clear_cache()
+    cache = KVCache.for_model(m, 1, len(ids))
+    with torch.no_grad():
+        m(torch.tensor([ids[:5]]), cache=cache.rows([0], [0], 5))
+        for i in range(5, len(ids)):
+            step = m(torch.tensor([[ids[i]]]), cache=cache.rows([0], [i], 1)).logits[0, -1]
+            torch.testing.assert_close(step, full[i], atol=1e-5, rtol=1e-5)
 
 
 def test_top_k_one_is_greedy_and_stop_strings():

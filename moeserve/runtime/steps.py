@@ -1,0 +1,224 @@
+"""The step engine: generation as a sequence of steps over a slot KV cache, which sequences join
+and leave at any step (continuous batching).
+
+A step (1) drops cancelled sequences, (2) admits waiting sequences into free slots and prefills
+them, at most `prefill_chunk` prompt tokens per step while others are decoding (a long prompt is
+written over several steps, so running streams keep flowing), and (3) decodes one token for every
+running sequence in one model call. A sequence leaves the step it ends (end-of-sequence, its token
+budget, a stop string, cancellation) and its slot is free for the next step.
+
+Everything that makes a sequence's tokens its own lives on the sequence: its seeded generator, its
+incremental decoder (text is decoded once per token, not re-decoded in full), its stop strings. A
+prompt's tokens therefore do not depend on which other sequences share its steps, up to the
+rounding of batched GEMMs (fp32 on CPU: exact in the tests).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from moeserve.config import MoEConfig
+from moeserve.runtime.moe import MoEAux
+from moeserve.runtime.runner import ModelRunner
+from moeserve.runtime.sampling import EngineError, SamplingParams, sample
+from moeserve.tokenizer import IncrementalDecoder, Tokenizer
+
+# on_token(token_id, text): called on the engine's thread as each token is chosen, with the text it settles.
+TokenCallback = Callable[[int, str], None]
+
+
+def check_request(cfg: MoEConfig, tokenizer: Tokenizer | None, prompt: list[int], params: SamplingParams,
+                  what: str = "prompt") -> None:
+    """Raise EngineError for a request the model cannot run, before anything runs."""
+    params.validate()
+    if not prompt:
+        raise EngineError(f"{what} has no tokens")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= cfg.vocab_size for t in prompt):
+        raise EngineError(f"{what} has a token id outside [0, {cfg.vocab_size})")
+    if len(prompt) >= cfg.max_seq_len and params.max_new_tokens > 0:
+        raise EngineError(f"{what} is {len(prompt)} tokens; the model's context is {cfg.max_seq_len}")
+    if params.stop and tokenizer is None:
+        raise EngineError("stop strings need a tokenizer; this model has none")
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end-of-sequence token or a stop string), "length", or "cancelled"
+    prompt_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt being continued: what it asked for, and everything that is its own."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    on_token: TokenCallback | None = None
+    cancelled: Callable[[], bool] | None = None  # asked before each step; True ends it ("cancelled")
+    out: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens written to the cache so far
+    budget: int = 0  # new tokens it may have: max_new_tokens, within the context
+    generator: torch.Generator | None = None
+    decoder: IncrementalDecoder | None = None
+    _tail: str = ""  # the end of the text, as long as the longest stop string less one: where a stop may begin
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def completion(self) -> Completion:
+        text = ""
+        if self.decoder is not None:
+            self.decoder.flush()
+            text = self.decoder.text
+            cut = min((text.index(s) for s in self.params.stop if s in text), default=None)
+            if cut is not None:
+                text = text[:cut]
+        return Completion(text, self.out, self.finish_reason or "length", len(self.prompt))
+
+
+class StepEngine:
+    """Sequences over `slots` cache slots of `max_len` positions each, advanced one `step` at a time.
+    One thread calls it; `on_aux` gets each model call's MoE aux (for expert-load accounting)."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, eos_id: int | None, *, slots: int,
+                 max_len: int, prefill_chunk: int = 512, on_aux: Callable[[list[MoEAux]], None] | None = None):
+        if slots < 1 or prefill_chunk < 1:
+            raise ValueError(f"slots = {slots}, prefill_chunk = {prefill_chunk}: expected integers >= 1")
+        self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
+        self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
+        self.on_aux = on_aux
+        self.cache: Any = runner.new_cache(slots, max_len)
+        self._free = list(range(slots))  # a heap: the lowest free slot first, so live slots stay one range
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # holding a slot, prompt not yet fully written
+        self.running: list[Sequence] = []  # decoding
+
+    # ---- joining -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins at the next step with a free slot (at once if its budget is 0)."""
+        check_request(self.runner.cfg, self.tokenizer, seq.prompt, seq.params)
+        p = seq.params
+        seq.budget = min(p.max_new_tokens, self.runner.cfg.max_seq_len - len(seq.prompt))
+        if len(seq.prompt) + seq.budget > self.max_len:
+            raise EngineError(f"{len(seq.prompt)} prompt tokens and {seq.budget} new ones do not fit the cache's "
+                              f"{self.max_len} positions")
+        seq.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
+        seq.decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        if seq.budget == 0:
+            seq.finish_reason = "length"
+            return
+        self.waiting.append(seq)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.running)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    # ---- a step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Advance every live sequence by one step; the sequences that ended in it."""
+        ended: list[Sequence] = []
+        for seq in [*self.waiting, *self.prefilling, *self.running]:
+            if seq.cancelled is not None and seq.cancelled():
+                self._finish(seq, "cancelled", ended)
+        self._prefill(ended)
+        self._decode(ended)
+        return ended
+
+    def _prefill(self, ended: list[Sequence]) -> None:
+        budget = self.prefill_chunk if self.running else math.inf  # nothing to keep flowing: no need to chunk
+        while budget > 0:
+            if not self.prefilling:
+                if not self.waiting or not self._free:
+                    return
+                seq = self.waiting.popleft()
+                seq.slot = heapq.heappop(self._free)
+                self.prefilling.append(seq)
+            seq = self.prefilling[0]
+            n = int(min(budget, len(seq.prompt) - seq.prefilled))
+            ids = torch.tensor(seq.prompt[seq.prefilled:seq.prefilled + n], device=self.runner.device)
+            out = self.runner.prefill(self.cache, seq.slot, ids, seq.prefilled)
+            self._account(out.aux)
+            seq.prefilled += n
+            budget -= n
+            if seq.prefilled == len(seq.prompt):
+                self.prefilling.pop(0)
+                self.running.append(seq)
+                self._choose([seq], out.logits[:, -1], ended)
+
+    def _decode(self, ended: list[Sequence]) -> None:
+        rows = [s for s in self.running if len(s.out) > 0 and not s.done]
+        if not rows:
+            return
+        ids = torch.tensor([s.out[-1] for s in rows], device=self.runner.device)
+        positions = [len(s.prompt) + len(s.out) - 1 for s in rows]
+        out = self.runner.decode(self.cache, [s.slot for s in rows], ids, positions)
+        self._account(out.aux)
+        self._choose(rows, out.logits[:, -1], ended)
+
+    def _account(self, aux: list[MoEAux]) -> None:
+        if self.on_aux is not None:
+            self.on_aux(aux)
+
+    def _choose(self, rows: list[Sequence], logits_BV: Tensor, ended: list[Sequence]) -> None:
+        """One token per row: the argmax of every row in one device call (the step's one host sync), and a
+        draw from the row's own generator where it samples."""
+        greedy = logits_BV.argmax(dim=-1).tolist()
+        for i, seq in enumerate(rows):
+            t = greedy[i] if seq.params.greedy else sample(logits_BV[i], seq.params, seq.generator)
+            self._accept(seq, t, ended)
+
+    def _accept(self, seq: Sequence, t: int, ended: list[Sequence]) -> None:
+        if t == self.eos_id and not seq.params.ignore_eos:
+            return self._finish(seq, "stop", ended)
+        seq.out.append(t)
+        delta = seq.decoder.push(t) if seq.decoder is not None else ""
+        if seq.on_token is not None:
+            seq.on_token(t, delta)
+        if len(seq.out) >= seq.budget:
+            self._finish(seq, "length", ended)
+        elif seq.params.stop and delta:
+            window = seq._tail + delta
+            if any(s in window for s in seq.params.stop):
+                return self._finish(seq, "stop", ended)
+            keep = max(len(s) for s in seq.params.stop) - 1
+            seq._tail = window[len(window) - keep:] if keep else ""
+
+    def _finish(self, seq: Sequence, reason: str, ended: list[Sequence]) -> None:
+        seq.finish_reason = reason
+        for queue in (self.waiting, self.prefilling, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.slot is not None:
+            heapq.heappush(self._free, seq.slot)
+            seq.slot = None
+        ended.append(seq)
+
+    def run(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Add `seqs` and step until every one has ended (a static batch)."""
+        for seq in seqs:
+            self.add(seq)
+        while not self.idle:
+            self.step()
+        return seqs

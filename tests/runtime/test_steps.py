@@ -1,0 +1,149 @@
+"""The step engine: a prompt's tokens are the same alone, in a static batch, and when it joins running
+sequences mid-flight (greedy and seeded sampling, fp32 on CPU, exactly); chunked prefill, slot reuse
+without zeroing, cancellation, and expert-load counts exact to the token; the ONNX runner behind the
+same steps gives the torch runner's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.runtime.engine import Engine, EngineError, SamplingParams
+from moeserve.runtime.steps import Sequence
+
+from .test_engine import PROMPTS, make_engine
+
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+
+def sampled(i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=12 + 3 * i, temperature=0.9, top_k=40, seed=50 + i, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return make_engine("softmax")
+
+
+def alone(engine: Engine, prompt: str, params: SamplingParams) -> list[int]:
+    return engine.complete([prompt], [params])[0].token_ids
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_joining_mid_flight_equals_alone_and_static_batch(engine, kind):
+    params = [GREEDY if kind == "greedy" else sampled(i) for i in range(len(PROMPTS))]
+    want = [alone(engine, p, sp) for p, sp in zip(PROMPTS, params)]
+    assert [c.token_ids for c in engine.complete(PROMPTS, params)] == want  # static batch
+    steps = engine.step_engine(slots=3, prefill_chunk=4)
+    seqs = [Sequence(engine.encode(p), sp) for p, sp in zip(PROMPTS, params)]
+    steps.add(seqs[0])
+    for _ in range(5):
+        steps.step()
+    steps.add(seqs[1])  # joins a running sequence, its prompt written 4 tokens a step
+    steps.step()
+    steps.add(seqs[2])
+    steps.add(seqs[3])  # 3 slots, 4 sequences: one waits for a slot
+    busiest = 0
+    while not steps.idle:
+        steps.step()
+        busiest = max(busiest, 3 - steps.free_slots)
+    assert busiest == 3
+    assert [s.out for s in seqs] == want
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert steps.free_slots == 3
+
+
+def test_a_reused_slot_is_not_zeroed_and_nothing_leaks(engine):
+    """A long sequence fills slot 0 far past where the next one goes; the next one in the same slot
+    must not see any of it."""
+    steps = engine.step_engine(slots=1)
+    long = Sequence(engine.encode(PROMPTS[1]), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    short = Sequence(engine.encode(PROMPTS[2]), GREEDY)
+    steps.run([long])
+    assert steps.cache.k[0][0, :, 40:50].abs().sum() > 0  # the old keys are still there
+    steps.run([short])
+    assert short.out == alone(engine, PROMPTS[2], GREEDY)
+
+
+def test_text_is_decoded_incrementally_and_stop_strings_cut(engine):
+    full = engine.complete([PROMPTS[0]], [SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)])[0]
+    assert full.text == engine.tokenizer.decode(full.token_ids)
+    k = next(k for k in range(3, len(full.text) - 2) if full.text.index(full.text[k:k + 2]) == k)
+    stop = full.text[k:k + 2]
+    got = engine.complete([PROMPTS[0]], [SamplingParams(max_new_tokens=30, temperature=1.0, seed=3, stop=[stop])])[0]
+    assert (got.text, got.finish_reason) == (full.text[:k], "stop")
+    assert len(got.token_ids) < len(full.token_ids)  # it stopped generating, not only cut the text
+
+
+def test_cancellation_frees_the_slot_at_the_next_step(engine):
+    steps = engine.step_engine(slots=1)
+    flag = {"cancel": False}
+    a = Sequence(engine.encode(PROMPTS[0]), GREEDY, cancelled=lambda: flag["cancel"])
+    b = Sequence(engine.encode(PROMPTS[2]), GREEDY)
+    steps.add(a)
+    steps.add(b)
+    steps.step()
+    steps.step()
+    assert a.slot is not None and b.slot is None and len(a.out) == 3
+    flag["cancel"] = True
+    ended = steps.step()
+    assert a in ended and a.finish_reason == "cancelled" and len(a.out) == 3
+    assert b.slot == 0  # admitted in the same step
+    while not steps.idle:
+        steps.step()
+    assert b.out == alone(engine, PROMPTS[2], GREEDY)
+
+
+def test_expert_load_counts_every_token_once(engine):
+    """Per MoE layer, K assignments for each prompt token and each generated token but the last (which is
+    never fed back)."""
+    engine.expert_load.reset()
+    params = [SamplingParams(max_new_tokens=7 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    steps = engine.step_engine(slots=2, prefill_chunk=3)
+    seqs = [Sequence(engine.encode(p), sp) for p, sp in zip(PROMPTS, params)]
+    steps.run(seqs)
+    fed = sum(len(s.prompt) + len(s.out) - 1 for s in seqs)
+    counts = engine.expert_load.reset()
+    assert counts.sum(dim=1).tolist() == [fed * engine.cfg.top_k] * counts.shape[0]
+
+
+def test_requests_the_engine_cannot_run_are_refused_before_anything_runs(engine):
+    steps = engine.step_engine(slots=1, max_len=16)
+    with pytest.raises(EngineError, match="do not fit the cache's 16 positions"):
+        steps.add(Sequence(engine.encode("a long enough prompt"), GREEDY))
+    with pytest.raises(EngineError, match="outside"):
+        steps.add(Sequence([1, 10_000], GREEDY))
+    with pytest.raises(EngineError, match="no tokens"):
+        steps.add(Sequence([], GREEDY))
+    done = Sequence([1, 2], SamplingParams(max_new_tokens=0))
+    steps.add(done)
+    assert done.finish_reason == "length" and steps.idle
+
+
+def test_eos_ends_a_sequence_without_its_token(engine):
+    first = alone(engine, PROMPTS[3], GREEDY)[0]
+    steps = engine.step_engine(slots=1)
+    steps.eos_id = first  # the first greedy token is now the end-of-sequence token
+    seq = Sequence(engine.encode(PROMPTS[3]), SamplingParams(max_new_tokens=5))
+    steps.run([seq])
+    assert (seq.out, seq.finish_reason) == ([], "stop")
+
+
+def test_onnx_runner_gives_the_torch_runners_tokens(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from moeserve.checkpoint import save_checkpoint
+    from moeserve.export.onnx_export import export_onnx
+    from moeserve.runtime.engine import load_engine
+
+    engine = make_engine("softmax")
+    ckpt = save_checkpoint(tmp_path / "ckpt", engine.cfg, engine.model.state_dict())
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True), sampled(1)]
+    want = [c.token_ids for c in engine.complete(PROMPTS[:2], params)]
+    for kv in (False, True):
+        out = tmp_path / f"m{kv}.onnx"
+        export_onnx(ckpt, out, "portable", kv_cache=kv)
+        onnx = load_engine(out)
+        steps = onnx.step_engine(slots=2, prefill_chunk=5)
+        seqs = [Sequence(onnx.encode(p), sp) for p, sp in zip(PROMPTS[:2], params)]
+        steps.run(seqs)
+        assert [s.out for s in seqs] == want, kv
