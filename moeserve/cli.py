@@ -106,8 +106,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         wait_s=args.batch_wait_ms / 1000, max_queue=args.max_queue)
     cfg = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, api_key=args.api_key, batch=batch,
                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                      body_timeout_s=args.body_timeout,
                       max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
-                      shutdown_timeout_s=args.shutdown_timeout, threads=args.threads)
+                      shutdown_timeout_s=args.shutdown_timeout, threads=args.threads, scheduler=args.scheduler,
+                      kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk)
     return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
                  calibration=_calibration(args), progress=not args.quiet, access_log=not args.no_access_log,
                  log_level=args.log_level)
@@ -258,7 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
-    sv.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows per model batch (default: 32)")
+    sv.add_argument("--scheduler", default="continuous", choices=("continuous", "batch"),
+                    help="continuous: completions join the running decode steps and leave when done; batch: "
+                    "run-to-completion batches, the baseline (default: continuous)")
+    sv.add_argument("--kv-slots", type=int, default=8, metavar="N",
+                    help="continuous: sequences generating at once, each a KV cache of the model's context "
+                    "(default: 8)")
+    sv.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                    help="continuous: prompt tokens per step while others generate (default: 256)")
+    sv.add_argument("--max-batch-size", type=int, default=32, metavar="N",
+                    help="rows per model batch (scoring and classification; completions with --scheduler batch) "
+                    "(default: 32)")
     sv.add_argument("--max-batch-tokens", type=int, default=16384, metavar="N",
                     help="padded tokens per model batch (default: 16384)")
     sv.add_argument("--batch-wait-ms", type=float, default=5.0, metavar="MS",
@@ -268,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--request-timeout", type=float, default=60.0, metavar="S",
                     help="seconds from arrival to answer; past it, 504 and the work is dropped (default: 60)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="413 past this (default: 1 MiB)")
+    sv.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
+                    help="408 when a request's body stalls this long (default: 10)")
     sv.add_argument("--max-inputs", type=int, default=32, metavar="N",
                     help="prompts or texts per request (default: 32)")
     sv.add_argument("--max-tokens", type=int, metavar="N", help="largest max_tokens accepted (default: the context)")
@@ -398,9 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--json", type=Path, metavar="FILE", help="write the report (with the machine) as JSON")
     bo.add_argument("--quiet", action="store_true", help="no progress lines")
     bo.set_defaults(func=cmd_bench_onnx)
-    bh = bsub.add_parser("http", help="the HTTP server under load: batched vs batch size 1, HTTP overhead, 429s",
+    bh = bsub.add_parser("http", help="the HTTP server under load: continuous vs batch vs batch size 1, a mixed "
+                         "workload, HTTP overhead, 429s",
                          description="Start `moeserve serve` subprocesses (one at a time) and measure: throughput "
-                         "of a closed loop of concurrent clients with dynamic batching against --max-batch-size 1; "
+                         "of a closed loop of concurrent clients on continuous batching, run-to-completion batches "
+                         "(--scheduler batch) and --max-batch-size 1; a mixed workload of short and long requests "
+                         "on continuous against batch; "
                          "the HTTP cost of one request against a direct Engine call in this process; and the 429 "
                          "answers of a small-queue server hit by a burst. Each against its baseline in the same run.")
     bh.add_argument("--checkpoint", type=Path, metavar="DIR",
@@ -415,8 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="untimed seconds of load before the throughput window (default: 2)")
     bh.add_argument("--max-tokens", type=int, default=16, metavar="M",
                     help="max_tokens of the throughput and overhead requests (default: 16)")
+    bh.add_argument("--long-tokens", type=int, default=200, metavar="M",
+                    help="max_tokens of the mixed workload's long requests (default: 200)")
     bh.add_argument("--batch-size", type=int, default=32, metavar="N",
-                    help="--max-batch-size of the batched server (default: 32, the server's default)")
+                    help="--max-batch-size of the batch server and --kv-slots of the continuous one (default: 32)")
     bh.add_argument("--requests", type=int, default=50, metavar="R",
                     help="paired HTTP / direct rounds of the overhead measure (default: 50)")
     bh.add_argument("--overload", type=int, default=256, metavar="K",
@@ -427,7 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--max-batch-size of the overload server (default: 4)")
     bh.add_argument("--overload-tokens", type=int, default=32, metavar="N",
                     help="max_tokens of the overload requests (default: 32)")
-    bh.add_argument("--skip-throughput", action="store_true", help="leave out the batched vs batch-1 measure")
+    bh.add_argument("--skip-throughput", action="store_true",
+                    help="leave out the continuous vs batch vs batch-1 measure")
+    bh.add_argument("--skip-mixed", action="store_true", help="leave out the mixed short / long workload")
     bh.add_argument("--skip-overhead", action="store_true", help="leave out the HTTP overhead measure")
     bh.add_argument("--skip-overload", action="store_true", help="leave out the 429 measure")
     bh.add_argument("--json", type=Path, metavar="FILE",

@@ -1,13 +1,15 @@
 """`moeserve bench http`: the HTTP server (`moeserve serve`) under load, each number against a baseline
 measured in the same run, on the same checkpoint, dtype and requests.
 
-1. Throughput, dynamic batching against batch size 1. A server subprocess (the real command line) serves
-   a closed loop of C concurrent clients, each sending completions back to back (prompts from a fixed
-   list of short code-like prompts, temperature 0.8, a seed per request, so every run sends the same
-   requests); after a warm-up that is not counted, the completions that end within the timed window are
-   counted. Then the same against a server started with `--max-batch-size 1`. The two servers run one
-   after the other, never together. The mean batch size comes from the server's own `/metrics`, read at
-   the start and at the end of the window.
+1. Throughput: continuous batching, run-to-completion batches (`--scheduler batch`) and batch size 1. A
+   server subprocess (the real command line) serves a closed loop of C concurrent clients, each sending
+   completions back to back (prompts from a fixed list of short code-like prompts, temperature 0.8, a
+   seed per request, so every run sends the same requests); after a warm-up that is not counted, the
+   completions that end within the timed window are counted. The servers run one after the other, never
+   together. The mean batch size (rows per step, for the continuous server) comes from the server's own
+   `/metrics`, read at the start and at the end of the window.
+   Mixed: the same loop with half the clients asking for --max-tokens and half for --long-tokens, on the
+   continuous and the batch server: where a short request waits behind long ones, and where it does not.
 2. HTTP overhead. One client sends the same greedy request R times, one at a time; each is paired with
    the same completion made by a direct `Engine.complete` call in this process (same checkpoint, dtype
    and torch thread count). The two alternate (never overlap, order swapped every round), so drift in
@@ -56,13 +58,14 @@ class HttpBenchConfig:
     duration_s: float = 10.0
     warmup_s: float = 2.0
     max_tokens: int = 16
-    batch_size: int = 32  # --max-batch-size of the batched server
+    long_tokens: int = 200  # the mixed workload's long requests (the default model's context is 256)
+    batch_size: int = 32  # --max-batch-size of the batch server, --kv-slots of the continuous one
     requests: int = 50  # R, overhead rounds
     overload: int = 256  # K, requests fired at once
     overload_queue: int = 8
     overload_batch_size: int = 4
     overload_tokens: int = 32
-    parts: tuple[str, ...] = ("throughput", "overhead", "overload")
+    parts: tuple[str, ...] = ("throughput", "mixed", "overhead", "overload")
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Outcome:
     retry_after: str | None = None
     error: str | None = None
     text: str = ""
+    asked: int = 0  # max_tokens of the request
 
     @property
     def latency_ms(self) -> float:
@@ -158,21 +162,26 @@ def request_seed(client: int, n: int) -> int:
     return client * 1_000_003 + n
 
 
-async def client_loop(client, i: int, cfg: HttpBenchConfig, stop_at: float, out: list[Outcome]) -> None:
+async def client_loop(client, i: int, lengths: tuple[int, ...], stop_at: float, out: list[Outcome]) -> None:
     n = 0
+    asked = lengths[i % len(lengths)]
     while time.perf_counter() < stop_at:
-        body = completion_body(PROMPTS[(i + n) % len(PROMPTS)], cfg.max_tokens, 0.8, request_seed(i, n))
-        out.append(await post_completion(client, body))
+        body = completion_body(PROMPTS[(i + n) % len(PROMPTS)], asked, 0.8, request_seed(i, n))
+        outcome = await post_completion(client, body)
+        outcome.asked = asked
+        out.append(outcome)
         n += 1
 
 
-async def closed_loop(url: str, cfg: HttpBenchConfig) -> tuple[list[Outcome], float, float, str, str]:
-    """C clients for warm-up + duration; returns every outcome, the window, and /metrics at its two ends."""
+async def closed_loop(url: str, cfg: HttpBenchConfig, lengths: tuple[int, ...]
+                      ) -> tuple[list[Outcome], float, float, str, str]:
+    """C clients for warm-up + duration, client i asking lengths[i % len(lengths)] tokens; returns every
+    outcome, the window, and /metrics at its two ends."""
     async with clients(url, cfg.clients) as users, async_client(url, 1) as scraper:
         t0 = time.perf_counter()
         window = (t0 + cfg.warmup_s, t0 + cfg.warmup_s + cfg.duration_s)
         outcomes: list[Outcome] = []
-        loops = [asyncio.create_task(client_loop(c, i, cfg, window[1], outcomes)) for i, c in enumerate(users)]
+        loops = [asyncio.create_task(client_loop(c, i, lengths, window[1], outcomes)) for i, c in enumerate(users)]
         try:
             await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
             before = (await scraper.get("/metrics")).text
@@ -186,7 +195,7 @@ async def closed_loop(url: str, cfg: HttpBenchConfig) -> tuple[list[Outcome], fl
     return outcomes, window[0], window[1], before, after
 
 
-def throughput_row(name: str, batch_size: int, outcomes: list[Outcome], window: tuple[float, float],
+def throughput_row(name: str, flags: list[str], outcomes: list[Outcome], window: tuple[float, float],
                    metrics: tuple[str, str]) -> dict:
     """Counts the requests that ended within the window; batch statistics are the window's too."""
     done = [o for o in outcomes if window[0] <= o.end <= window[1]]
@@ -197,27 +206,59 @@ def throughput_row(name: str, batch_size: int, outcomes: list[Outcome], window: 
     (d0, _), (d1, _) = (metric_sums(m, "moeserve_batch_duration_seconds", {"kind": "complete"}) for m in metrics)
     batches = c1 - c0
     errors = [o for o in done if o.status != 200]
-    return {"config": name, "max_batch_size": batch_size, "window_s": round(seconds, 2), "requests": len(ok),
+    by_length = {}
+    for asked in sorted({o.asked for o in ok}):
+        mine = [o.latency_ms for o in ok if o.asked == asked]
+        by_length[str(asked)] = {"requests": len(mine), "p50_ms": _ms(percentile(mine, 50)),
+                                 "p90_ms": _ms(percentile(mine, 90))}
+    return {"config": name, "flags": " ".join(flags), "window_s": round(seconds, 2), "requests": len(ok),
             "errors": len(errors), "error_kinds": sorted({o.error or "" for o in errors}),
             "rps": round(len(ok) / seconds, 2), "tokens_per_s": round(sum(o.tokens for o in ok) / seconds, 1),
             "mean_tokens": round(statistics.mean(o.tokens for o in ok), 2) if ok else None,
             "p50_ms": _ms(percentile(lat, 50)), "p90_ms": _ms(percentile(lat, 90)), "p99_ms": _ms(percentile(lat, 99)),
-            "max_ms": _ms(max(lat, default=None)), "batches": int(batches),
+            "max_ms": _ms(max(lat, default=None)), "by_max_tokens": by_length, "batches": int(batches),
             "mean_batch_size": round((s1 - s0) / batches, 2) if batches else None,
             "mean_batch_ms": round((d1 - d0) / batches * 1e3, 2) if batches else None}
 
 
-def bench_throughput(cfg: HttpBenchConfig, log: Log) -> dict:
+def servers(cfg: HttpBenchConfig) -> dict[str, list[str]]:
+    """The server configurations compared, by name: their `moeserve serve` flags."""
+    n = str(cfg.batch_size)
+    return {"continuous": ["--scheduler", "continuous", "--kv-slots", n],
+            "batch": ["--scheduler", "batch", "--max-batch-size", n],
+            "batch size 1": ["--scheduler", "batch", "--max-batch-size", "1"]}
+
+
+def run_loops(cfg: HttpBenchConfig, names: list[str], lengths: tuple[int, ...], log: Log, part: str) -> list[dict]:
     rows = []
-    for name, size in (("batched", cfg.batch_size), ("batch size 1", 1)):
-        log(f"throughput: {name} (--max-batch-size {size}), {cfg.clients} clients, "
-            f"{cfg.warmup_s:g} s warm-up + {cfg.duration_s:g} s")
+    for name in names:
+        flags = servers(cfg)[name]
+        log(f"{part}: {name} ({' '.join(flags)}), {cfg.clients} clients asking {'/'.join(map(str, lengths))} "
+            f"tokens, {cfg.warmup_s:g} s warm-up + {cfg.duration_s:g} s")
         server = ServerLog()
-        with running_server(cfg.checkpoint, cfg.dtype, ["--max-batch-size", str(size)], server) as url:
-            outcomes, t0, t1, before, after = asyncio.run(closed_loop(url, cfg))
-        rows.append({**throughput_row(name, size, outcomes, (t0, t1), (before, after)), "server": server.summary()})
-    speedup = rows[0]["rps"] / rows[1]["rps"] if rows[1]["rps"] else None
-    return {"rows": rows, "speedup": None if speedup is None else round(speedup, 2)}
+        with running_server(cfg.checkpoint, cfg.dtype, flags, server) as url:
+            outcomes, t0, t1, before, after = asyncio.run(closed_loop(url, cfg, lengths))
+        rows.append({**throughput_row(name, flags, outcomes, (t0, t1), (before, after)), "server": server.summary()})
+    return rows
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def bench_throughput(cfg: HttpBenchConfig, log: Log) -> dict:
+    rows = run_loops(cfg, ["continuous", "batch", "batch size 1"], (cfg.max_tokens,), log, "throughput")
+    rps = {r["config"]: r["rps"] for r in rows}
+    return {"rows": rows, "speedup": ratio(rps["batch"], rps["batch size 1"]),
+            "continuous_vs_batch": ratio(rps["continuous"], rps["batch"])}
+
+
+def bench_mixed(cfg: HttpBenchConfig, log: Log) -> dict:
+    rows = run_loops(cfg, ["continuous", "batch"], (cfg.max_tokens, cfg.long_tokens), log, "mixed")
+    cont, batch = rows
+    short = str(cfg.max_tokens)
+    p50 = [r["by_max_tokens"].get(short, {}).get("p50_ms") for r in rows]
+    return {"rows": rows, "rps_ratio": ratio(cont["rps"], batch["rps"]), "short_p50_ratio": ratio(p50[0], p50[1])}
 
 
 # ---- 2. HTTP overhead -----------------------------------------------------------------------------------
@@ -321,6 +362,8 @@ def bench_http(cfg: HttpBenchConfig, log: Log = lambda msg: None) -> dict:
                     "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     if "throughput" in cfg.parts:
         report["throughput"] = bench_throughput(cfg, log)
+    if "mixed" in cfg.parts:
+        report["mixed"] = bench_mixed(cfg, log)
     if "overhead" in cfg.parts:
         from moeserve.runtime.engine import Engine
 
@@ -337,17 +380,34 @@ def _cell(x) -> str:
     return "-" if x is None else str(x)
 
 
+def loop_table(rows: list[dict]) -> list[str]:
+    lines = ["| server | requests | errors | req/s | gen tokens/s | p50 ms | p90 ms | p99 ms | p50 ms by max_tokens "
+             "| mean batch |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in rows:
+        by = ", ".join(f"{k}: {_cell(v['p50_ms'])}" for k, v in r["by_max_tokens"].items())
+        lines.append(f"| {r['config']} ({r['flags']}) | {r['requests']} | {r['errors']} | {r['rps']} | "
+                     f"{r['tokens_per_s']} | {_cell(r['p50_ms'])} | {_cell(r['p90_ms'])} | {_cell(r['p99_ms'])} | "
+                     f"{by} | {_cell(r['mean_batch_size'])} |")
+    return lines
+
+
 def throughput_markdown(t: dict, cfg: dict) -> list[str]:
     lines = [f"Throughput: {cfg['clients']} clients, closed loop, {cfg['duration_s']:g} s after "
-             f"{cfg['warmup_s']:g} s warm-up, max_tokens {cfg['max_tokens']}, temperature 0.8", "",
-             "| server | requests | errors | req/s | gen tokens/s | p50 ms | p90 ms | p99 ms | mean batch |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in t["rows"]:
-        lines.append(f"| {r['config']} (--max-batch-size {r['max_batch_size']}) | {r['requests']} | {r['errors']} | "
-                     f"{r['rps']} | {r['tokens_per_s']} | {_cell(r['p50_ms'])} | {_cell(r['p90_ms'])} | "
-                     f"{_cell(r['p99_ms'])} | {_cell(r['mean_batch_size'])} |")
+             f"{cfg['warmup_s']:g} s warm-up, max_tokens {cfg['max_tokens']}, temperature 0.8", ""]
     goal = "met" if t["speedup"] is not None and t["speedup"] >= 4 else "not met"
-    return lines + ["", f"Speed-up of batching (req/s): {_cell(t['speedup'])}x (goal >= 4x: {goal})"]
+    return lines + loop_table(t["rows"]) + [
+        "", f"Batching vs batch size 1 (req/s): {_cell(t['speedup'])}x (goal >= 4x: {goal}); continuous vs batch: "
+        f"{_cell(t['continuous_vs_batch'])}x"]
+
+
+def mixed_markdown(t: dict, cfg: dict) -> list[str]:
+    lines = [f"Mixed: {cfg['clients']} clients, half asking max_tokens {cfg['max_tokens']}, half "
+             f"{cfg['long_tokens']}, closed loop, {cfg['duration_s']:g} s after {cfg['warmup_s']:g} s warm-up", ""]
+    rps_goal = "met" if t["rps_ratio"] is not None and t["rps_ratio"] >= 1.5 else "not met"
+    p50_goal = "met" if t["short_p50_ratio"] is not None and t["short_p50_ratio"] <= 0.5 else "not met"
+    return lines + loop_table(t["rows"]) + [
+        "", f"Continuous vs batch: req/s {_cell(t['rps_ratio'])}x (goal >= 1.5x: {rps_goal}); p50 latency of the "
+        f"{cfg['max_tokens']}-token requests {_cell(t['short_p50_ratio'])}x (goal <= 0.5x: {p50_goal})"]
 
 
 def overhead_markdown(rows: list[dict]) -> list[str]:
@@ -376,6 +436,8 @@ def markdown(report: dict) -> str:
              f"load average before {report['load_average_before']}, after {report['load_average_after']}"]
     if "throughput" in report:
         lines += [""] + throughput_markdown(report["throughput"], report["settings"])
+    if "mixed" in report:
+        lines += [""] + mixed_markdown(report["mixed"], report["settings"])
     if "overhead" in report:
         lines += [""] + overhead_markdown(report["overhead"])
     if "overload" in report:
@@ -389,9 +451,10 @@ def config_from_args(args) -> HttpBenchConfig:
         from moeserve.training.default_model import default_model_path
 
         checkpoint = default_model_path(progress=not args.quiet)
-    parts = tuple(p for p in ("throughput", "overhead", "overload") if not getattr(args, f"skip_{p}"))
+    parts = tuple(p for p in ("throughput", "mixed", "overhead", "overload") if not getattr(args, f"skip_{p}"))
     return HttpBenchConfig(checkpoint=Path(checkpoint), dtype=args.dtype, clients=args.clients,
                            duration_s=args.duration, warmup_s=args.warmup, max_tokens=args.max_tokens,
+                           long_tokens=args.long_tokens,
                            batch_size=args.batch_size, requests=args.requests, overload=args.overload,
                            overload_queue=args.overload_queue, overload_batch_size=args.overload_batch_size,
                            overload_tokens=args.overload_tokens, parts=parts)
@@ -403,7 +466,7 @@ def main(args) -> int:
     except ImportError as e:
         raise ValueError("moeserve bench http needs httpx: pip install httpx") from e
     cfg = config_from_args(args)
-    for name in ("clients", "requests", "overload", "batch_size", "max_tokens", "overload_queue",
+    for name in ("clients", "requests", "overload", "batch_size", "max_tokens", "long_tokens", "overload_queue",
                  "overload_batch_size", "overload_tokens"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} = {getattr(cfg, name)}: expected an integer >= 1")

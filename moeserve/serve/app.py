@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.runtime.engine import Completion, Engine, EngineError, SamplingParams
 from moeserve.serve.batcher import BatchConfig, Batcher, Closed, DeadlineExceeded, Job, QueueFull
+from moeserve.serve.continuous import StepBatcher
 from moeserve.serve.gate import Gate
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.protocol import (ERROR_RESPONSES, ApiError, ClassifyItem,
@@ -43,6 +44,7 @@ from moeserve.serve.stream import TextStream
 log = logging.getLogger("moeserve.serve")
 API_KEY_ENV = "MOESERVE_API_KEY"
 MAX_STOP = 4  # stop strings per request, as OpenAI
+SCHEDULERS = ("continuous", "batch")
 OBJECT_FIELDS = {"stream_options": set(StreamOptions.model_fields)}  # request fields whose value is an object
 
 
@@ -55,16 +57,20 @@ class ServeConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     request_timeout_s: float = 60.0  # arrival to last token; past it, 504 and the work is dropped
     max_body_bytes: int = 1 << 20  # 413 past this
+    body_timeout_s: float = 10.0  # a body that has not all arrived this long after its last part: 408
     max_inputs: int = 32  # prompts or texts per request
     max_tokens: int | None = None  # largest max_tokens accepted (default: the model's context)
     expert_metrics: bool | None = None  # per-(layer, expert) series; None: on unless layers x experts > 4096
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     threads: int | None = None  # torch threads of the model (default: torch's, one per core)
+    scheduler: str = "continuous"  # continuous: requests join running steps; batch: run-to-completion batches
+    kv_slots: int = 8  # continuous: sequences generating at once (cache slots of the model's context each)
+    prefill_chunk: int = 256  # continuous: prompt tokens per step while others are generating
 
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
-        for name in ("request_timeout_s", "max_body_bytes", "max_inputs", "shutdown_timeout_s"):
+        for name in ("request_timeout_s", "max_body_bytes", "max_inputs", "shutdown_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         b = self.batch
@@ -77,6 +83,11 @@ class ServeConfig:
             raise ValueError(f"threads = {self.threads!r}: expected an integer >= 1 or None")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port = {self.port!r}: expected 0..65535")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler = {self.scheduler!r}: expected one of {', '.join(SCHEDULERS)}")
+        for name in ("kv_slots", "prefill_chunk"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: expected an integer >= 1")
         if not b.wait_s >= 0:
             raise ValueError(f"batch wait = {b.wait_s!r}: expected a number of seconds >= 0")
 
@@ -113,7 +124,7 @@ class ServerState:
                                        engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
             self._warm_up(engine)
             self.engine = engine
-            self.batcher = Batcher(engine, self.cfg.batch, self.metrics)
+            self.batcher = self._batcher(engine)
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
             log.error("moeserve: the model failed to load: %s", self.load_error)
@@ -124,6 +135,16 @@ class ServerState:
         self.metrics.ready.set(1)
         log.info("moeserve: %s is ready", self.name)
         self.batcher.run()
+
+    def _batcher(self, engine: Engine) -> Batcher:
+        """The continuous scheduler for a language model, unless the run-to-completion one was asked for (or
+        the model generates nothing: a classifier's requests are whole batches either way)."""
+        cfg = self.cfg
+        if cfg.scheduler == "continuous" and engine.cfg.task == "lm":
+            log.info("moeserve: continuous batching over %d cache slots of %d positions", cfg.kv_slots,
+                     engine.cfg.max_seq_len)
+            return StepBatcher(engine, cfg.batch, self.metrics, slots=cfg.kv_slots, prefill_chunk=cfg.prefill_chunk)
+        return Batcher(engine, cfg.batch, self.metrics)
 
     def stop(self, timeout: float) -> None:
         self.draining = True
@@ -166,6 +187,20 @@ class ServerState:
             raise ApiError("queue_full", str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
         except Closed as e:
             raise ApiError("shutting_down", str(e)) from e
+
+    def admission(self) -> ApiError | None:
+        """The refusal a model request would get now whatever its body says (shutting down, not ready, queue
+        full), so that the gate can answer it before reading the body."""
+        try:
+            self.require_ready()
+            self.batcher.check_room()
+        except ApiError as e:
+            return e
+        except QueueFull as e:
+            return ApiError("queue_full", str(e), headers={"Retry-After": str(e.retry_after_s)})
+        except Closed as e:
+            return ApiError("shutting_down", str(e))
+        return None
 
 
 # ---- request checks that need the model ------------------------------------------------------------
@@ -284,8 +319,8 @@ async def _stream(job: Job, events: asyncio.Queue, streams: list[TextStream], he
                 raise DeadlineExceeded("no answer within the server's request timeout") from None
             if item is None:  # the job finished
                 break
-            i, token = item
-            if delta := streams[i].push(token):
+            i, text = item
+            if delta := streams[i].push(text):
                 yield chunk(i, delta, None)
         if job.future.exception() is not None:
             raise job.future.exception()
@@ -391,10 +426,10 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
             return CompletionResponse(**head, usage=Usage(**_usage(done)), choices=[
                 CompletionChoice(text=c.text, index=i, finish_reason=c.finish_reason) for i, c in enumerate(done)])
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job.on_token = lambda i, token: loop.call_soon_threadsafe(events.put_nowait, (i, token))
+        job.on_token = lambda i, token, text: loop.call_soon_threadsafe(events.put_nowait, (i, text))
         state.submit(job)
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        streams = [TextStream(engine.tokenizer.decode, p.stop) for p in params]
+        streams = [TextStream(p.stop) for p in params]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(job, events, streams, head, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

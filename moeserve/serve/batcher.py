@@ -49,7 +49,7 @@ class Job:
     kind: Kind
     rows: list[list[int]]  # token ids per prompt / text, <bos> first
     params: list[SamplingParams] | None = None  # per row, for "complete"
-    on_token: Callable[[int, int], None] | None = None  # (row of this job, token id), on the worker thread
+    on_token: Callable[[int, int, str], None] | None = None  # (row of this job, token id, text), on the model thread
     deadline: float = math.inf  # time.monotonic() past which the job is dropped
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set by the request side: the client left or gave up
@@ -87,13 +87,19 @@ class Batcher:
     def depth(self) -> int:
         return len(self._queue)
 
+    def check_room(self) -> None:
+        """Raise Closed or QueueFull if a job submitted now would be refused: the server asks before it reads
+        a request's body, so a refusal costs no parsing and no tokenising."""
+        if self._closed:
+            raise Closed("the server is shutting down")
+        depth = len(self._queue)
+        if depth >= self.cfg.max_queue:
+            waves = math.ceil(depth / self.cfg.max_batch_size) + 1
+            raise QueueFull(depth, max(1, math.ceil(waves * self._batch_s)))
+
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._cv:
-            if self._closed:
-                raise Closed("the server is shutting down")
-            if len(self._queue) >= self.cfg.max_queue:
-                waves = math.ceil(len(self._queue) / self.cfg.max_batch_size) + 1
-                raise QueueFull(len(self._queue), max(1, math.ceil(waves * self._batch_s)))
+            self.check_room()
             self._queue.append(job)
             self._cv.notify()
         return job.future
@@ -139,35 +145,39 @@ class Batcher:
     def run(self) -> None:
         """Take and run batches until `close`."""
         while (batch := self._take()) is not None:
-            now = time.monotonic()
-            live = []
-            for job in batch:
-                if job.dropped(now):
-                    job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
-                else:
-                    live.append(job)
-                    if self.metrics:
-                        self.metrics.queue_seconds.observe(now - job.arrival)
-            if not live:
-                continue
-            if self.metrics:  # counted before any answer leaves, so a client that reads /metrics sees it
-                self.metrics.batch_size.labels(live[0].kind).observe(sum(len(j.rows) for j in live))
-            t0 = time.monotonic()
-            try:
-                self._run(live)
-            except Exception as e:  # one bad request must not fail the others: run each alone
-                if len(live) == 1:
-                    self._fail(live[0], e)
-                else:
-                    for job in live:
-                        try:
-                            self._run([job])
-                        except Exception as e1:
-                            self._fail(job, e1)
-            dt = time.monotonic() - t0
-            self._batch_s = 0.8 * self._batch_s + 0.2 * dt
-            if self.metrics:
-                self.metrics.batch_seconds.labels(live[0].kind).observe(dt)
+            self.run_batch(batch)
+
+    def run_batch(self, batch: list[Job]) -> None:
+        """Run taken jobs as one engine call (each alone if the call fails); jobs past their deadline are dropped."""
+        now = time.monotonic()
+        live = []
+        for job in batch:
+            if job.dropped(now):
+                job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+            else:
+                live.append(job)
+                if self.metrics:
+                    self.metrics.queue_seconds.observe(now - job.arrival)
+        if not live:
+            return
+        if self.metrics:  # counted before any answer leaves, so a client that reads /metrics sees it
+            self.metrics.batch_size.labels(live[0].kind).observe(sum(len(j.rows) for j in live))
+        t0 = time.monotonic()
+        try:
+            self._run(live)
+        except Exception as e:  # one bad request must not fail the others: run each alone
+            if len(live) == 1:
+                self._fail(live[0], e)
+            else:
+                for job in live:
+                    try:
+                        self._run([job])
+                    except Exception as e1:
+                        self._fail(job, e1)
+        dt = time.monotonic() - t0
+        self._batch_s = 0.8 * self._batch_s + 0.2 * dt
+        if self.metrics:
+            self.metrics.batch_seconds.labels(live[0].kind).observe(dt)
 
     @staticmethod
     def _fail(job: Job, e: Exception) -> None:
@@ -183,14 +193,14 @@ class Batcher:
         if kind == "complete":
             params = [job.params[i] for job, i in owners]
 
-            def on_token(r: int, token: int) -> None:
+            def on_token(r: int, token: int, text: str) -> None:
                 job, i = owners[r]
                 if job.first_token_at is None:
                     job.first_token_at = time.monotonic()
                     if self.metrics:
                         self.metrics.ttft.observe(job.first_token_at - job.arrival)
                 if job.on_token is not None:
-                    job.on_token(i, token)
+                    job.on_token(i, token, text)
 
             def cancel(r: int) -> bool:
                 return owners[r][0].dropped(time.monotonic())

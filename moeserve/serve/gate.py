@@ -2,12 +2,16 @@
 
 It times each request for the metrics (to the last byte sent, streams included), and refuses at once
 /v1/ calls without the bearer token (401), POST bodies that are not application/json (415) and bodies
-over the limit (413). The body is read here, bounded, and handed on: the size check is then the same
-whether or not the client sent a Content-Length, and no parser ever sees an oversize body.
+over the limit (413), and model requests that would be refused whatever their body says (503 while
+loading or shutting down, 429 when the queue is full) before reading the body. The body is read here,
+bounded in size and in time (408 when a part is slower than the read timeout), and handed on: the size
+check is then the same whether or not the client sent a Content-Length, and no parser ever sees an
+oversize body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from typing import TYPE_CHECKING
@@ -76,9 +80,16 @@ class Gate:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             return too_large, receive
+        refusal = self.state.admission()
+        if refusal is not None:
+            return refusal, receive
         body, more = bytearray(), True  # read it all here (bounded), then hand it on
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), cfg.body_timeout_s)
+            except asyncio.TimeoutError:
+                return ApiError("body_timeout", f"the body did not arrive: nothing for {cfg.body_timeout_s:g} s "
+                                f"after {len(body)} bytes", param="body"), receive
             if message["type"] == "http.disconnect":
                 raise _ClientGone
             body += message.get("body", b"")

@@ -20,6 +20,7 @@ STATUS: dict[str, int] = {
     "not_found": 404,  # no such route
     "model_not_found": 404,  # `model` names a model this server does not serve
     "method_not_allowed": 405,
+    "body_timeout": 408,  # the body did not arrive within the read timeout
     "body_too_large": 413,
     "unsupported_media_type": 415,  # a body that is not application/json
     "invalid_value": 422,  # a field of the wrong type, out of range, unknown, missing, or past a limit

@@ -1,27 +1,25 @@
-"""Text deltas for streaming: turn a growing list of token ids into the new text to send.
+"""Text deltas for streaming: what of a sequence's new text may be sent now.
 
-Two things must never reach the client early: half of a multi-byte character (a byte tokenizer
-decodes it as U+FFFD until the rest arrives) and the start of a stop string (the engine ends the
-text *before* a stop string, so a streamed prefix of one would have to be taken back). Both are held
-back until the next token settles them; `finish` sends whatever the engine's final text adds.
+The engine's incremental decoder (tokenizer.IncrementalDecoder) never gives out half a character. What
+must still not reach the client early is the start of a stop string: the engine ends the text *before*
+a stop string, so a streamed prefix of one would have to be taken back. It is held until the next
+delta settles it; `finish` sends whatever the engine's final text adds. Work per delta is bounded by
+the stop strings' length, not the text's.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 
 class TextStream:
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
-        self.decode, self.stop = decode, stop
-        self.ids: list[int] = []
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.pending = ""  # text received but not sent: at most a stop string's length, or the rest after a stop
         self.sent = 0  # characters of the text already sent
+        self.stopped = False
 
     def _held(self, text: str) -> int:
-        """Characters at the end of `text` that are not safe to send yet."""
+        """Characters at the end of `text` that could begin a stop string."""
         held = 0
-        if text.endswith("\ufffd"):  # possibly an incomplete UTF-8 sequence
-            held = len(text) - len(text.rstrip("\ufffd"))
         for s in self.stop:  # the longest suffix of text that is a proper prefix of a stop string
             for n in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:n]):
@@ -29,16 +27,20 @@ class TextStream:
                     break
         return held
 
-    def push(self, token_id: int) -> str:
-        """Add one token; the text that is now safe to send ('' if none)."""
-        self.ids.append(token_id)
-        text = self.decode(self.ids)
-        cut = min((text.index(s) for s in self.stop if s in text), default=None)
-        end = cut if cut is not None else len(text) - self._held(text)
-        if end <= self.sent:
+    def push(self, delta: str) -> str:
+        """Add the sequence's next text; the text that is now safe to send ('' if none)."""
+        if self.stopped:
             return ""
-        delta, self.sent = text[self.sent:end], end
-        return delta
+        self.pending += delta
+        cut = min((self.pending.index(s) for s in self.stop if s in self.pending), default=None)
+        if cut is not None:
+            self.stopped = True
+            end = cut
+        else:
+            end = len(self.pending) - self._held(self.pending)
+        out, self.pending = self.pending[:end], self.pending[end:]
+        self.sent += len(out)
+        return out
 
     def finish(self, final_text: str) -> str:
         """The rest of the engine's final text (already cut at any stop string)."""

@@ -16,17 +16,21 @@ def test_bench_http_end_to_end(tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "tiny", model.cfg, model.state_dict())
     out = tmp_path / "bench.json"
     rc = main(["bench", "http", "--checkpoint", str(ckpt), "--dtype", "float32", "--clients", "4", "--duration", "1.5",
-               "--warmup", "0.5", "--max-tokens", "4", "--requests", "5", "--overload", "40", "--overload-queue", "8",
+               "--warmup", "0.5", "--max-tokens", "4", "--long-tokens", "24", "--requests", "5", "--overload", "40", "--overload-queue", "8",
                "--overload-tokens", "16", "--quiet", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["machine"]["cores"] >= 1 and report["dtype"] == "float32"
 
-    batched, single = report["throughput"]["rows"]
-    for row in (batched, single):
+    continuous, batched, single = report["throughput"]["rows"]
+    mixed = report["mixed"]["rows"]
+    for row in (continuous, batched, single, *mixed):
         assert row["requests"] > 0 and row["errors"] == 0 and row["rps"] > 0, row
         assert row["p50_ms"] > 0 and row["mean_batch_size"] >= 1, row
+    assert [r["config"] for r in mixed] == ["continuous", "batch"]
     assert single["mean_batch_size"] == 1 and report["throughput"]["speedup"] > 0
+    assert report["throughput"]["continuous_vs_batch"] > 0 and report["mixed"]["rps_ratio"] > 0
+    assert sorted(mixed[0]["by_max_tokens"]) == ["24", "4"]  # both lengths answered, latency reported for each
 
     for row in report["overhead"]:
         assert row["requests"] == 5 and row["same_text"], row
@@ -38,4 +42,4 @@ def test_bench_http_end_to_end(tmp_path, capsys):
     assert overload["rejected_429"] >= 1 and overload["ok"] >= 1 and overload["all_429_retry_after"], overload
 
     table = capsys.readouterr().out
-    assert "Speed-up of batching" in table and "| --batch-wait-ms 0 |" in table
+    assert "Batching vs batch size 1" in table and "Continuous vs batch: req/s" in table and "| --batch-wait-ms 0 |" in table

@@ -42,15 +42,35 @@ def ref(tiny_ckpt) -> Engine:
     return Engine.load(tiny_ckpt, dtype="float32", device="cpu")
 
 
+class SlowRunner:
+    """A model runner whose every call takes at least `delay_s` longer."""
+
+    def __init__(self, runner, delay_s: float):
+        self.runner, self.delay_s, self.cfg = runner, delay_s, runner.cfg
+        self.device, self.dtype = runner.device, runner.dtype
+
+    def new_cache(self, slots, max_len):
+        return self.runner.new_cache(slots, max_len)
+
+    def __getattr__(self, name):  # forward, prefill, decode: slowed
+        call = getattr(self.runner, name)
+
+        def slowed(*args, **kwargs):
+            time.sleep(self.delay_s)
+            return call(*args, **kwargs)
+
+        return slowed
+
+
 class SlowEngine(Engine):
-    """Each forward takes at least 20 ms longer: requests stay in flight long enough to overload,
+    """Each model call takes at least 20 ms longer: requests stay in flight long enough to overload,
     time out, or be abandoned on purpose."""
 
     delay_s = 0.02
 
-    def _run(self, input_ids, **kwargs):
-        time.sleep(self.delay_s)
-        return super()._run(input_ids, **kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runner = SlowRunner(self.runner, self.delay_s)
 
 
 def oai(live) -> openai.OpenAI:
@@ -133,14 +153,15 @@ def test_stop_string_ends_the_text_before_it(live, ref, stream):
     assert (text, finish) == (full[:cut], "stop")
 
 
-def test_batched_requests_equal_requests_alone(tiny_ckpt, ref):
-    """Eight sampled requests sent at once are batched (a 200 ms batch wait makes sure), and each gets
-    exactly what it gets alone: its own seed, temperature and length."""
+@pytest.mark.parametrize("scheduler", ["continuous", "batch"])
+def test_batched_requests_equal_requests_alone(tiny_ckpt, ref, scheduler):
+    """Eight sampled requests sent at once are batched (a 200 ms batch wait makes sure; continuous: they
+    share decode steps), and each gets exactly what it gets alone: its own seed, temperature and length."""
     bodies = [{"model": "tiny", "prompt": f"x{i} = ", "max_tokens": 6 + i, "temperature": 0.9, "seed": 100 + i}
               for i in range(8)]
     alone = [ref.complete([b["prompt"]], [SamplingParams(b["max_tokens"], 0.9, seed=b["seed"])])[0].text
              for b in bodies]
-    cfg = ServeConfig(model_name="tiny", batch=BatchConfig(max_batch_size=8, wait_s=0.2))
+    cfg = ServeConfig(model_name="tiny", batch=BatchConfig(max_batch_size=8, wait_s=0.2), scheduler=scheduler)
     with live_server(lambda: Engine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda b: s.post("/v1/completions", b).json(), bodies))
@@ -148,7 +169,10 @@ def test_batched_requests_equal_requests_alone(tiny_ckpt, ref):
     assert [a["choices"][0]["text"] for a in answers] == alone
     batches = m[("moeserve_batch_size_count", ("kind", "complete"))]
     rows = m[("moeserve_batch_size_sum", ("kind", "complete"))]
-    assert rows == 8 and batches < 8  # at least one batch held several requests
+    if scheduler == "batch":
+        assert rows == 8 and batches < 8  # at least one batch held several requests
+    else:  # rows per step: a request's first two tokens share its prefill's step, then one step per token
+        assert rows == sum(a["usage"]["completion_tokens"] - 1 for a in answers) and rows / batches > 2
 
 
 class PoisonEngine(Engine):
@@ -161,7 +185,8 @@ class PoisonEngine(Engine):
 
 
 def test_a_failing_request_fails_alone_not_its_batch(tiny_ckpt, ref):
-    cfg = ServeConfig(model_name="tiny", batch=BatchConfig(max_batch_size=8, wait_s=0.2))
+    """With run-to-completion batches (the continuous scheduler fails the requests of a failed step)."""
+    cfg = ServeConfig(model_name="tiny", batch=BatchConfig(max_batch_size=8, wait_s=0.2), scheduler="batch")
     bodies = [{"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0} for p in ("ok", "poison", "fine")]
     with live_server(lambda: PoisonEngine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -242,7 +267,8 @@ def test_overload_gets_fast_429_while_accepted_requests_succeed(tiny_ckpt):
 
 
 def test_deadline_gives_504_and_drops_the_work(tiny_ckpt):
-    cfg = ServeConfig(model_name="tiny", request_timeout_s=0.5, batch=BatchConfig(max_batch_size=1, wait_s=0))
+    cfg = ServeConfig(model_name="tiny", request_timeout_s=0.5, batch=BatchConfig(max_batch_size=1, wait_s=0),
+                      kv_slots=1)
     long = {"model": "tiny", "prompt": "slow", "max_tokens": 50, "temperature": 0}  # ~1 s of 20 ms steps
     with live_server(lambda: SlowEngine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -361,7 +387,7 @@ def start(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, s
 
 
 def test_sigterm_finishes_requests_in_flight(tiny_ckpt):
-    proc, url = start([str(tiny_ckpt), "--max-batch-size", "1"])
+    proc, url = start([str(tiny_ckpt), "--max-batch-size", "1", "--kv-slots", "1"])
     body = {"model": tiny_ckpt.name, "prompt": "drain", "max_tokens": 55, "temperature": 0}
     try:
         with concurrent.futures.ThreadPoolExecutor(12) as pool:

@@ -1,0 +1,104 @@
+"""Continuous batching seen from a client, and admission before the body: a short request sent while a
+long one is generating is answered long before it (and not under `--scheduler batch`, the baseline);
+a request the server will refuse is refused before its body is read; a stalled body gets 408."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.runtime.model import Transformer
+from moeserve.serve.app import ServeConfig
+from moeserve.serve.batcher import BatchConfig
+
+from .conftest import live_server
+from .test_server import SlowEngine
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="softmax", max_seq_len=256))
+    return save_checkpoint(tmp_path_factory.mktemp("sched") / "tiny256", model.cfg, model.state_dict())
+
+
+class StepEngine(SlowEngine):
+    delay_s = 0.01  # 200 tokens: at least 2 s
+
+
+def timed_pair(url: str) -> tuple[float, float, float]:
+    """A 200-token request, and 100 ms later a 4-token one: (long done, short done, short's first token), in
+    seconds from the start."""
+    long = {"model": "tiny", "prompt": "x = ", "max_tokens": 200, "temperature": 0}
+    short = {"model": "tiny", "prompt": "y = ", "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+
+    def run_long() -> float:
+        r = httpx.post(url + "/v1/completions", json=long, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200, r.text
+        return time.perf_counter() - t0
+
+    def run_short() -> tuple[float, float]:
+        time.sleep(0.1)
+        first = None
+        with httpx.stream("POST", url + "/v1/completions", json=short, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and first is None:
+                    first = time.perf_counter() - t0
+        return time.perf_counter() - t0, first
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long_f, short_f = pool.submit(run_long), pool.submit(run_short)
+        long_done, (short_done, short_first) = long_f.result(), short_f.result()
+    return long_done, short_done, short_first
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "batch"])
+def test_a_short_request_does_not_wait_for_a_long_one(long_ckpt, scheduler):
+    cfg = ServeConfig(model_name="tiny", scheduler=scheduler, batch=BatchConfig(wait_s=0))
+    with live_server(lambda: StepEngine.load(long_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        long_done, short_done, short_first = timed_pair(s.url)
+    assert long_done > 2.0
+    if scheduler == "continuous":
+        assert short_done < 0.5 * long_done and short_first < 0.5 * long_done
+    else:  # the baseline: the short request waits for the running batch to end
+        assert short_first > long_done - 0.2
+
+
+def raw_request(port: int, body_sent: bytes, declared: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {declared}\r\n\r\n".encode() + body_sent)
+    return sock
+
+
+def status_of(sock: socket.socket) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    head = sock.recv(4096).decode("latin-1")
+    return int(head.split()[1]), time.perf_counter() - t0
+
+
+def test_stalled_body_gets_408_and_a_full_queue_429_before_the_body(tiny_ckpt):
+    cfg = ServeConfig(model_name="tiny", body_timeout_s=0.3, kv_slots=1, batch=BatchConfig(max_queue=1, wait_s=0))
+    with live_server(lambda: StepEngine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        port = int(s.url.rsplit(":", 1)[1])
+        stalled = raw_request(port, b'{"model": "tiny", "pro', 200)
+        code, waited = status_of(stalled)
+        assert code == 408 and 0.25 < waited < 3
+        body = {"model": "tiny", "prompt": "q", "max_tokens": 40, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            busy = [pool.submit(s.post, "/v1/completions", body)]  # runs in the one slot
+            time.sleep(0.15)
+            busy.append(pool.submit(s.post, "/v1/completions", body))  # waits in the queue of 1
+            time.sleep(0.15)
+            half = raw_request(port, b'{"model": "tiny", "prompt": "never fin', 500)  # never sends the rest
+            code, waited = status_of(half)
+            assert code == 429 and waited < 0.25  # not the 0.3 s body timeout: the body was never waited for
+            assert [f.result().status_code for f in busy] == [200, 200]
