@@ -156,3 +156,23 @@ def test_feedforward_matches_formula():
             ffn_vec(x[t], ff.w1.weight, ff.w2.weight, None if ff.w3 is None else ff.w3.weight) for t in range(5)
         ])
         torch.testing.assert_close(ff(x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize("T, K", [(1, 1), (1, 2), (5, 2), (16, 3)])
+def test_indexed_decode_path_equals_reference(act, T, K):
+    """moe_indexed (CUDA's sync-free few-token path) on CPU: the same sums as the reference loop."""
+    from moeserve.runtime.experts import fuse_expert_weights, moe_indexed
+
+    x, ids, gates, w1, w2, w3, _ = make_case(T, K, act, with_keep=False, seed=T + K)
+    w = fuse_expert_weights(w1, w2, w3, act, pack=False, sync_free=True)
+    torch.testing.assert_close(moe_indexed(x, ids, gates, w), moe_reference(x, ids, gates, w1, w2, w3),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_sync_free_layout_is_chosen_on_cuda_only_by_default():
+    from moeserve.runtime.experts import Experts
+
+    experts = Experts(E, D, FF, "swiglu")
+    assert experts.prepare_inference().sync_free is False  # CPU: the gather path, which groups ids on the host
+    assert experts.prepare_inference(sync_free=True).w13_EFD is not None  # the stacked weights it indexes
