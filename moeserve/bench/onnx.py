@@ -23,7 +23,6 @@ from moeserve.runtime.device import machine
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.onnx_engine import load_onnx_engine
 
-
 # Backends take turns in blocks, not call by call: ONNX Runtime's and torch's thread pools both spin a while
 # after each call, and on a small machine a pool still spinning slows the other's next call (measured: torch
 # eager 2x slower when interleaved call by call). Three blocks each still spread slow drift over all of them.

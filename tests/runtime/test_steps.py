@@ -6,7 +6,6 @@ same steps gives the torch runner's tokens."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams
 from moeserve.runtime.steps import Sequence
