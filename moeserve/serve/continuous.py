@@ -37,7 +37,7 @@ class StepBatcher(Batcher):
                 self._cv.wait()
             if self._closed and self.steps.idle:
                 return None
-            free = self.steps.free_slots - sum(len(s) for s in self._live.values() if s[0].slot is None)
+            free = self.steps.free_slots - len(self.steps.waiting)  # slots that admitted rows do not wait for
             admit, batch, keep, rows, cost = [], [], deque(), 0, 0
             blocked = False  # a completion that does not fit keeps every later completion behind it
             for job in self._queue:
