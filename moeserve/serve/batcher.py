@@ -179,6 +179,15 @@ class Batcher:
         if self.metrics:
             self.metrics.batch_seconds.labels(live[0].kind).observe(dt)
 
+    def _token(self, job: Job, i: int, token: int, text: str) -> None:
+        """A new token of row i of `job`: time to first token, then the job's own callback (streaming)."""
+        if job.first_token_at is None:
+            job.first_token_at = time.monotonic()
+            if self.metrics:
+                self.metrics.ttft.observe(job.first_token_at - job.arrival)
+        if job.on_token is not None:
+            job.on_token(i, token, text)
+
     @staticmethod
     def _fail(job: Job, e: Exception) -> None:
         if not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
@@ -195,12 +204,7 @@ class Batcher:
 
             def on_token(r: int, token: int, text: str) -> None:
                 job, i = owners[r]
-                if job.first_token_at is None:
-                    job.first_token_at = time.monotonic()
-                    if self.metrics:
-                        self.metrics.ttft.observe(job.first_token_at - job.arrival)
-                if job.on_token is not None:
-                    job.on_token(i, token, text)
+                self._token(job, i, token, text)
 
             def cancel(r: int) -> bool:
                 return owners[r][0].dropped(time.monotonic())

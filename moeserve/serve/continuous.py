@@ -77,15 +77,7 @@ class StepBatcher(Batcher):
             self.metrics.queue_seconds.observe(now - job.arrival)
             self.metrics.prompt_tokens.inc(sum(len(r) for r in job.rows))
 
-        def on_token(i: int, token: int, text: str) -> None:
-            if job.first_token_at is None:
-                job.first_token_at = time.monotonic()
-                if self.metrics:
-                    self.metrics.ttft.observe(job.first_token_at - job.arrival)
-            if job.on_token is not None:
-                job.on_token(i, token, text)
-
-        seqs = [Sequence(row, p, on_token=(lambda t, text, i=i: on_token(i, t, text)),
+        seqs = [Sequence(row, p, on_token=(lambda t, text, i=i: self._token(job, i, t, text)),
                          cancelled=lambda: job.dropped(time.monotonic()))
                 for i, (row, p) in enumerate(zip(job.rows, job.params))]
         try:
