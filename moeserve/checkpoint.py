@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import FORMAT, ConfigError, MoEConfig
+from .hf_mixtral import MixtralError, from_mixtral, mixtral_config
 
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "moeserve.json"
@@ -136,9 +137,10 @@ def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     if (foreign := _foreign_format(raw)) is not None:
-        from moeserve.hf_mixtral import mixtral_config
-
-        return mixtral_config(raw, path), foreign
+        try:
+            return mixtral_config(raw, file, (path / TOKENIZER_FILE).is_file()), foreign
+        except MixtralError as e:
+            raise CheckpointError(str(e)) from e
     try:
         return MoEConfig.from_dict(raw), None
     except (ConfigError, TypeError) as e:
@@ -147,8 +149,6 @@ def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
 
 def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool = False) -> dict[str, Any]:
     """A foreign directory's tensors under the Transformer's names; shapes_only: meta tensors (headers only)."""
-    from moeserve.hf_mixtral import from_mixtral
-
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for name, names in _weight_map(path).items():
@@ -156,7 +156,10 @@ def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool
             tensors[k] = torch.empty(t, device="meta") if shapes_only else t
             origin[k] = path / name
     where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else WEIGHTS_FILE)
-    return from_mixtral(tensors, config, origin, where)
+    try:
+        return from_mixtral(tensors, config, origin, where)
+    except MixtralError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def _weight_map(path: Path) -> dict[str, list[str]]:
@@ -442,31 +445,3 @@ def _describe_foreign(path: Path, foreign: str, config: MoEConfig, shapes: dict[
     lines.append(f"hashes: none (no {MANIFEST_FILE} in a Hugging Face directory)")
     return "\n".join(lines) + "\n"
 
-
-def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint) -> None:
-    """Copy a checkpoint's tensors into `model`, naming the tensor at fault instead of torch's bare
-    size-mismatch error: a missing, unexpected or wrongly shaped tensor means the weights and
-    config.json disagree, and the user needs to know which."""
-    expected = model.state_dict()
-    where = f"{ckpt.path}/{WEIGHTS_FILE if (ckpt.path / WEIGHTS_FILE).exists() else INDEX_FILE}"
-    missing = sorted(set(expected) - set(ckpt.state_dict))
-    unexpected = sorted(set(ckpt.state_dict) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: tensors do not match config.json: missing {missing[:5]}"
-                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                              f"{'...' if len(unexpected) > 5 else ''}")
-    for name, t in ckpt.state_dict.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies "
-                                  f"{tuple(expected[name].shape)}")
-    model.load_state_dict(ckpt.state_dict)
-
-
-def load_model(path: str | os.PathLike, *, device: str = "cpu", verify: bool = True):
-    """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model."""
-    from moeserve.runtime.model import Transformer
-
-    ckpt = load_checkpoint(path, device=device, verify=verify)
-    model = Transformer(ckpt.config).to(device)
-    load_into(model, ckpt)
-    return model.eval(), ckpt

@@ -1,6 +1,7 @@
 """Hugging Face Mixtral directories, read as they are: config.json mapped to an MoEConfig, tensors renamed
 and stacked into the Transformer's layout. checkpoint.py finds the files and calls these two functions
-when config.json says model_type 'mixtral'."""
+when config.json says model_type 'mixtral'; they only map (dicts in, dicts out), so this module imports
+nothing of moeserve but the config, and checkpoint.py turns a MixtralError into its CheckpointError."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import NoReturn
 
 import torch
 
-from moeserve.checkpoint import CONFIG_FILE, TOKENIZER_FILE, CheckpointError
 from moeserve.config import ConfigError, MoEConfig
 
 # MoEConfig field <- transformers MixtralConfig field, for the fields that are copied as they are.
@@ -26,13 +26,17 @@ _MIXTRAL_DEFAULTS = {"num_key_value_heads": None, "max_position_embeddings": 409
                      "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6}
 
 
-def mixtral_config(raw: dict, path: Path) -> MoEConfig:
+class MixtralError(ValueError):
+    """A Mixtral config.json or tensor set that cannot be read as it is; the message names the file."""
+
+
+def mixtral_config(raw: dict, where: Path, has_tokenizer: bool) -> MoEConfig:
     """MoEConfig of a Hugging Face Mixtral config.json: softmax over all experts, top-k, renormalised
     (Mixtral's router), SwiGLU experts, RMSNorm, rotate-half RoPE. Every field that would change the
     math and that the Transformer does not implement is refused by name, never ignored."""
 
     def fail(problem: str) -> NoReturn:
-        raise CheckpointError(f"{path / CONFIG_FILE}: Hugging Face model_type 'mixtral': {problem}")
+        raise MixtralError(f"{where}: Hugging Face model_type 'mixtral': {problem}")
 
     raw = {**raw, "num_local_experts": raw.get("num_local_experts", raw.get("num_experts"))}  # alias in transformers
     if (arch := raw.get("architectures")) is not None and arch != ["MixtralForCausalLM"]:
@@ -69,7 +73,7 @@ def mixtral_config(raw: dict, path: Path) -> MoEConfig:
         return MoEConfig(
             **fields, rope_theta=float(theta if theta is not None else _MIXTRAL_DEFAULTS["rope_theta"]),
             norm="rmsnorm", causal=True, task="lm", expert_act="swiglu", router="softmax", renormalize=True,
-            tokenizer="hf" if (path / TOKENIZER_FILE).is_file() else "none",
+            tokenizer="hf" if has_tokenizer else "none",
             extra={"hf_model_type": "mixtral", "bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos},
         )
     except (ConfigError, TypeError, ValueError) as e:
@@ -93,15 +97,15 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
     for name in list(tensors):
         canon = re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", name)
         if canon in src:
-            raise CheckpointError(f"{where}: tensors {src[canon][0]!r} and {name!r} are the same Mixtral weight")
+            raise MixtralError(f"{where}: tensors {src[canon][0]!r} and {name!r} are the same Mixtral weight")
         src[canon] = (name, tensors.pop(name))
 
     def take(canon: str, *shape: int) -> torch.Tensor:
         if canon not in src:
-            raise CheckpointError(f"{where}: Mixtral tensor {canon!r} missing (expected shape {shape})")
+            raise MixtralError(f"{where}: Mixtral tensor {canon!r} missing (expected shape {shape})")
         name, t = src.pop(canon)
         if tuple(t.shape) != shape:
-            raise CheckpointError(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
+            raise MixtralError(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"config.json implies {shape}")
         return t
 
@@ -130,6 +134,6 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
                 out[f"{o}ffn.experts.{w}"] = torch.stack([take(f"{m}experts.{e}.{w}.weight", *shape) for e in range(E)])
     unexpected = sorted(name for name, _ in src.values() if not name.endswith("rotary_emb.inv_freq"))  # recomputed
     if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        raise MixtralError(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
                               f" for a Mixtral model as config.json describes it")
     return out

@@ -330,8 +330,8 @@ def test_describe(saved: Path) -> None:
 
 # ---- a real model through save -> load_model ------------------------------------------------------
 def test_load_model_reproduces_outputs_exactly(tmp_path):
-    from moeserve.checkpoint import load_model
     from moeserve.config import preset
+    from moeserve.runtime.loading import load_model
     from moeserve.runtime.model import Transformer
 
     torch.manual_seed(0)
@@ -346,8 +346,8 @@ def test_load_model_reproduces_outputs_exactly(tmp_path):
 
 
 def test_load_model_names_the_tensor_when_config_and_weights_disagree(tmp_path):
-    from moeserve.checkpoint import load_model
     from moeserve.config import preset
+    from moeserve.runtime.loading import load_model
     from moeserve.runtime.model import Transformer
 
     cfg = preset("tiny")

@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from moeserve.checkpoint import (  # noqa: E402
-    CheckpointError, describe, load_checkpoint, load_model, verify_checkpoint,
+    CheckpointError, describe, load_checkpoint, verify_checkpoint,
 )
+from moeserve.runtime.loading import load_model  # noqa: E402
 from moeserve.runtime.model import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
 

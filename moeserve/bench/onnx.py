@@ -20,8 +20,7 @@ import torch
 from moeserve.export import MODES
 from moeserve.export.onnx_export import export_onnx
 from moeserve.runtime.device import machine
-from moeserve.runtime.engine import Engine
-from moeserve.runtime.onnx_engine import load_onnx_engine
+from moeserve.runtime.engine import Engine, load_engine
 
 # Backends take turns in blocks, not call by call: ONNX Runtime's and torch's thread pools both spin a while
 # after each call, and on a small machine a pool still spinning slows the other's next call (measured: torch
@@ -64,7 +63,7 @@ def bench_onnx(checkpoint: Path, batches: list[int], seqs: list[int], repeats: i
         for mode in modes:
             log(f"exporting --mode {mode}")
             report = export_onnx(checkpoint, Path(tmp) / f"{mode}.onnx", mode)
-            engines[f"onnxruntime {mode}"] = load_onnx_engine(report.output, device="cpu", threads=threads)
+            engines[f"onnxruntime {mode}"] = load_engine(report.output, "onnx", device="cpu", threads=threads)
             exports.append({"mode": mode, "file_mib": round(report.file_bytes / 2 ** 20, 2),
                             "max_abs_diff": report.outputs["logits"]["max_abs_diff"],
                             "fallbacks": len(report.fallbacks)})
@@ -81,7 +80,7 @@ def bench_onnx(checkpoint: Path, batches: list[int], seqs: list[int], repeats: i
             log("exporting --mode fused --kv-cache")
             kv = export_onnx(checkpoint, Path(tmp) / "fused-kv.onnx", "fused", kv_cache=True)
             decoders = {"torch eager fp32": torch_engine,
-                        "onnxruntime fused, KV cache": load_onnx_engine(kv.output, device="cpu", threads=threads)}
+                        "onnxruntime fused, KV cache": load_engine(kv.output, "onnx", device="cpu", threads=threads)}
             for batch in batches:
                 prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
                 log(f"timing greedy generation, batch {batch}, {new_tokens} new tokens")

@@ -122,12 +122,12 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     onnx, ort = require_onnx()
     import torch
 
-    from moeserve.checkpoint import load_model
     from moeserve.export.graph import OPSET
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
     from moeserve.runtime.calibration import DispatchPlan
     from moeserve.runtime.engine import Engine
+    from moeserve.runtime.loading import load_model
 
     if mode not in MODES:
         raise ExportError(f"unknown export mode {mode!r}; expected one of: {', '.join(MODES)}")

@@ -25,12 +25,13 @@ from moeserve.config import MoEConfig
 from moeserve.runtime import BACKENDS
 from moeserve.runtime.calibration import DispatchPlan, ExpertShape, plan_for, resolve_mode
 from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
+from moeserve.runtime.loading import load_model
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner, TorchRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
-from moeserve.tokenizer import Tokenizer
+from moeserve.tokenizer import Tokenizer, load_checkpoint_tokenizer
 
 __all__ = ["Completion", "Engine", "EngineError", "ExpertLoad", "SamplingParams", "Score", "load_engine"]
 
@@ -145,9 +146,6 @@ class Engine:
     def load(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
              *, verify: bool = True, plan: DispatchPlan | None = None, calibration: str | None = None) -> "Engine":
         """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`."""
-        from moeserve.checkpoint import load_model
-        from moeserve.tokenizer import load_checkpoint_tokenizer
-
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         resolve_mode(calibration)  # a bad mode is named before the weights are read
@@ -329,18 +327,19 @@ class Engine:
 
 
 def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | torch.dtype = "auto",
-                device: str | torch.device = "auto", *, threads: int | None = None,
+                device: str | torch.device = "auto", *, threads: int | None = None, verify: bool = True,
                 calibration: str | None = None) -> Engine:
     """A checkpoint directory on torch, or a graph from `moeserve export onnx` on ONNX Runtime
-    (runtime/onnx_engine.py); backend 'auto' goes by the path: a .onnx file is an export. `calibration`
+    (runtime/onnx_runner.py); backend 'auto' goes by the path: a .onnx file is an export. `calibration`
     is the torch Engine's (an ONNX Runtime session chooses its own kernels)."""
     if backend not in BACKENDS:
         raise EngineError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     is_onnx = Path(path).suffix == ".onnx"
     if backend == "onnx" or (backend == "auto" and is_onnx):
-        from moeserve.runtime.onnx_engine import load_onnx_engine
+        from moeserve.runtime.onnx_runner import load_onnx_runner  # onnxruntime is an optional dependency
 
-        return load_onnx_engine(path, dtype=str(dtype), device=str(device), threads=threads)
+        runner, tokenizer = load_onnx_runner(path, dtype=str(dtype), device=str(device), threads=threads)
+        return Engine(runner, tokenizer, name=Path(path).stem, path=Path(path))
     if is_onnx:
         raise EngineError(f"{path} is an ONNX export; run it with --backend onnx (or auto)")
-    return Engine.load(path, dtype=dtype, device=device, calibration=calibration)
+    return Engine.load(path, dtype=dtype, device=device, verify=verify, calibration=calibration)

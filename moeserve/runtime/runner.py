@@ -7,7 +7,7 @@
     decode(cache, slots, ids, positions)  one token for each of a set of slots
 
 Each call returns a ModelOutput (logits and per-MoE-layer aux); the Engine does the rest (sampling,
-text, expert-load accounting). `TorchRunner` runs the Transformer; `runtime/onnx_engine.py`'s
+text, expert-load accounting). `TorchRunner` runs the Transformer; `runtime/onnx_runner.py`'s
 `OnnxRunner` runs an exported graph on ONNX Runtime. Which slots a call touches is decided by the
 caller on the host, so a runner never has to ask the device where a sequence is.
 """

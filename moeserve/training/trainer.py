@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from moeserve.checkpoint import CheckpointError, load_checkpoint, load_into, save_checkpoint
+from moeserve.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeserve.config import MoEConfig
 from moeserve.runtime.device import cpu_has_fast_bf16
+from moeserve.runtime.loading import load_into
 from moeserve.runtime.model import Transformer
 from moeserve.training.data import Batcher, Corpus, bits_per_byte, eval_batches, load_corpus, unigram_bits_per_byte
 from moeserve.training.losses import aux_losses, load_entropy

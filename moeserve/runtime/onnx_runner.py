@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.model import ModelOutput
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.routing import Routing
+from moeserve.runtime.sampling import EngineError
 from moeserve.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 
@@ -128,8 +128,10 @@ class OnnxRunner:
         return ModelOutput(logits, aux)
 
 
-def load_onnx_engine(path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None) -> Engine:
-    """An Engine over an ONNX Runtime session of a graph that `moeserve export onnx` wrote."""
+def load_onnx_runner(path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None
+                     ) -> tuple[OnnxRunner, Tokenizer | None]:
+    """A runner over an ONNX Runtime session of a graph that `moeserve export onnx` wrote, and the
+    tokenizer the export carried (engine.load_engine puts them in an Engine)."""
     try:
         import onnxruntime as ort
     except ImportError as e:
@@ -153,7 +155,7 @@ def load_onnx_engine(path, dtype: str = "float32", device: str = "auto", *, thre
         raise EngineError(f"{path} was not written by moeserve export onnx (no moeserve.config metadata)")
     cfg = MoEConfig.from_json(meta["moeserve.config"])
     runner = OnnxRunner(session, cfg, meta.get("moeserve.mode", "?"))
-    return Engine(runner, _tokenizer(cfg, meta), name=path.stem, path=path)
+    return runner, _tokenizer(cfg, meta)
 
 
 def _tokenizer(cfg: MoEConfig, meta: dict[str, str]) -> Tokenizer | None:

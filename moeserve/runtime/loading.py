@@ -1,0 +1,46 @@
+"""From a checkpoint directory (moeserve's, or a Hugging Face Mixtral one) to a Transformer.
+
+checkpoint.py knows the directory format and nothing of the model; this module puts the two together, so
+that the dependencies point one way (runtime -> checkpoint, never back). `Engine.load` and `load_engine`
+(engine.py) build on it; the trainer resumes through `load_into`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moeserve.checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointError, LoadedCheckpoint, load_checkpoint
+from moeserve.runtime.model import Transformer
+
+__all__ = ["load_into", "load_model"]
+
+
+def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint) -> None:
+    """Copy a checkpoint's tensors into `model`, naming the tensor at fault instead of torch's bare
+    size-mismatch error: a missing, unexpected or wrongly shaped tensor means the weights and
+    config.json disagree, and the user needs to know which."""
+    expected = model.state_dict()
+    where = f"{ckpt.path}/{WEIGHTS_FILE if (ckpt.path / WEIGHTS_FILE).exists() else INDEX_FILE}"
+    missing = sorted(set(expected) - set(ckpt.state_dict))
+    unexpected = sorted(set(ckpt.state_dict) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensors do not match config.json: missing {missing[:5]}"
+                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                              f"{'...' if len(unexpected) > 5 else ''}")
+    for name, t in ckpt.state_dict.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies "
+                                  f"{tuple(expected[name].shape)}")
+    model.load_state_dict(ckpt.state_dict)
+
+
+def load_model(path: str | os.PathLike, *, device: str = "cpu", verify: bool = True
+               ) -> tuple[Transformer, LoadedCheckpoint]:
+    """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model."""
+    ckpt = load_checkpoint(path, device=device, verify=verify)
+    model = Transformer(ckpt.config).to(device)
+    load_into(model, ckpt)
+    return model.eval(), ckpt
+
