@@ -14,14 +14,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 
 from moeserve.serve.protocol import ApiError
-
-if TYPE_CHECKING:
-    from moeserve.serve.app import ServerState
+from moeserve.serve.state import ServerState
 
 POST_ROUTES = ("/v1/completions", "/v1/score", "/v1/classify")
 ENDPOINTS = frozenset(POST_ROUTES + ("/v1/models", "/healthz", "/readyz", "/metrics"))  # metric labels

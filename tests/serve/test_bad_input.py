@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from moeserve.runtime.engine import Engine
-from moeserve.serve.app import ServeConfig
+from moeserve.serve.state import ServeConfig
 from moeserve.serve.protocol import MAX_SEED, STATUS, error_type
 
 from .conftest import Live, live_server

@@ -15,7 +15,7 @@ import torch
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.model import Transformer
-from moeserve.serve.app import ServeConfig
+from moeserve.serve.state import ServeConfig
 from moeserve.serve.batcher import BatchConfig
 
 from .conftest import live_server

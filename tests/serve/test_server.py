@@ -28,7 +28,7 @@ from moeserve.cli import main
 from moeserve.config import preset
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.model import Transformer
-from moeserve.serve.app import ServeConfig
+from moeserve.serve.state import ServeConfig
 from moeserve.serve.batcher import BatchConfig
 
 from .conftest import live_server
