@@ -65,12 +65,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from moeserve.runtime.engine import load_engine
 
-    path = args.checkpoint
-    if path is None:
-        from moeserve.training.default_model import default_model_path
-
-        path = default_model_path(progress=not args.quiet)
-    engine = load_engine(path, args.backend, dtype=args.dtype, calibration=_calibration(args))
+    path = args.checkpoint if args.checkpoint is not None else _default_checkpoint(args.quiet)
+    engine = load_engine(path, args.backend, dtype=args.dtype, calibration=_calibration(args),
+                         verify=args.checkpoint is not None)
     if engine.cfg.task != "lm":
         raise ValueError(f"{path} is a '{engine.cfg.task}' model; generate needs a language model")
     text = engine.generate(args.prompt, args.max_tokens, args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -98,9 +95,9 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moeserve.serve.app import ServeConfig
     from moeserve.serve.batcher import BatchConfig
     from moeserve.serve.server import serve
+    from moeserve.serve.state import ServeConfig
 
     batch = BatchConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                         wait_s=args.batch_wait_ms / 1000, max_queue=args.max_queue)
@@ -110,9 +107,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
                       shutdown_timeout_s=args.shutdown_timeout, threads=args.threads, scheduler=args.scheduler,
                       kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk)
-    return serve(args.checkpoint, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
-                 calibration=_calibration(args), progress=not args.quiet, access_log=not args.no_access_log,
-                 log_level=args.log_level)
+    path = args.checkpoint
+    if path is None:  # the default model: verified here, so the server loads its weights once, unhashed
+        from moeserve.training.default_model import DEFAULT_MODEL_NAME
+
+        path, cfg.model_name = _default_checkpoint(args.quiet), cfg.model_name or DEFAULT_MODEL_NAME
+    return serve(path, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
+                 calibration=_calibration(args), verify=args.checkpoint is not None,
+                 access_log=not args.no_access_log, log_level=args.log_level)
 
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:

@@ -14,10 +14,8 @@ import uvicorn
 
 from moeserve.runtime import BACKENDS
 from moeserve.runtime.engine import load_engine
-from moeserve.serve.app import ServeConfig, ServerState, create_app
-
-DEFAULT_MODEL_NAME = "moeserve-default"
-
+from moeserve.serve.app import create_app
+from moeserve.serve.state import ServeConfig, ServerState
 
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState):
@@ -29,16 +27,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto", device: str = "auto",
-          backend: str = "auto", calibration: str | None = None, progress: bool = True, access_log: bool = True,
+def serve(checkpoint: str | Path, cfg: ServeConfig, *, dtype: str = "auto", device: str = "auto",
+          backend: str = "auto", calibration: str | None = None, verify: bool = True, access_log: bool = True,
           log_level: str = "info") -> int:
-    """Serve a checkpoint (None: the built-in default model, trained first if not cached) until
-    stopped. Returns the exit status: 1 if the model failed to load."""
-    if checkpoint is None:
-        from moeserve.training.default_model import default_model_path
-
-        checkpoint = default_model_path(progress=progress)
-        cfg.model_name = cfg.model_name or DEFAULT_MODEL_NAME
+    """Serve a checkpoint directory or an .onnx export until stopped (`verify=False`: its hashes were
+    checked a moment ago, as the CLI does for the default model). Returns the exit status: 1 if the
+    model failed to load."""
     path = Path(checkpoint)
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
@@ -48,7 +42,7 @@ def serve(checkpoint: str | Path | None, cfg: ServeConfig, *, dtype: str = "auto
         raise NotADirectoryError(f"checkpoint {str(path)!r} is not a directory (nor an .onnx export)")
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(message)s")
     app = create_app(lambda: load_engine(path, backend, dtype=dtype, device=device, threads=cfg.threads,
-                                         calibration=calibration), cfg)
+                                         calibration=calibration, verify=verify), cfg)
     state: ServerState = app.state.serve
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.shutdown_timeout_s,
                             access_log=access_log, log_level=log_level)

@@ -16,7 +16,7 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -43,27 +43,43 @@ def default_corpus_files(max_bytes: int = 12_000_000) -> list[Path]:
     the Python installation, never on filesystem order. Test suites are skipped because they are
     mostly repetitive assertions; files that are not UTF-8 would decode differently per platform.
     """
-    root = _stdlib_root()
     files: list[Path] = []
     total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
+    for path in _stdlib_sources():
+        try:
+            size = path.stat().st_size
+            if size > MAX_FILE_BYTES:
                 continue
-            path = Path(dirpath) / name
-            try:
-                size = path.stat().st_size
-                if size > MAX_FILE_BYTES:
-                    continue
-                path.read_bytes().decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if total + size > max_bytes:  # stop rather than skip, so a larger budget only appends
-                return files
-            files.append(path)
-            total += size
+            path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if total + size > max_bytes:  # stop rather than skip, so a larger budget only appends
+            return files
+        files.append(path)
+        total += size
     return files
+
+
+def _stdlib_sources() -> Iterator[Path]:
+    """Every stdlib .py file the corpus may draw from, sorted by directory then name."""
+    for dirpath, dirnames, filenames in os.walk(_stdlib_root()):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        yield from (Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py"))
+
+
+def default_corpus_fingerprint() -> str:
+    """A cheap identity of the default corpus: the Python version and the names and sizes of the stdlib
+    files it is drawn from. A stat per file, no reads (~15 ms, against ~2 s to read and hash the text),
+    so that a start with the default model cached does not read the corpus; a Python upgrade or a
+    patched stdlib changes it. The trained checkpoint's recipe records the corpus's content hash."""
+    root = _stdlib_root()
+    h = hashlib.sha256(sysconfig.get_python_version().encode())
+    for path in _stdlib_sources():
+        try:
+            h.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\n".encode())
+        except OSError:
+            continue
+    return h.hexdigest()
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Nothing is downloaded: the corpus is the Python standard library's source, the model the `small`
 preset. The cache key covers everything that shapes the weights (model and training configs, the
-corpus hash, the package version), so a changed recipe never serves a stale model. The number of
+corpus's identity, the package version), so a changed recipe never serves a stale model. A start with
+the model cached reads neither the corpus nor the weights here: the hashes are checked, and the
+caller loads the weights once. The number of
 steps is fitted to the machine's speed within a time budget (trainer.py), so a slower CPU trains a
 shorter run of the same recipe; the checkpoint's recipe records how many steps it got.
 """
@@ -17,11 +19,12 @@ from pathlib import Path
 
 import moeserve
 from moeserve.cache import cache_root
-from moeserve.checkpoint import CheckpointError, load_checkpoint
+from moeserve.checkpoint import CheckpointError, verify_checkpoint
 from moeserve.config import MoEConfig, preset
-from moeserve.training.data import load_corpus
+from moeserve.training.data import default_corpus_fingerprint, load_corpus
 from moeserve.training.trainer import TrainConfig, train
 
+DEFAULT_MODEL_NAME = "moeserve-default"  # the id clients send as `model` to a server of the default model
 DEFAULT_PRESET = "small"
 DEFAULT_ROUTER = "xmoe"
 # save_every: an interrupted first run (Ctrl-C while a user waits) picks up from its last checkpoint.
@@ -38,21 +41,21 @@ def default_config() -> MoEConfig:
     return preset(DEFAULT_PRESET, router=DEFAULT_ROUTER)
 
 
-def default_model_dir(root: Path | None = None, corpus_sha256: str | None = None) -> Path:
+def default_model_dir(root: Path | None = None) -> Path:
     """Where the default checkpoint is (or will be) cached: named by a hash of everything that shapes it."""
-    sha = corpus_sha256 or load_corpus().sha256
-    key = json.dumps([moeserve.__version__, default_config().to_dict(), DEFAULT_TRAIN.__dict__, sha], sort_keys=True)
+    key = json.dumps([moeserve.__version__, default_config().to_dict(), DEFAULT_TRAIN.__dict__,
+                      default_corpus_fingerprint()], sort_keys=True)
     return (root or cache_root()) / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def default_model_path(progress: bool = True, root: Path | None = None) -> Path:
-    """The cached default checkpoint, training it first (a few minutes on 2 cores) if absent."""
-    corpus = load_corpus()
+    """The cached default checkpoint, its hashes verified (so a loader may skip that), training it first
+    (a few minutes on 2 cores) if absent."""
     cfg, tc = default_config(), DEFAULT_TRAIN
-    path = default_model_dir(root, corpus.sha256)
+    path = default_model_dir(root)
     if path.exists():
         try:
-            load_checkpoint(path)
+            verify_checkpoint(path)
             return path
         except CheckpointError as e:  # a corrupted cache is rebuilt, not served
             print(f"moeserve: cached default model is unusable ({e}); retraining")
@@ -62,6 +65,6 @@ def default_model_path(progress: bool = True, root: Path | None = None) -> Path:
         print(f"moeserve: training the default model ({DEFAULT_PRESET} preset, {DEFAULT_ROUTER} router, "
               f"up to {tc.steps} steps, fitted to about {tc.time_budget_s / 60:.0f} minutes on this machine) into "
               f"{path}; this happens once")
-    train(cfg, tc, partial, resume=True, progress=progress, corpus=corpus)  # resumes an interrupted first run
+    train(cfg, tc, partial, resume=True, progress=progress, corpus=load_corpus())  # resumes an interrupted first run
     os.replace(partial, path)
     return path
