@@ -1,0 +1,103 @@
+"""The package's import graph, read from the source: dependencies point one way (DESIGN.md, "Layout").
+
+Every `import` counts, including those inside functions: a lazy import hides a cycle from the
+interpreter, not from a reader or from the next refactor.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import moeserve
+
+PACKAGE = Path(moeserve.__file__).parent
+PARTS = ("training", "export", "serve", "bench")  # each may import runtime; runtime imports none of them
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: moeserve modules it imports}; `from moeserve.x import name` counts as importing moeserve.x."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_graph_is_read() -> None:
+    graph = import_graph()
+    assert "moeserve.runtime.model" in graph["moeserve.runtime.engine"]
+    assert "moeserve.checkpoint" in graph["moeserve.runtime.loading"]
+    assert "moeserve.runtime.onnx_runner" in graph["moeserve.runtime.engine"]  # a lazy import counts
+
+
+def test_no_import_cycles() -> None:
+    assert _cycle(import_graph()) is None
+
+
+def test_cycle_finder_finds_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+
+
+def test_runtime_imports_none_of_the_parts_that_use_it() -> None:
+    graph = import_graph()
+    for name, edges in graph.items():
+        if name.startswith("moeserve.runtime"):
+            bad = sorted(e for e in edges if e.split(".")[1] in (*PARTS, "cli", "scoring"))
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_checkpoint_format_knows_no_model() -> None:
+    graph = import_graph()
+    for name in ("moeserve.checkpoint", "moeserve.hf_mixtral", "moeserve.config", "moeserve.tokenizer"):
+        assert not [e for e in graph[name] if e.startswith("moeserve.runtime")], name
+
+
+def test_serve_does_not_train() -> None:
+    """The default model is resolved by the CLI; a server is handed a path."""
+    graph = import_graph()
+    for name, edges in graph.items():
+        if name.startswith("moeserve.serve"):
+            assert not [e for e in edges if e.startswith("moeserve.training")], name
