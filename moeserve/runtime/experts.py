@@ -6,8 +6,9 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K experts p
   swiglu  y = (silu(x W1^T) * (x W3^T)) W2^T        (Mixtral: w1 gate, w3 up, w2 down)
 
 `moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every
-faster dispatch path is tested against. `moe_sorted` is the training path: one gather of the tokens
-sorted by expert, one contiguous chunk per expert, one scatter back. Indexing a stacked [E, F, D]
+faster dispatch path is tested against. `moe_sorted` is the training path, in three steps that are
+also the seam for experts that live elsewhere (expert_shards.py): `dispatch` (one gather of the
+tokens sorted by expert), `compute` (one contiguous block per expert), `combine` (one scatter back). Indexing a stacked [E, F, D]
 parameter once per expert would make autograd allocate a full-size zero gradient for each index
 (E^2 F D memory traffic); unbinding it once gives each expert a view whose gradients are stacked once.
 
@@ -79,12 +80,26 @@ def moe_reference(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD:
     return out_TD
 
 
-def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
-               w3_EFD: Tensor | None = None, keep_TK: Tensor | None = None,
-               observer: InputObserver | None = None) -> Tensor:
-    """Same result as moe_reference; tokens grouped by expert so each expert reads one contiguous block."""
+@dataclass
+class Dispatch:
+    """A layer's routed assignments grouped by expert: expert e's rows are the e-th contiguous block of
+    x_ND. The seam where experts can live elsewhere: `dispatch` here, the experts compute on their
+    blocks (locally, or a shard on only its own experts' blocks: expert_shards.py), `combine` here."""
+
+    x_ND: Tensor  # the routed rows, sorted by expert (N kept assignments)
+    counts: list[int]  # [E] rows per expert, in expert order
+    tok_N: Tensor  # the token each row came from
+    gates_N: Tensor  # each row's gate
+
+    def blocks(self) -> list[Tensor]:
+        """Per expert, its rows [n_e, D] (views; empty for an expert no token chose)."""
+        return list(self.x_ND.split(self.counts))
+
+
+def dispatch(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, n_experts: int,
+             keep_TK: Tensor | None = None) -> Dispatch:
+    """Sort the kept (token, expert) assignments by expert and gather their rows (one host sync: the counts)."""
     T, K = expert_ids_TK.shape
-    E = w1_EFD.shape[0]
     ids_N = expert_ids_TK.reshape(-1)
     gates_N = gates_TK.reshape(-1)
     tok_N = torch.arange(T, device=x_TD.device).repeat_interleave(K)
@@ -93,19 +108,36 @@ def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Te
         ids_N, gates_N, tok_N = ids_N[kept], gates_N[kept], tok_N[kept]
     order = ids_N.argsort(stable=True)
     tok_N, gates_N = tok_N[order], gates_N[order]
-    counts = torch.bincount(ids_N, minlength=E).tolist()
+    return Dispatch(x_TD[tok_N], torch.bincount(ids_N, minlength=n_experts).tolist(), tok_N, gates_N)
+
+
+def combine(d: Dispatch, y_ND: Tensor, like_TD: Tensor) -> Tensor:
+    """y_t = sum over t's rows of gate * expert output: one scatter-add back to the tokens."""
+    out_TD = torch.zeros_like(like_TD)
+    if y_ND.shape[0]:
+        out_TD.index_add_(0, d.tok_N, (y_ND * d.gates_N[:, None].to(y_ND.dtype)).to(out_TD.dtype))
+    return out_TD
+
+
+def compute(d: Dispatch, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None = None,
+            observer: InputObserver | None = None, expert_ids: list[int] | None = None) -> Tensor:
+    """Each expert on its own block: y_ND in the dispatch's row order. `expert_ids`: the global id of
+    each stacked expert here (a shard's), for the observer; default 0..E-1."""
+    E = w1_EFD.shape[0]
     w1s, w2s = w1_EFD.unbind(0), w2_EDF.unbind(0)
     w3s = w3_EFD.unbind(0) if w3_EFD is not None else (None,) * E
-    ys = []
-    for e, x_ND in enumerate(x_TD[tok_N].split(counts)):
-        if x_ND.shape[0] == 0:
-            continue
-        ys.append(expert_forward(e, x_ND, w1s[e], w2s[e], w3s[e], observer))
-    out_TD = torch.zeros_like(x_TD)
-    if ys:
-        y_ND = torch.cat(ys)
-        out_TD.index_add_(0, tok_N, (y_ND * gates_N[:, None].to(y_ND.dtype)).to(out_TD.dtype))
-    return out_TD
+    ids = range(E) if expert_ids is None else expert_ids
+    ys = [expert_forward(g, x_ND, w1s[e], w2s[e], w3s[e], observer)
+          for e, (g, x_ND) in enumerate(zip(ids, d.blocks())) if x_ND.shape[0]]
+    return torch.cat(ys) if ys else d.x_ND.new_zeros(0, w2_EDF.shape[1])
+
+
+def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+               w3_EFD: Tensor | None = None, keep_TK: Tensor | None = None,
+               observer: InputObserver | None = None) -> Tensor:
+    """Same result as moe_reference: dispatch -> compute -> combine, so each expert reads one contiguous block."""
+    d = dispatch(x_TD, expert_ids_TK, gates_TK, w1_EFD.shape[0], keep_TK)
+    return combine(d, compute(d, w1_EFD, w2_EDF, w3_EFD, observer), x_TD)
 
 
 @dataclass
