@@ -11,6 +11,7 @@ optional KV cache for decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +19,11 @@ from torch import Tensor, nn
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.calibration import DispatchPlan, default_plan
-from moeserve.runtime.experts import FeedForward
+from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.runtime.packing import pack_linears_, pack_weight, packed_linear, unpack_linears_
+
+ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -130,13 +133,16 @@ def make_norm(cfg: MoEConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoEConfig, layer_id: int):
+    def __init__(self, cfg: MoEConfig, layer_id: int, experts_factory: ExpertsFactory | None = None):
         super().__init__()
         self.attention_norm = make_norm(cfg)
         self.attention = Attention(cfg, layer_id)
         self.ffn_norm = make_norm(cfg)
         is_moe = layer_id in cfg.moe_layer_ids
-        self.ffn: nn.Module = MoELayer(cfg) if is_moe else FeedForward(cfg.d_model, cfg.d_ff, cfg.expert_act)
+        if is_moe:
+            self.ffn: nn.Module = MoELayer(cfg, experts_factory(layer_id) if experts_factory is not None else None)
+        else:
+            self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.expert_act)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 token_mask: Tensor | None = None, cache: CacheRows | None = None) -> tuple[Tensor, MoEAux | None]:
@@ -154,11 +160,13 @@ class ModelOutput:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, experts_factory: ExpertsFactory | None = None):
+        """experts_factory(layer_id): the experts module of each MoE layer, where they are not the layer's
+        own (MoELayer); its weights are then the factory's to load."""
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, experts_factory) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         if cfg.task == "classify":
             self.classifier = nn.Linear(cfg.d_model, cfg.n_classes, bias=True)
@@ -176,8 +184,10 @@ class Transformer(nn.Module):
         """GPT-2 style: N(0, init_std), with the projections into the residual stream scaled by
         1/sqrt(2 n_layers) so the residual's variance does not grow with depth."""
         std, out_std = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5
+        foreign = {id(p) for layer in self.moe_layers if not isinstance(layer.experts, Experts)
+                   for p in layer.experts.parameters()}  # an experts_factory's weights are the factory's
         for name, p in self.named_parameters():
-            if p.dim() < 2 or "router.expert_embeddings" in name or "quantizer.codebook" in name:
+            if p.dim() < 2 or "router.expert_embeddings" in name or "quantizer.codebook" in name or id(p) in foreign:
                 continue
             is_out = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
             nn.init.normal_(p, mean=0.0, std=out_std if is_out else std)

@@ -32,11 +32,13 @@ class MoEAux:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, experts: nn.Module | None = None):
+        """experts: called as `experts(x_TD, expert_ids_TK, gates_TK, keep_TK) -> y_TD` (default: this
+        layer's own stacked `Experts`; expert_shards.py for experts split across shards)."""
         super().__init__()
         self.cfg = cfg
         self.n_experts = cfg.n_experts
-        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act)
+        self.experts = experts if experts is not None else Experts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act)
         is_vq = cfg.router == "vq"
         self.router = make_router(cfg) if not (is_vq and cfg.vq_mode == "discrete") else None
         self.quantizer = (
@@ -56,7 +58,7 @@ class MoELayer(nn.Module):
         self.table = None
         if self.quantizer is not None and self.cfg.vq_input == "code":
             q = self.quantizer
-            v_EC = q.vectors().to(self.experts.w1.dtype)
+            v_EC = q.vectors()
             x_tilde_ED = q.up(v_EC) if q.up is not None else v_EC
             self.table = self.experts(x_tilde_ED, torch.arange(self.n_experts, device=v_EC.device)[:, None],
                                       torch.ones(self.n_experts, 1, dtype=x_tilde_ED.dtype, device=v_EC.device))

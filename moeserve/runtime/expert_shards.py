@@ -1,0 +1,94 @@
+"""A layer's experts split into shards: dispatch here, each shard computes its own experts' rows, combine here.
+
+    x_TD, routing -> dispatch (experts.py) -> per shard: its experts' blocks -> shard(x_ND, counts) -> y_ND
+                  -> rows back in expert order -> combine (experts.py) -> y_TD
+
+A shard is anything called as `shard(x_ND, counts) -> y_ND` on the rows of its experts (in its own
+order, `counts` rows each): a tensor and a list in, a tensor out, so that a shard can be a remote
+actor as well as a module here. `ExpertShard` is the in-process one, and the reference a remote shard
+is tested against. A model is built with them through `Transformer(cfg, experts_factory=...)`, which
+gives each MoE layer the experts module the factory returns instead of its own `Experts`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from moeserve.runtime.experts import Dispatch, Experts, combine, compute, dispatch
+
+ShardCall = Callable[[Tensor, list[int]], Tensor]  # shard(x_ND of its experts, rows per expert) -> y_ND
+
+
+class ExpertShard(nn.Module):
+    """Some of a layer's experts (global ids `expert_ids`), stacked [E_local, out, in] as in Experts."""
+
+    def __init__(self, expert_ids: Sequence[int], w1: Tensor, w2: Tensor, w3: Tensor | None):
+        super().__init__()
+        if len(expert_ids) != w1.shape[0]:
+            raise ValueError(f"{len(expert_ids)} expert ids for {w1.shape[0]} stacked experts")
+        self.expert_ids = list(expert_ids)
+        self.w1, self.w2 = nn.Parameter(w1, requires_grad=False), nn.Parameter(w2, requires_grad=False)
+        self.w3 = nn.Parameter(w3, requires_grad=False) if w3 is not None else None
+
+    @classmethod
+    def of(cls, experts: Experts, expert_ids: Sequence[int]) -> "ExpertShard":
+        """A copy of `expert_ids`' weights out of a whole layer's experts."""
+        ids = torch.tensor(list(expert_ids), device=experts.w1.device)
+        w3 = experts.w3.detach()[ids].clone() if experts.w3 is not None else None
+        return cls(expert_ids, experts.w1.detach()[ids].clone(), experts.w2.detach()[ids].clone(), w3)
+
+    def forward(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+        d = Dispatch(x_ND, counts, tok_N=x_ND.new_empty(0), gates_N=x_ND.new_empty(0))
+        return compute(d, self.w1, self.w2, self.w3, expert_ids=self.expert_ids)
+
+
+class ShardedExperts(nn.Module):
+    """A layer's experts as shards (each expert on exactly one), called as an `Experts` is."""
+
+    def __init__(self, n_experts: int, shards: Sequence[ShardCall], expert_ids: Sequence[Sequence[int]]):
+        super().__init__()
+        owner = [-1] * n_experts  # expert -> shard; -1 until placed
+        for s, ids in enumerate(expert_ids):
+            for e in ids:
+                if not 0 <= e < n_experts or owner[e] != -1:
+                    raise ValueError(f"expert {e} is out of range or on two shards (expert ids {list(expert_ids)})")
+                owner[e] = s
+        if -1 in owner:
+            raise ValueError(f"expert {owner.index(-1)} is on no shard")
+        self.n_experts = n_experts
+        self.expert_ids = [list(ids) for ids in expert_ids]
+        # nn.Module shards are registered (device moves, state_dict); remote handles are kept as they are.
+        self.shards = nn.ModuleList(s for s in shards if isinstance(s, nn.Module))
+        self.calls: list[ShardCall] = list(shards)
+
+    @classmethod
+    def split(cls, experts: Experts, n_shards: int) -> "ShardedExperts":
+        """In-process shards of contiguous expert ranges, as evenly as they divide."""
+        E = experts.n_experts
+        if not 1 <= n_shards <= E:
+            raise ValueError(f"n_shards = {n_shards}: expected 1..{E} (the layer's experts)")
+        ranges = [list(range(E * s // n_shards, E * (s + 1) // n_shards)) for s in range(n_shards)]
+        return cls(E, [ExpertShard.of(experts, ids) for ids in ranges], ranges)
+
+    def prepare_inference(self, **kwargs) -> None:
+        """Shards compute on their blocks as the training path does; nothing to lay out here."""
+
+    def run_shards(self, inputs: list[tuple[Tensor, list[int]]]) -> list[Tensor]:
+        """Each shard on its rows. One at a time here; a remote implementation overrides this to have
+        every shard working at once."""
+        return [call(x, counts) for call, (x, counts) in zip(self.calls, inputs)]
+
+    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
+        blocks = d.blocks()
+        inputs = [(torch.cat([blocks[e] for e in ids]), [d.counts[e] for e in ids]) for ids in self.expert_ids]
+        per_expert: list[Tensor | None] = [None] * self.n_experts
+        for ids, (_, counts), y_ND in zip(self.expert_ids, inputs, self.run_shards(inputs)):
+            if y_ND.shape[0] != sum(counts):
+                raise RuntimeError(f"a shard of experts {ids} returned {y_ND.shape[0]} rows for {sum(counts)}")
+            for e, y in zip(ids, y_ND.split(counts)):
+                per_expert[e] = y
+        return combine(d, torch.cat(per_expert), x_TD)
