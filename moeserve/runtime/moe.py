@@ -112,4 +112,5 @@ class MoELayer(nn.Module):
             ids = routing.expert_ids if routing.keep is None else routing.expert_ids[routing.keep]
         else:
             ids = codes_T
-        return torch.bincount(ids.reshape(-1), minlength=self.n_experts)
+        ids = ids.reshape(-1)  # a fixed-size sum rather than bincount, whose size depends on the values: compilable
+        return torch.zeros(self.n_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
