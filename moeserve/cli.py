@@ -13,13 +13,15 @@ from typing import Iterator
 
 from moeserve.config import PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
-from moeserve.runtime import BACKENDS
+from moeserve.runtime import BACKENDS, COMPILE_MODES
 
 BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
 CALIBRATE_HELP = ("measure again which weight layout and dispatch path are fastest on this machine for this model's "
                   "shapes (measured once and cached otherwise; MOESERVE_CALIBRATION=off skips it)")
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
                                                 PermissionError)
+COMPILE_HELP = ("the decode step as one compiled graph per batch size (torch.compile; CUDA graphs on a GPU): on, off, "
+                "or auto (default): on a GPU only, since on a CPU building it takes ~12 s per batch size at start-up")
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -67,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     path = args.checkpoint if args.checkpoint is not None else _default_checkpoint(args.quiet)
     engine = load_engine(path, args.backend, dtype=args.dtype, calibration=_calibration(args),
-                         verify=args.checkpoint is not None)
+                         verify=args.checkpoint is not None, compile=args.compile)
     if engine.cfg.task != "lm":
         raise ValueError(f"{path} is a '{engine.cfg.task}' model; generate needs a language model")
     text = engine.generate(args.prompt, args.max_tokens, args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -113,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         path, cfg.model_name = _default_checkpoint(args.quiet), cfg.model_name or DEFAULT_MODEL_NAME
     return serve(path, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
-                 calibration=_calibration(args), verify=args.checkpoint is not None,
+                 calibration=_calibration(args), compile=args.compile, verify=args.checkpoint is not None,
                  access_log=not args.no_access_log, log_level=args.log_level)
 
 
@@ -241,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     g.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     g.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
+    g.add_argument("--compile", default="auto", choices=COMPILE_MODES, help=COMPILE_HELP)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
@@ -262,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
+    sv.add_argument("--compile", default="auto", choices=COMPILE_MODES, help=COMPILE_HELP)
     sv.add_argument("--scheduler", default="continuous", choices=("continuous", "batch"),
                     help="continuous: completions join the running decode steps and leave when done; batch: "
                     "run-to-completion batches, the baseline (default: continuous)")
@@ -396,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: 16)")
     be.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds after one warm-up (default: 5)")
     be.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
+    be.add_argument("--compile", action="store_true",
+                    help="also time the Engine with its compiled decode step (torch.compile; see serve --compile)")
     be.add_argument("--json", type=Path, help="write the report as JSON")
     be.set_defaults(func=cmd_bench_engine)
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",

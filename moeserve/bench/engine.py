@@ -35,11 +35,12 @@ def write_tiny_mixtral(path: Path, seed: int = 0, **overrides) -> Path:
 
 def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16, repeats: int = 5,
                  backends: tuple[str, ...] = ("eager", "grouped_mm"), checkpoint: Path | None = None,
-                 calibration: str | None = None) -> dict:
+                 calibration: str | None = None, compiled: bool = False) -> dict:
     """Runs of the implementations are interleaved (one of each per round, after a warm-up of each),
     so that drift in the machine's speed hits all of them alike; the median round is reported. The
     Engine runs the dispatch plan calibrated for this machine (reported); a dtype torch does not run
-    here is skipped, with the reason."""
+    here is skipped, with the reason. `compiled`: the Engine with its compiled decode step too (`--compile
+    on`: its compile time is reported, and kept out of the timed rounds by the warm-up)."""
     from transformers import MixtralForCausalLM
 
     rows, costs, plans, skipped = [], [], {}, {}
@@ -57,6 +58,13 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
             prompt = torch.randint(0, engine.cfg.vocab_size, (1, prompt_len))
             params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
             impls = {"moeserve Engine": lambda: engine.generate_ids([prompt[0].tolist()], params)[0][0]}
+            if compiled:
+                fast = Engine.load(path, dtype=dtype, device="cpu", calibration=calibration, compile="on")
+                t0 = time.perf_counter()
+                fast.warm_up(1)
+                plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
+                impls["moeserve Engine, compiled decode"] = \
+                    lambda: fast.generate_ids([prompt[0].tolist()], params)[0][0]
             for backend in backends:
                 hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend).eval()
                 hf.generation_config.eos_token_id = None
@@ -119,7 +127,9 @@ def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: 
 
 
 def markdown(report: dict) -> str:
-    lines = [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}" for dtype, p in report["plans"].items()]
+    lines = [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}"
+             + (f"  \ncompiled decode step built in {p['compile_s']} s" if "compile_s" in p else "")
+             for dtype, p in report["plans"].items()]
     lines += [f"skipped {dtype}: {why}" for dtype, why in report["skipped"].items()]
     lines += [""] if lines else []
     lines += ["| dtype | implementation | tokens/s | p50 s | same tokens | moeserve speed-up |",
@@ -137,7 +147,7 @@ def markdown(report: dict) -> str:
 
 def main(args) -> int:
     report = bench_engine(args.dtypes, args.new_tokens, args.prompt_len, args.repeats, checkpoint=args.checkpoint,
-                          calibration="redo" if args.calibrate else None)
+                          calibration="redo" if args.calibrate else None, compiled=args.compile)
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -11,6 +11,7 @@ neither changes nor is counted in the expert load).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -24,6 +25,7 @@ from torch import Tensor
 from moeserve.config import MoEConfig
 from moeserve.runtime import BACKENDS
 from moeserve.runtime.calibration import DispatchPlan, ExpertShape, plan_for, resolve_mode
+from moeserve.runtime.compiled import COMPILE_MODES, CompileError, model_uncompilable, resolve_compile
 from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
 from moeserve.runtime.loading import load_model
 from moeserve.runtime.model import ModelOutput, Transformer
@@ -119,10 +121,13 @@ class Engine:
 
     A torch model is laid out by a DispatchPlan (calibration.py): `plan` if given, else the one measured
     for this model's shapes on this machine (cached after the first time; `calibration` 'off' takes the
-    unmeasured defaults, 'redo' measures again; None: $MOESERVE_CALIBRATION, else 'auto')."""
+    unmeasured defaults, 'redo' measures again; None: $MOESERVE_CALIBRATION, else 'auto'). `compile`: the
+    decode step as a compiled graph (compiled.py: 'on', 'off', or 'auto': on CUDA only); its weights are
+    then plain, not oneDNN-packed, whatever the plan says."""
 
     def __init__(self, model: Transformer | ModelRunner, tokenizer: Tokenizer | None = None, *, name: str = "model",
-                 path: Path | None = None, plan: DispatchPlan | None = None, calibration: str | None = None):
+                 path: Path | None = None, plan: DispatchPlan | None = None, calibration: str | None = None,
+                 compile: str = "off"):
         self.model: Transformer | None = None
         self.plan: DispatchPlan | None = None
         if isinstance(model, Transformer):
@@ -131,8 +136,12 @@ class Engine:
                 shape = ExpertShape.of(model.cfg) if model.moe_layers else None
                 plan = plan_for(shape, self.model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype,
                                 calibration)
+            compiled = self._compiled(compile)
+            if compiled and (plan.pack_dense or plan.pack_experts):
+                plan = dataclasses.replace(plan, pack_dense=False, pack_experts=False,
+                                           reason=f"{plan.reason}; plain weights for the compiled decode step")
             self.plan = self.model.prepare_inference(plan)
-            model = TorchRunner(self.model)
+            model = TorchRunner(self.model, compiled, fallback=compile == "auto")
         self.runner: ModelRunner = model
         self.cfg: MoEConfig = model.cfg
         self.tokenizer = tokenizer
@@ -141,19 +150,32 @@ class Engine:
         self.expert_load = ExpertLoad(n_moe, self.cfg.n_experts, self.device)
         self._lock = threading.RLock()
 
+    def _compiled(self, mode: str) -> bool:
+        try:
+            compiled = resolve_compile(mode, self.model.tok_embeddings.weight.device)
+        except CompileError as e:
+            raise EngineError(str(e)) from None
+        why = model_uncompilable(self.model) if compiled else None
+        if why is not None and mode == "on":
+            raise EngineError(f"--compile on: {why}")
+        return compiled and why is None
+
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-             *, verify: bool = True, plan: DispatchPlan | None = None, calibration: str | None = None) -> "Engine":
+             *, verify: bool = True, plan: DispatchPlan | None = None, calibration: str | None = None,
+             compile: str = "off") -> "Engine":
         """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        resolve_mode(calibration)  # a bad mode is named before the weights are read
+        resolve_mode(calibration)  # bad modes are named before the weights are read
+        if compile not in COMPILE_MODES:
+            raise EngineError(f"compile mode {compile!r}: expected one of {', '.join(COMPILE_MODES)}")
         model, ckpt = load_model(path, verify=verify)
         model = model.to(device=dev, dtype=dt)
         tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
         return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,
-                   calibration=calibration)
+                   calibration=calibration, compile=compile)
 
     @classmethod
     def from_model(cls, model: Transformer, tokenizer: Tokenizer | None = None, dtype: str | torch.dtype = "float32",
@@ -218,6 +240,14 @@ class Engine:
         return ids.to(self.device), mask.to(self.device)
 
     # ---- generation --------------------------------------------------------------------------
+    def warm_up(self, slots: int) -> None:
+        """Build what the first requests would otherwise wait for: the compiled decode step's graphs for up to
+        `slots` rows (nothing when eager)."""
+        warm = getattr(self.runner, "warm_up", None)
+        if warm is not None:
+            with self._lock, torch.inference_mode():
+                warm(slots)
+
     def step_engine(self, slots: int, max_len: int | None = None, prefill_chunk: int = 512) -> StepEngine:
         """A step engine over this engine's runner with a cache of `slots` sequences of `max_len` positions
         (default: the model's context), its expert load counted here. The caller steps it on one thread
@@ -328,7 +358,7 @@ class Engine:
 
 def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "auto", *, threads: int | None = None, verify: bool = True,
-                calibration: str | None = None) -> Engine:
+                calibration: str | None = None, compile: str = "off") -> Engine:
     """A checkpoint directory on torch, or a graph from `moeserve export onnx` on ONNX Runtime
     (runtime/onnx_runner.py); backend 'auto' goes by the path: a .onnx file is an export. `calibration`
     is the torch Engine's (an ONNX Runtime session chooses its own kernels)."""
@@ -338,8 +368,10 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | tor
     if backend == "onnx" or (backend == "auto" and is_onnx):
         from moeserve.runtime.onnx_runner import load_onnx_runner  # onnxruntime is an optional dependency
 
+        if compile == "on":
+            raise EngineError("--compile on: an ONNX Runtime session is compiled by onnxruntime itself; use auto or off")
         runner, tokenizer = load_onnx_runner(path, dtype=str(dtype), device=str(device), threads=threads)
         return Engine(runner, tokenizer, name=Path(path).stem, path=Path(path))
     if is_onnx:
         raise EngineError(f"{path} is an ONNX export; run it with --backend onnx (or auto)")
-    return Engine.load(path, dtype=dtype, device=device, verify=verify, calibration=calibration)
+    return Engine.load(path, dtype=dtype, device=device, verify=verify, calibration=calibration, compile=compile)

@@ -280,6 +280,8 @@ class Experts(nn.Module):
         w = self.inference
         if w is None or keep_TK is not None or torch.is_grad_enabled():
             return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
+        if torch.compiler.is_compiling():  # a compiled decode step (compiled.py): fixed shapes, no host sync
+            return moe_indexed(x_TD, expert_ids_TK, gates_TK, w)
         if x_TD.shape[0] <= w.gather_max:
             return (moe_indexed if w.sync_free else moe_gather)(x_TD, expert_ids_TK, gates_TK, w)
         return moe_grouped(x_TD, expert_ids_TK, gates_TK, w)

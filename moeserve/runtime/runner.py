@@ -14,13 +14,17 @@ caller on the host, so a runner never has to ask the device where a sequence is.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
+from moeserve.runtime.compiled import CompiledDecode
 from moeserve.runtime.model import KVCache, ModelOutput, Transformer
+
+log = logging.getLogger("moeserve.runtime")
 
 
 class ModelRunner(Protocol):
@@ -42,11 +46,15 @@ class ModelRunner(Protocol):
 
 
 class TorchRunner:
-    """The Transformer over a slot KV cache (model.KVCache)."""
+    """The Transformer over a slot KV cache (model.KVCache); with `compiled`, its decode step is one
+    compiled graph per batch bucket (compiled.py), over a cache kept from one call to the next so that
+    the graphs are built once. `fallback`: if building the graph fails, say so and run eager."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, compiled: bool = False, fallback: bool = False):
         self.model = model
         self.cfg = model.cfg
+        self.compiled, self.fallback = compiled, fallback
+        self._decode: CompiledDecode | None = None
 
     @property
     def device(self) -> torch.device:
@@ -60,10 +68,36 @@ class TorchRunner:
         return self.model(ids, attention_mask=attention_mask)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
-        return KVCache.for_model(self.model, slots, max_len)
+        if not self.compiled:
+            return KVCache.for_model(self.model, slots, max_len)
+        if self._decode is None or self._decode.scratch < slots:  # one slot more: the padding rows' scratch
+            self._decode = CompiledDecode(self.model, KVCache.for_model(self.model, slots + 1))
+        return self._decode.cache
+
+    def warm_up(self, slots: int) -> None:
+        """Build the compiled decode step's graphs now, for up to `slots` rows (nothing to do when eager)."""
+        if self.compiled:
+            self.new_cache(slots, self.cfg.max_seq_len)
+            self._guarded(self._decode.warm_up)
 
     def prefill(self, cache: KVCache, slot: int, ids_S: Tensor, start: int) -> ModelOutput:
         return self.model(ids_S[None], cache=cache.rows([slot], [start], ids_S.shape[0]), last_only=True)
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
+        if self.compiled and self._decode is not None and cache is self._decode.cache:
+            out = self._guarded(self._decode, slots, ids_B, positions)
+            if out is not None:
+                return ModelOutput(*out)
         return self.model(ids_B[:, None], cache=cache.rows(slots, positions, 1))
+
+    def _guarded(self, fn, *args):
+        """fn(*args); if it fails and the compiled step was only asked for where it may help ('auto'),
+        log why, go eager for good, and return None."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if not self.fallback:
+                raise
+            log.warning("moeserve: the compiled decode step failed (%s: %s); running eager", type(e).__name__, e)
+            self.compiled = False
+            return None

@@ -100,6 +100,8 @@ class ServerState:
             self.name = self.cfg.model_name or engine.name
             self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
                                        engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
+            if engine.cfg.task == "lm":
+                engine.warm_up(self.cfg.kv_slots if self.cfg.scheduler == "continuous" else self.cfg.batch.max_batch_size)
             self._warm_up(engine)
             self.engine = engine
             self.batcher = self._batcher(engine)

@@ -1,0 +1,130 @@
+"""The decode step as one compiled graph: torch.compile (inductor) on a CPU, CUDA graphs on a GPU.
+
+A decode step costs a few hundred small kernels; eager PyTorch pays a launch (GPU) or a dispatch
+(CPU) for each, which at batch 1 is most of the step. Compiled, the step is one fused program; on
+CUDA, mode "reduce-overhead" replays it as a CUDA graph. For that the step must be the same program
+every time, so here it is made shape-static:
+
+- the batch is padded up to the next bucket (1, 2, 4, ... up to the cache's slots): one graph per
+  bucket. Padding rows write their keys and values into a scratch slot (the cache's last, which no
+  sequence owns) and are dropped from the logits and from the expert-load counts;
+- every row attends over the whole cache length, masked by its position (no length that grows);
+- the experts run the sync-free path (experts.moe_indexed: no host sync, fixed shapes) on plain
+  weights (oneDNN-packed weights are opaque to the compiler);
+- the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
+
+Same tokens as eager in fp32 (tests/runtime/test_compiled.py); the logits differ by float rounding
+(fused reductions), ~1e-6 here.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from torch import Tensor, nn
+
+from moeserve.runtime import COMPILE_MODES
+from moeserve.runtime.model import CacheRows, KVCache, Transformer
+from moeserve.runtime.moe import MoEAux
+
+
+class CompileError(RuntimeError):
+    """The compiled decode step cannot run here (no C++ compiler for inductor, an unsupported device)."""
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why torch.compile cannot build the decode step on `device`, or None."""
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "inductor needs a C++ compiler on a CPU (g++, c++ or clang++ on PATH); none was found"
+    if device.type == "cuda" and not any(shutil.which(c) for c in ("gcc", "cc", "clang")):
+        return "Triton needs a C compiler for its kernel launchers (gcc, cc or clang on PATH); none was found"
+    if device.type not in ("cpu", "cuda"):
+        return f"no compiled decode step for device type {device.type!r}"
+    return None
+
+
+def model_uncompilable(model: Transformer) -> str | None:
+    """Why this model's decode step has no fixed shape, or None."""
+    if model.cfg.capacity_factor is not None:
+        return "capacity_factor drops assignments by count (data-dependent shapes); serve it with --compile off"
+    return None
+
+
+def resolve_compile(mode: str, device: torch.device) -> bool:
+    """'on': compile or fail naming why; 'off': eager; 'auto': on CUDA (launch-bound without graphs), eager on
+    a CPU, where compiling costs ~12 s per batch bucket at start-up on 2 cores (docs/benchmarks.md) and
+    `--compile on` is the choice for a long-running server."""
+    if mode not in COMPILE_MODES:
+        raise CompileError(f"compile mode {mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return False
+    why = compile_unavailable(device)
+    if why is not None and mode == "on":
+        raise CompileError(f"--compile on: {why}")
+    return why is None
+
+
+def buckets(slots: int) -> list[int]:
+    """Batch sizes a graph is built for: powers of two up to `slots`, and `slots` itself."""
+    sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
+    return [*sizes, slots]
+
+
+class _Step(nn.Module):
+    """model + the cache's tensors as buffers: the pure function (ids, slots, positions) -> logits, routes."""
+
+    def __init__(self, model: Transformer, cache: KVCache):
+        super().__init__()
+        self.model, self.cache = model, cache
+        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+            self.register_buffer(f"k{i}", k, persistent=False)
+            self.register_buffer(f"v{i}", v, persistent=False)
+
+    def forward(self, ids_B1: Tensor, slots_B: Tensor, positions_B1: Tensor) -> tuple[Tensor, list[Tensor]]:
+        out = self.model(ids_B1, cache=CacheRows(self.cache, slots_B, positions_B1, self.cache.max_len))
+        routes = [a.routing.expert_ids if a.routing is not None else a.codes[:, None] for a in out.aux]
+        return out.logits, routes
+
+
+class CompiledDecode:
+    """The decode step of `model` over `cache`, compiled once per batch bucket (lazily, on first use of a bucket).
+
+    The cache must have one slot more than the sequences that use it (KVCache.for_model(model, slots + 1)):
+    the last is the padding rows' scratch slot."""
+
+    def __init__(self, model: Transformer, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.scratch = cache.slots - 1
+        self.buckets = buckets(self.scratch)
+        device = model.tok_embeddings.weight.device
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        # One graph per bucket; the dynamo cache must hold them all without evicting (default limit 8).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
+        self._step = torch.compile(_Step(model, cache), mode=mode, dynamic=False, fullgraph=True)
+
+    def __call__(self, slots: list[int], ids_B: Tensor, positions: list[int]) -> tuple[Tensor, list[MoEAux]]:
+        """(logits [B, 1, V], per-layer aux with the real rows' expert counts) for one decode step."""
+        B = len(slots)
+        size = next((b for b in self.buckets if b >= B), None)
+        if size is None:
+            raise ValueError(f"{B} rows in a decode step; the cache has {self.scratch} slots")
+        pad = size - B
+        device = ids_B.device
+        slots_t = torch.tensor(slots + [self.scratch] * pad, device=device)
+        positions_t = torch.tensor(positions + [0] * pad, device=device)[:, None]
+        ids_t = torch.cat([ids_B, ids_B.new_zeros(pad)])[:, None]
+        logits, routes = self._step(ids_t, slots_t, positions_t)
+        if device.type == "cuda":  # a replayed graph's outputs are overwritten by the next replay
+            logits, routes = logits.clone(), [r.clone() for r in routes]
+        E = self.model.cfg.n_experts
+        aux = [MoEAux(torch.bincount(r[:B].reshape(-1), minlength=E), None) for r in routes]
+        return logits[:B], aux
+
+    def warm_up(self) -> None:
+        """Build every bucket's graph now (a server does this before it says ready). Every row is on the
+        scratch slot at position 0: no sequence's keys are touched."""
+        device = self.model.tok_embeddings.weight.device
+        for b in self.buckets:
+            self._step(torch.zeros(b, 1, dtype=torch.long, device=device),
+                       torch.full((b,), self.scratch, device=device), torch.zeros(b, 1, dtype=torch.long, device=device))

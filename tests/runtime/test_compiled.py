@@ -1,0 +1,77 @@
+"""The compiled decode step (compiled.py): the same tokens and the same expert-load counts as eager (fp32),
+with padded buckets and a scratch slot; the mode and capability checks, both sides of each probe."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moeserve.config import preset
+from moeserve.runtime import compiled as compiled_mod
+from moeserve.runtime.compiled import CompileError, buckets, resolve_compile
+from moeserve.runtime.engine import Engine, EngineError
+from moeserve.runtime.model import Transformer
+from moeserve.runtime.sampling import SamplingParams
+from moeserve.tokenizer import ByteTokenizer
+
+CPU = torch.device("cpu")
+HAS_CXX = compiled_mod.compile_unavailable(CPU) is None
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(3) == [1, 2, 3]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(12) == [1, 2, 4, 8, 12]
+
+
+def test_modes():
+    assert resolve_compile("off", CPU) is False
+    assert resolve_compile("auto", CPU) is False  # eager on a CPU unless asked
+    with pytest.raises(CompileError, match="compile mode 'fast'"):
+        resolve_compile("fast", CPU)
+
+
+def test_on_without_a_compiler_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(CompileError, match="needs a C\\+\\+ compiler"):
+        resolve_compile("on", CPU)
+    assert resolve_compile("auto", torch.device("cuda")) is False  # auto never fails: it stays eager
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: inductor cannot build a CPU graph here")
+def test_on_with_a_compiler():
+    assert resolve_compile("on", CPU) is True
+
+
+def test_engine_refusals():
+    torch.manual_seed(0)
+    with pytest.raises(EngineError, match="capacity_factor"):
+        Engine.from_model(Transformer(preset("tiny", capacity_factor=1.25)), ByteTokenizer(), compile="on")
+    with pytest.raises(EngineError, match="compile mode 'yes'"):
+        Engine.from_model(Transformer(preset("tiny")), ByteTokenizer(), compile="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: inductor cannot build a CPU graph here")
+@pytest.mark.parametrize("router", ["softmax", "vq"])
+def test_compiled_decode_gives_eager_tokens_and_counts(router):
+    """Three prompts of different lengths finish at different steps: buckets 3, 2 and 1 are all used, rows
+    padded to them; greedy and seeded sampling; the expert load is the real rows' only."""
+    torch.manual_seed(0)
+    cfg = preset("tiny", router=router, vq_mode="discrete") if router == "vq" else preset("tiny", router=router)
+    model = Transformer(cfg)
+    tok = ByteTokenizer()
+    eager = Engine.from_model(model, tok, calibration="off")
+    fast = Engine.from_model(Transformer(cfg), tok, calibration="off", compile="on")
+    fast.model.load_state_dict(model.state_dict())
+    fast.model.prepare_inference(fast.plan)
+    rows = [tok.encode("def f(x):", bos=True), tok.encode("import", bos=True), tok.encode("class A(B):\n", bos=True)]
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=3) for n, t in ((12, 0.0), (5, 0.8), (9, 0.0))]
+    want = eager.complete_ids(rows, params)
+    got = fast.complete_ids(rows, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert torch.equal(fast.expert_load.snapshot(), eager.expert_load.snapshot())
+    assert fast.runner._decode is not None and fast.runner.compiled  # it ran compiled, not a silent fallback
