@@ -1,0 +1,118 @@
+"""The `moeserve bench` sub-commands' arguments; each benchmark's module is imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Callable
+
+from moeserve.config import PRESETS
+from moeserve.export import MODES
+
+
+def _main(module: str) -> Callable[[argparse.Namespace], int]:
+    return lambda args: importlib.import_module(module).main(args)
+
+
+def add_bench(sub, calibrate_help: str) -> None:
+    """`moeserve bench BENCH`: one sub-command per benchmark, each run by its module's main(args)."""
+    b = sub.add_parser("bench", help="benchmarks, measured against a baseline in the same run")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bt = bsub.add_parser("train", help="train each routing method on the same data and compare bits per byte")
+    bt.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    bt.add_argument("--recipes", nargs="+", default=["softmax", "xmoe", "vq", "xmoe+omoe"],
+                    help="softmax sigmoid xmoe vq xmoe+omoe (default: softmax xmoe vq xmoe+omoe)")
+    bt.add_argument("--steps", type=int, help="steps per recipe (default: the default model's)")
+    bt.add_argument("--out", type=Path, help="keep the checkpoints here (default: a temporary directory)")
+    bt.add_argument("--json", type=Path, help="write the report as JSON")
+    bt.add_argument("--quiet", action="store_true")
+    bt.set_defaults(func=_main("moeserve.bench.train"))
+    bl = bsub.add_parser("layer", help="one MoE layer: moeserve's dispatch paths vs the reference loop and "
+                         "transformers", description="Time one MoE layer (same weights) across implementations "
+                         "and token counts, beside a dense GEMM of the same FLOPs.")
+    bl.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 1024], help="token counts (default: 1 8 128 1024)")
+    bl.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
+    bl.add_argument("--d-model", type=int, default=512, help="D (default: 512)")
+    bl.add_argument("--d-ff", type=int, default=1408, help="F (default: 1408)")
+    bl.add_argument("--experts", type=int, default=8, help="E (default: 8)")
+    bl.add_argument("--top-k", type=int, default=2, help="k (default: 2)")
+    bl.add_argument("--min-time", type=float, default=0.3, help="seconds of timed runs per cell (default: 0.3)")
+    bl.add_argument("--sweep", action="store_true", help="instead: measure the calibration's candidates at every "
+                    "token count and print them with the plan they give (nothing is cached)")
+    bl.add_argument("--calibrate", action="store_true", help=calibrate_help)
+    bl.add_argument("--json", type=Path, help="write the report as JSON")
+    bl.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    bl.set_defaults(func=_main("moeserve.bench.layer"))
+    be = bsub.add_parser("engine", help="greedy generation end to end: the Engine vs transformers' generate",
+                         description="Greedy batch-1 generation on a Mixtral checkpoint (default: a small random "
+                         "one written by transformers), moeserve's Engine against transformers' generate.")
+    be.add_argument("--checkpoint", type=Path, help="a Hugging Face Mixtral directory (default: a tiny random one)")
+    be.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
+    be.add_argument("--new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    be.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: 16)")
+    be.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds after one warm-up (default: 5)")
+    be.add_argument("--calibrate", action="store_true", help=calibrate_help)
+    be.add_argument("--compile", action="store_true",
+                    help="also time the Engine with its compiled decode step (torch.compile; see serve --compile)")
+    be.add_argument("--json", type=Path, help="write the report as JSON")
+    be.set_defaults(func=_main("moeserve.bench.engine"))
+    bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
+                         description="Export a checkpoint in each ONNX mode (parity-checked) and time the scoring "
+                         "forward (ids -> logits) of the torch Engine in fp32 and of each export on ONNX Runtime's "
+                         "CPU provider, at each batch size and length, and greedy generation against a fused "
+                         "--kv-cache export; backends take turns in blocks.")
+    bo.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint (default: the built-in default model)")
+    bo.add_argument("--batches", type=int, nargs="+", default=[1, 8], metavar="B", help="batch sizes (default: 1 8)")
+    bo.add_argument("--seqs", type=int, nargs="+", default=[1, 64], metavar="S",
+                    help="tokens per row, each timed at every batch size (default: 1 64)")
+    bo.add_argument("--repeats", type=int, default=30, metavar="R", help="timed rounds (default: 30)")
+    bo.add_argument("--modes", nargs="+", choices=MODES, help="exports to time (default: every one the model has)")
+    bo.add_argument("--new-tokens", type=int, default=64, metavar="N", help="greedy generation of N tokens by torch "
+                    "and by a fused --kv-cache export, at each batch size (default: 64; 0: skip)")
+    bo.add_argument("--json", type=Path, metavar="FILE", help="write the report (with the machine) as JSON")
+    bo.add_argument("--quiet", action="store_true", help="no progress lines")
+    bo.set_defaults(func=_main("moeserve.bench.onnx"))
+    bh = bsub.add_parser("http", help="the HTTP server under load: continuous vs batch vs batch size 1, a mixed "
+                         "workload, HTTP overhead, 429s",
+                         description="Start `moeserve serve` subprocesses (one at a time) and measure: throughput "
+                         "of a closed loop of concurrent clients on continuous batching, run-to-completion batches "
+                         "(--scheduler batch) and --max-batch-size 1; a mixed workload of short and long requests "
+                         "on continuous against batch; "
+                         "the HTTP cost of one request against a direct Engine call in this process; and the 429 "
+                         "answers of a small-queue server hit by a burst. Each against its baseline in the same run.")
+    bh.add_argument("--checkpoint", type=Path, metavar="DIR",
+                    help="checkpoint directory (default: the built-in default model)")
+    bh.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, "
+                    "bfloat16; the servers and the direct engine alike (default: auto)")
+    bh.add_argument("--clients", type=int, default=32, metavar="C",
+                    help="concurrent clients of the throughput loop (default: 32)")
+    bh.add_argument("--duration", type=float, default=10.0, metavar="S",
+                    help="timed seconds of the throughput loop, per server (default: 10)")
+    bh.add_argument("--warmup", type=float, default=2.0, metavar="S",
+                    help="untimed seconds of load before the throughput window (default: 2)")
+    bh.add_argument("--max-tokens", type=int, default=16, metavar="M",
+                    help="max_tokens of the throughput and overhead requests (default: 16)")
+    bh.add_argument("--long-tokens", type=int, default=200, metavar="M",
+                    help="max_tokens of the mixed workload's long requests (default: 200)")
+    bh.add_argument("--batch-size", type=int, default=32, metavar="N",
+                    help="--max-batch-size of the batch server and --kv-slots of the continuous one (default: 32)")
+    bh.add_argument("--requests", type=int, default=50, metavar="R",
+                    help="paired HTTP / direct rounds of the overhead measure (default: 50)")
+    bh.add_argument("--overload", type=int, default=256, metavar="K",
+                    help="requests sent at once in the overload measure (default: 256)")
+    bh.add_argument("--overload-queue", type=int, default=8, metavar="N",
+                    help="--max-queue of the overload server (default: 8)")
+    bh.add_argument("--overload-batch-size", type=int, default=4, metavar="N",
+                    help="--max-batch-size of the overload server (default: 4)")
+    bh.add_argument("--overload-tokens", type=int, default=32, metavar="N",
+                    help="max_tokens of the overload requests (default: 32)")
+    bh.add_argument("--skip-throughput", action="store_true",
+                    help="leave out the continuous vs batch vs batch-1 measure")
+    bh.add_argument("--skip-mixed", action="store_true", help="leave out the mixed short / long workload")
+    bh.add_argument("--skip-overhead", action="store_true", help="leave out the HTTP overhead measure")
+    bh.add_argument("--skip-overload", action="store_true", help="leave out the 429 measure")
+    bh.add_argument("--json", type=Path, metavar="FILE",
+                    help="write the report (with the machine description) as JSON")
+    bh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bh.set_defaults(func=_main("moeserve.bench.http"))
