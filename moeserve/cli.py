@@ -357,7 +357,6 @@ def _add_score(sub) -> None:
     s.set_defaults(func=cmd_score)
 
 
-
 @contextlib.contextmanager
 def _runtime_log_to_stderr(quiet: bool) -> Iterator[None]:
     """What the runtime reports while it loads (a calibration, the first time a model's shape is met) goes to

@@ -180,6 +180,7 @@ def _usage(completions: list[Completion]) -> dict:
 async def healthz() -> dict:
     return {"status": "ok"}
 
+
 @router.get("/readyz", summary="200 once the model is loaded and warmed up; 503 before and while shutting down")
 async def readyz(request: Request) -> JSONResponse:
     state = _state(request)
@@ -188,9 +189,11 @@ async def readyz(request: Request) -> JSONResponse:
     status = "draining" if state.draining else "failed" if state.load_error else "loading"
     return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
 
+
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def prometheus(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
@@ -199,6 +202,7 @@ async def models(request: Request) -> ModelList:
     c = engine.cfg
     return ModelList(data=[ModelCard(id=state.name, created=state.created, task=c.task, max_model_len=c.max_seq_len,
                                      router=c.router, n_experts=c.n_experts, top_k=c.top_k)])
+
 
 @router.post("/v1/completions", response_model=CompletionResponse,
           summary="continue prompts (OpenAI completions; stream=true for server-sent events)",
@@ -231,6 +235,7 @@ async def completions(req: CompletionRequest, request: Request):
     return StreamingResponse(_stream(job, events, streams, head, include_usage), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+
 async def _texts_job(req: TextsRequest, request: Request, kind: str) -> tuple[list[str], list[list[int]], list]:
     state = _state(request)
     cfg, engine = state.cfg, state.require_ready()
@@ -247,6 +252,7 @@ async def _texts_job(req: TextsRequest, request: Request, kind: str) -> tuple[li
     state.submit(job)
     return texts, rows, await _wait(job, request, cfg.request_timeout_s)
 
+
 @router.post("/v1/score", response_model=ScoreResponse,
           summary="log-probability, perplexity and bits per byte of each text under the model")
 async def score(req: TextsRequest, request: Request) -> ScoreResponse:
@@ -256,6 +262,7 @@ async def score(req: TextsRequest, request: Request) -> ScoreResponse:
             for i, ((lp, n), t) in enumerate(zip(results, texts))]
     used = sum(len(r) for r in rows)
     return ScoreResponse(model=_state(request).name, data=data, usage=Usage(prompt_tokens=used, total_tokens=used))
+
 
 @router.post("/v1/classify", response_model=ClassifyResponse, summary="class probabilities of each text")
 async def classify(req: TextsRequest, request: Request) -> ClassifyResponse:

@@ -17,6 +17,7 @@ from moeserve.runtime.engine import load_engine
 from moeserve.serve.app import create_app
 from moeserve.serve.state import ServeConfig, ServerState
 
+
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
