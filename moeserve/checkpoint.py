@@ -147,7 +147,8 @@ def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
         raise CheckpointError(f"{file}: {e}") from e
 
 
-def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool = False) -> dict[str, Any]:
+def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool = False,
+                   dtype: torch.dtype | None = None) -> dict[str, Any]:
     """A foreign directory's tensors under the Transformer's names; shapes_only: meta tensors (headers only)."""
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
@@ -157,7 +158,7 @@ def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool
             origin[k] = path / name
     where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else WEIGHTS_FILE)
     try:
-        return from_mixtral(tensors, config, origin, where)
+        return from_mixtral(tensors, config, origin, where, dtype)
     except MixtralError as e:
         raise CheckpointError(str(e)) from e
 
@@ -229,6 +230,11 @@ def _load_tensors(file: Path, names: list[str], device: str, shapes_only: bool =
             return {k: f.get_tensor(k) for k in names or f.keys()}
     except SafetensorError as e:
         raise CheckpointError(f"{file}: not a valid safetensors file, truncated or corrupt ({e})") from e
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Floating-point weights in `dtype`; integer and bool state (a VQ layer's `initialized`) as stored."""
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
 def _write_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -342,9 +348,15 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, device: str = "cpu", verify: bool = True, load_train_state: bool = False
+    path: str | os.PathLike, *, device: str = "cpu", verify: bool = True, load_train_state: bool = False,
+    dtype: torch.dtype | None = None
 ) -> LoadedCheckpoint:
     """Load a checkpoint directory, verifying every sha256 first (`verify=False` skips only hashing).
+
+    The weights stay memory-mapped where they can: a tensor on the CPU in its stored dtype is a view
+    of the file (copy-on-write, so nothing written to it reaches the file), read from the page cache
+    when touched; `dtype` converts floating-point tensors as they are read (None: as stored), so
+    serving in bf16 never holds an fp32 copy of the model.
 
     Training state, when asked for and present, is loaded on the CPU: RNG state must live there, and
     optimizer.load_state_dict moves moments to their parameters' device itself. Absent: None.
@@ -355,12 +367,14 @@ def load_checkpoint(
     _check_dir(path)
     config, foreign = _read_config(path)
     if foreign is not None:
-        return LoadedCheckpoint(path, config, _foreign_state(path, config, device), {"format": foreign}, None, None)
+        state = _foreign_state(path, config, device, dtype=dtype)
+        return LoadedCheckpoint(path, config, state, {"format": foreign}, None, None)
     files = _weight_map(path)
     manifest = _read_manifest(path)
     if verify:
         _verify(path, manifest)
-    state = {k: t for name, names in files.items() for k, t in _load_tensors(path / name, names, device).items()}
+    state = {k: _as_dtype(t, dtype) for name, names in files.items()
+             for k, t in _load_tensors(path / name, names, device).items()}
     ts_file, meta_file = path / TRAIN_STATE_FILE, path / TRAIN_META_FILE
     train_state = _load_tensors(ts_file, [], "cpu") if load_train_state and ts_file.exists() else None
     train_meta = _read_json(meta_file) if load_train_state and meta_file.exists() else None

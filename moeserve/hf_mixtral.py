@@ -84,7 +84,7 @@ def mixtral_config(raw: dict, where: Path, has_tokenizer: bool) -> MoEConfig:
 
 
 def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: dict[str, Path],
-                  where: Path) -> dict[str, torch.Tensor]:
+                 where: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Hugging Face Mixtral tensors -> the Transformer's state_dict names and [E, out, in] expert stacks.
 
     Two expert layouts are read: per expert `block_sparse_moe.experts.{e}.w1|w2|w3.weight` (w1 gate,
@@ -92,7 +92,11 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
     and fused `experts.gate_up_proj` [E, 2F, D] (gate rows first) + `experts.down_proj` [E, D, F]
     (transformers 5's modules, saved with save_original_format=False). transformers reads the MoE
     block as `block_sparse_moe` or `mlp`; so does this. `tensors` is consumed: each expert's matrices
-    are freed once stacked. RoPE is rotate-half in both, so q and k need no permutation."""
+    are freed once stacked. RoPE is rotate-half in both, so q and k need no permutation.
+
+    w1 and w3 come back as the two halves of one [E, 2F, D] tensor, the layout inference runs on
+    (experts.fuse_expert_weights takes it without a copy); every tensor is in `dtype` (None: as stored),
+    converted while it is copied into its stack rather than after."""
     src: dict[str, tuple[str, torch.Tensor]] = {}
     for name in list(tensors):
         canon = re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", name)
@@ -100,14 +104,25 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
             raise MixtralError(f"{where}: tensors {src[canon][0]!r} and {name!r} are the same Mixtral weight")
         src[canon] = (name, tensors.pop(name))
 
-    def take(canon: str, *shape: int) -> torch.Tensor:
+    def take(canon: str, *shape: int, convert: bool = True) -> torch.Tensor:
         if canon not in src:
             raise MixtralError(f"{where}: Mixtral tensor {canon!r} missing (expected shape {shape})")
         name, t = src.pop(canon)
         if tuple(t.shape) != shape:
             raise MixtralError(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"config.json implies {shape}")
-        return t
+        return t if dtype is None or not convert else t.to(dtype)
+
+    def stack(m: str, *names: str) -> torch.Tensor:
+        """[E, rows, cols]: expert e's matrices `names`, one under the other, copied and converted once."""
+        shapes = {"w1": (F, D), "w2": (D, F), "w3": (F, D)}
+        parts = [[take(f"{m}experts.{e}.{w}.weight", *shapes[w], convert=False) for w in names] for e in range(E)]
+        first = parts[0][0]
+        out = torch.empty(E, sum(shapes[w][0] for w in names), first.shape[1], dtype=dtype or first.dtype,
+                          device=first.device)
+        for e, mats in enumerate(parts):
+            torch.cat(mats, out=out[e])
+        return out
 
     c = config
     D, F, E, V, q, kv = c.d_model, c.d_ff, c.n_experts, c.vocab_size, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
@@ -126,12 +141,10 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
         out[o + "ffn.router.gate.weight"] = take(m + "gate.weight", E, D)
         if m + "experts.gate_up_proj" in src:
             gate_up_E2FD = take(m + "experts.gate_up_proj", E, 2 * F, D)
-            out[o + "ffn.experts.w1"] = gate_up_E2FD[:, :F].contiguous()
-            out[o + "ffn.experts.w3"] = gate_up_E2FD[:, F:].contiguous()
             out[o + "ffn.experts.w2"] = take(m + "experts.down_proj", E, D, F)
         else:
-            for w, shape in (("w1", (F, D)), ("w2", (D, F)), ("w3", (F, D))):
-                out[f"{o}ffn.experts.{w}"] = torch.stack([take(f"{m}experts.{e}.{w}.weight", *shape) for e in range(E)])
+            gate_up_E2FD, out[o + "ffn.experts.w2"] = stack(m, "w1", "w3"), stack(m, "w2")
+        out[o + "ffn.experts.w1"], out[o + "ffn.experts.w3"] = gate_up_E2FD[:, :F], gate_up_E2FD[:, F:]
     unexpected = sorted(name for name, _ in src.values() if not name.endswith("rotary_emb.inv_freq"))  # recomputed
     if unexpected:
         raise MixtralError(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"

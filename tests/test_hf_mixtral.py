@@ -145,6 +145,20 @@ def test_inference_layout_matches(tmp_path: Path) -> None:
         torch.testing.assert_close(model(ids[:1, :1]).logits, hf(ids[:1, :1]).logits, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("save_kwargs", [{}, {"save_original_format": False}], ids=["per-expert", "fused"])
+def test_import_is_stacked_once_in_the_asked_dtype(tmp_path: Path, save_kwargs: dict) -> None:
+    """Both layouts come in as one [E, 2F, D] gate-up tensor whose halves are w1 and w3, which the
+    inference layout takes as it is; bf16 is converted while stacking and equals converting after."""
+    hf_mixtral(tmp_path, save_kwargs)
+    model, _ = load_model(tmp_path)
+    experts = model.layers[0].ffn.experts
+    assert experts.w3.data_ptr() == experts.w1.data_ptr() + experts.w1[0].numel() * 4
+    assert experts.prepare_inference(pack=False).w13_EFD.data_ptr() == experts.w1.data_ptr()
+    bf16, _ = load_model(tmp_path, dtype=torch.bfloat16)
+    for name, t in model.state_dict().items():
+        assert torch.equal(bf16.state_dict()[name], t.to(torch.bfloat16)), name
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_kv_cached_decode_matches_full_forward(tmp_path: Path, window: int | None) -> None:
     hf = hf_mixtral(tmp_path, sliding_window=window)

@@ -171,8 +171,7 @@ class Engine:
         resolve_mode(calibration)  # bad modes are named before the weights are read
         if compile not in COMPILE_MODES:
             raise EngineError(f"compile mode {compile!r}: expected one of {', '.join(COMPILE_MODES)}")
-        model, ckpt = load_model(path, verify=verify)
-        model = model.to(device=dev, dtype=dt)
+        model, ckpt = load_model(path, device=dev, dtype=dt, verify=verify)
         tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
         return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,
                    calibration=calibration, compile=compile)

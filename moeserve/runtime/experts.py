@@ -170,10 +170,24 @@ class InferenceWeights:
         return F.silu(gate) * up
 
 
+def _halves_of_one(w1_EFD: Tensor, w3_EFD: Tensor) -> Tensor | None:
+    """[w1; w3] as a view, where w3 starts right after w1 in one contiguous [E, 2F, D] storage; else None."""
+    E, F, D = w1_EFD.shape
+    if (w3_EFD.shape != w1_EFD.shape or w3_EFD.dtype != w1_EFD.dtype or w3_EFD.device != w1_EFD.device
+            or w1_EFD.stride() != (2 * F * D, D, 1) or w3_EFD.stride() != w1_EFD.stride()
+            or w1_EFD.untyped_storage().data_ptr() != w3_EFD.untyped_storage().data_ptr()
+            or w3_EFD.data_ptr() != w1_EFD.data_ptr() + F * D * w1_EFD.element_size()):
+        return None
+    return w1_EFD.as_strided((E, 2 * F, D), (2 * F * D, D, 1))
+
+
 def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: str, pack: bool,
                         grouped_mm: bool = False, sync_free: bool = False) -> InferenceWeights:
-    """Copies of the weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`."""
-    w13_EFD = w1_EFD if w3_EFD is None else torch.cat([w1_EFD, w3_EFD], dim=1)
+    """The weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`. A copy, unless
+    w1 and w3 already are the two halves of one [E, 2F, D] tensor (as a Mixtral import lays them out)."""
+    w13_EFD = w1_EFD if w3_EFD is None else _halves_of_one(w1_EFD.detach(), w3_EFD.detach())
+    if w13_EFD is None:
+        w13_EFD = torch.cat([w1_EFD, w3_EFD], dim=1)
     w13_EFD, w2_EDF = w13_EFD.detach().contiguous(), w2_EDF.detach().contiguous()
     if pack:
         w13, w2 = [pack_weight(w) for w in w13_EFD], [pack_weight(w) for w in w2_EDF]

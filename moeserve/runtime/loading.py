@@ -17,10 +17,11 @@ from moeserve.runtime.model import Transformer
 __all__ = ["load_into", "load_model"]
 
 
-def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint) -> None:
-    """Copy a checkpoint's tensors into `model`, naming the tensor at fault instead of torch's bare
-    size-mismatch error: a missing, unexpected or wrongly shaped tensor means the weights and
-    config.json disagree, and the user needs to know which."""
+def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint, *, assign: bool = False) -> None:
+    """Copy a checkpoint's tensors into `model` (assign: make them the model's own, no copy: the model
+    is `Transformer.empty`), naming the tensor at fault instead of torch's bare size-mismatch error: a
+    missing, unexpected or wrongly shaped tensor means the weights and config.json disagree, and the
+    user needs to know which."""
     expected = model.state_dict()
     where = f"{ckpt.path}/{WEIGHTS_FILE if (ckpt.path / WEIGHTS_FILE).exists() else INDEX_FILE}"
     missing = sorted(set(expected) - set(ckpt.state_dict))
@@ -33,14 +34,22 @@ def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint) -> None:
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies "
                                   f"{tuple(expected[name].shape)}")
-    model.load_state_dict(ckpt.state_dict)
+    model.load_state_dict(ckpt.state_dict, assign=assign)
 
 
-def load_model(path: str | os.PathLike, *, device: str = "cpu", verify: bool = True
-               ) -> tuple[Transformer, LoadedCheckpoint]:
-    """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model."""
-    ckpt = load_checkpoint(path, device=device, verify=verify)
-    model = Transformer(ckpt.config).to(device)
-    load_into(model, ckpt)
+def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = torch.float32, verify: bool = True) -> tuple[Transformer, LoadedCheckpoint]:
+    """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model, in
+    `dtype` (None: as stored) on `device`.
+
+    The model takes the checkpoint's tensors as its weights: on a CPU, in the stored dtype, they are
+    the memory-mapped file itself (checkpoint.load_checkpoint), so loading reads no byte it does not
+    need and holds no second copy; converted or moved, each tensor is copied once."""
+    ckpt = load_checkpoint(path, device=str(device), verify=verify, dtype=dtype)
+    floating = [t for t in ckpt.state_dict.values() if t.is_floating_point()]
+    model = Transformer.empty(ckpt.config, device, floating[0].dtype if floating else torch.float32)
+    load_into(model, ckpt, assign=True)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a tensor neither in the checkpoint nor computed by Transformer.empty: a bug here, not the user's
+        raise RuntimeError(f"Transformer.empty left {left[:5]} unset; compute them there")
     return model.eval(), ckpt
-

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.calibration import DispatchPlan, default_plan
@@ -27,8 +28,10 @@ ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's expe
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    """cos and sin [max_len, head_dim], computed on the host in float64 whatever device the model is
+    built on (Transformer.empty builds it on the meta device)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float64, device="cpu"), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float(), emb.sin().float()
 
@@ -159,6 +162,16 @@ class ModelOutput:
     aux: list[MoEAux] = field(default_factory=list)  # one per MoE layer, in layer order
 
 
+class _SkipInit(TorchFunctionMode):
+    """torch.nn.init's functions return their tensor untouched. On the meta device they would compute
+    nothing anyway, but their decompositions import torch._dynamo (1.5 s at start-up)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: MoEConfig, experts_factory: ExpertsFactory | None = None):
         """experts_factory(layer_id): the experts module of each MoE layer, where they are not the layer's
@@ -177,6 +190,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+
+    @classmethod
+    def empty(cls, cfg: MoEConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+              ) -> "Transformer":
+        """A model whose weights a checkpoint will assign (loading.py): they are neither allocated nor
+        initialised here (for a 2.6 GB Mixtral the random initialisation alone took 8 s, all of it then
+        overwritten); only the RoPE tables, which no checkpoint holds, are computed."""
+        with torch.device("meta"), _SkipInit():
+            model = cls(cfg)
+        model.rope_cos, model.rope_sin = model.rope_cos.to(device, dtype), model.rope_sin.to(device, dtype)
+        return model
 
     # ---- parameters -----------------------------------------------------------------------
     @torch.no_grad()
