@@ -110,6 +110,7 @@ class CompiledDecode:
         if size is None:
             raise ValueError(f"{B} rows in a decode step; the cache has {self.scratch} slots")
         pad = size - B
+        self.cache.touch([*slots, self.scratch])
         device = ids_B.device
         slots_t = torch.tensor(slots + [self.scratch] * pad, device=device)
         positions_t = torch.tensor(positions + [0] * pad, device=device)[:, None]
@@ -125,6 +126,7 @@ class CompiledDecode:
         """Build every bucket's graph now (a server does this before it says ready). Every row is on the
         scratch slot at position 0: no sequence's keys are touched."""
         device = self.model.tok_embeddings.weight.device
+        self.cache.touch([self.scratch])
         for b in self.buckets:
             self._step(torch.zeros(b, 1, dtype=torch.long, device=device),
                        torch.full((b,), self.scratch, device=device), torch.zeros(b, 1, dtype=torch.long, device=device))

@@ -47,14 +47,27 @@ class KVCache:
     """Keys and values of `slots` sequences, one [slots, G, max_len, Dh] pair per layer, allocated once
     and passed into the forward pass (never installed into modules). A sequence owns a slot from its
     prefill to its last token; a freed slot is reused without zeroing, because a sequence writes
-    positions 0..p before any query of it reads them, and no query reads past its own position."""
+    positions 0..p before any query of it reads them, and no query reads past its own position.
+
+    Positions a query does not read still enter its masked product with a weight of 0, so they must
+    hold finite numbers: a slot is zeroed the first time it is used (`touch`), not at allocation, so
+    that start-up does not write the whole cache (1 GiB for 8 slots of a 4096-token Mixtral context)
+    and a slot no request ever takes is never written at all."""
 
     def __init__(self, n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str | None = None):
         shape = (slots, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.slots, self.max_len = slots, max_len
+        self._untouched = set(range(slots))
+
+    def touch(self, slots: list[int]) -> None:
+        """Zero the slots among `slots` that no call has used yet."""
+        for slot in self._untouched.intersection(slots):
+            for t in (*self.k, *self.v):
+                t[slot].zero_()
+            self._untouched.discard(slot)
 
     @classmethod
     def for_model(cls, model: "Transformer", slots: int, max_len: int | None = None) -> "KVCache":
@@ -74,6 +87,7 @@ class KVCache:
         length = max(starts) + n_tokens
         if min(starts) < 0 or length > self.max_len:
             raise ValueError(f"positions up to {length - 1} do not fit a cache of {self.max_len}")
+        self.touch(slots)
         device = self.k[0].device
         offsets = torch.arange(n_tokens)
         positions = (torch.tensor(starts)[:, None] + offsets[None]).to(device)

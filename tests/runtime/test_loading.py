@@ -1,6 +1,7 @@
 """Loading a checkpoint without detours: the model takes the file's tensors (memory-mapped, no random
 initialisation first), converts dtype as it reads, fuses a Mixtral import's w1/w3 without a copy, and
-computes exactly what a model built and filled the old way computes."""
+computes exactly what a model built and filled the old way computes. The KV cache zeroes a slot the first
+time it is used, not at allocation."""
 
 from __future__ import annotations
 
@@ -125,3 +126,21 @@ def test_w1_w3_halves_of_one_tensor_fuse_without_a_copy():
     assert torch.equal(fuse_expert_weights(apart[0], torch.randn(E, D, F), apart[1], "swiglu", False).w13_EFD, w13)
     assert _halves_of_one(w3, w1) is None  # the wrong order is not [w1; w3]
     assert _halves_of_one(w13[:, :F - 1], w13[:, F - 1:2 * F - 2]) is None  # rows of another stride
+
+
+def test_a_slot_is_zeroed_when_first_used_and_not_before():
+    """Fill the cache with NaN, as uninitialised memory may be: a sequence in slot 0 computes what it
+    computes in a fresh zeroed cache, and slot 1, never used, is never written."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", max_seq_len=32)).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 7))
+    cache = KVCache.for_model(model, slots=2)
+    for t in (*cache.k, *cache.v):
+        t.fill_(float("nan"))
+    with torch.no_grad():
+        out = model(ids[:, :4], cache=cache.rows([0], [0], 4)).logits
+        out = torch.cat([out, model(ids[:, 4:], cache=cache.rows([0], [4], 3)).logits], dim=1)
+        ref = model(ids).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert all(t[1].isnan().all() for t in (*cache.k, *cache.v))
+    assert not any(t[0].isnan().any() for t in (*cache.k, *cache.v))
