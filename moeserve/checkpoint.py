@@ -381,6 +381,13 @@ def load_checkpoint(
     return LoadedCheckpoint(path, config, state, manifest, train_state, train_meta)
 
 
+def is_hashed(path: str | os.PathLike) -> bool:
+    """Whether moeserve.json hashes this directory's files: a moeserve checkpoint, not a Hugging Face one."""
+    path = Path(path)
+    _check_dir(path)
+    return _read_config(path)[1] is None
+
+
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
     """Check every hash listed in moeserve.json (and that no weight file is unlisted); {file: sha256}."""
     path = Path(path)

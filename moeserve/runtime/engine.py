@@ -27,7 +27,7 @@ from moeserve.runtime import BACKENDS
 from moeserve.runtime.calibration import DispatchPlan, ExpertShape, plan_for, resolve_mode
 from moeserve.runtime.compiled import COMPILE_MODES, CompileError, model_uncompilable, resolve_compile
 from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
-from moeserve.runtime.loading import load_model
+from moeserve.runtime.loading import load_model, verifying
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner, TorchRunner
@@ -171,10 +171,11 @@ class Engine:
         resolve_mode(calibration)  # bad modes are named before the weights are read
         if compile not in COMPILE_MODES:
             raise EngineError(f"compile mode {compile!r}: expected one of {', '.join(COMPILE_MODES)}")
-        model, ckpt = load_model(path, device=dev, dtype=dt, verify=verify)
-        tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
-        return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,
-                   calibration=calibration, compile=compile)
+        with verifying(path, verify):
+            model, ckpt = load_model(path, device=dev, dtype=dt, verify=False)
+            tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
+            return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,
+                       calibration=calibration, compile=compile)
 
     @classmethod
     def from_model(cls, model: Transformer, tokenizer: Tokenizer | None = None, dtype: str | torch.dtype = "float32",

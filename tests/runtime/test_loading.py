@@ -144,3 +144,25 @@ def test_a_slot_is_zeroed_when_first_used_and_not_before():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert all(t[1].isnan().all() for t in (*cache.k, *cache.v))
     assert not any(t[0].isnan().any() for t in (*cache.k, *cache.v))
+
+
+@pytest.mark.parametrize("where", ["weights", "header"])
+def test_engine_load_reports_a_hash_mismatch_found_while_it_loads(tmp_path, where):
+    """Engine.load hashes on a thread while it builds the model: a flipped byte is reported as the hash
+    mismatch it is, also when the bad byte (in the safetensors header) makes the load itself fail first."""
+    from moeserve.checkpoint import CheckpointError
+    from moeserve.runtime.engine import Engine
+
+    path, _ = saved(tmp_path)
+    file = path / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[len(data) - 7 if where == "weights" else 12] ^= 0x55
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 mismatch") as err:
+        Engine.load(path, dtype="float32", device="cpu")
+    assert str(file) in str(err.value)
+    if where == "header":  # unchecked, the load's own error is what is left
+        with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+            Engine.load(path, dtype="float32", device="cpu", verify=False)
+    else:  # asked not to check, it loads what is there
+        Engine.load(path, dtype="float32", device="cpu", verify=False)
