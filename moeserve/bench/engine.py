@@ -1,9 +1,11 @@
 """`moeserve bench engine`: greedy generation end to end, moeserve's Engine against transformers'
-`generate` on the same Mixtral checkpoint, dtype, prompt and token count, in one run.
+`generate` on the same Mixtral checkpoint, dtype, device, prompts and token count, in one run.
 
-The checkpoint is a small random Mixtral written by transformers itself (`save_pretrained`), which
-the Engine loads as is: the comparison also exercises the no-conversion import. Both decode with a
-KV cache and must produce the same tokens (checked, and reported).
+The checkpoint is a random Mixtral of a chosen size written by transformers itself (`save_pretrained`),
+which the Engine loads as is: the comparison also exercises the no-conversion import. Both decode with a
+KV cache and must produce the same tokens (checked, and reported). At batch 1 a decode step reads every
+weight it uses once, so its speed is set by memory bandwidth: the report gives the weight bytes a token
+reads per second against the machine's copy bandwidth, measured in the same run.
 """
 
 from __future__ import annotations
@@ -16,92 +18,161 @@ from pathlib import Path
 
 import torch
 
+from moeserve.checkpoint import parameter_counts
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES, Engine, SamplingParams
 
-TINY_MIXTRAL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                    max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False)
+_MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                tie_word_embeddings=False)
+MODELS = {  # transformers MixtralConfig fields; the sizes are those of issue 11's measurements
+    "tiny": dict(_MIXTRAL, vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2),
+    "644m": dict(_MIXTRAL, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=8),
+    "2.4b": dict(_MIXTRAL, vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=8),
+}
 
 
-def write_tiny_mixtral(path: Path, seed: int = 0, **overrides) -> Path:
+class BenchError(ValueError):
+    """A benchmark asked for what this machine cannot run (the CLI prints it and exits 2)."""
+
+
+def write_mixtral(path: Path, model: str = "tiny", seed: int = 0, **overrides) -> Path:
+    """A random Mixtral of one of MODELS' sizes, saved by transformers."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MixtralConfig(**{**TINY_MIXTRAL, **overrides})
-    MixtralForCausalLM(cfg).eval().save_pretrained(path)
+    MixtralForCausalLM(MixtralConfig(**{**MODELS[model], **overrides})).eval().save_pretrained(path)
     return path
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 5) -> float:
+    """GB/s of copying a buffer far larger than any cache, counted as STREAM's copy counts it (bytes read
+    plus bytes written); the best of `rounds`."""
+    src = torch.ones(nbytes // 8, device=device)  # two buffers of nbytes / 2
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(rounds + 1):  # the first touches the pages
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times[1:]) / 1e9
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_weight_bytes(engine: Engine) -> int:
+    """Bytes of weights one token reads in a batch-1 decode step: each dense weight, top_k of E experts,
+    and one row of the embedding table (the LM head reads all of it, tied or not)."""
+    model = engine.model
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    active = parameter_counts(engine.cfg, shapes)["active_per_token"]
+    if not engine.cfg.tie_embeddings:
+        active -= model.tok_embeddings.weight.numel() - model.tok_embeddings.weight.shape[1]
+    return active * model.tok_embeddings.weight.element_size()
 
 
 def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16, repeats: int = 5,
                  backends: tuple[str, ...] = ("eager", "grouped_mm"), checkpoint: Path | None = None,
-                 calibration: str | None = None, compiled: bool = False) -> dict:
+                 calibration: str | None = None, compiled: bool = False, model: str = "tiny", device: str = "cpu",
+                 batch: int = 1, progress=print) -> dict:
     """Runs of the implementations are interleaved (one of each per round, after a warm-up of each),
     so that drift in the machine's speed hits all of them alike; the median round is reported. The
     Engine runs the dispatch plan calibrated for this machine (reported); a dtype torch does not run
     here is skipped, with the reason. `compiled`: the Engine with its compiled decode step too (`--compile
-    on`: its compile time is reported, and kept out of the timed rounds by the warm-up)."""
+    on`: its compile time is reported, and kept out of the timed rounds by the warm-up). `batch` prompts
+    of `prompt_len` random tokens each, decoded together (no padding: the same length)."""
     from transformers import MixtralForCausalLM
 
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    if model not in MODELS and checkpoint is None:
+        raise BenchError(f"--model {model!r}: expected one of {', '.join(MODELS)}")
     rows, costs, plans, skipped = [], [], {}, {}
+    bandwidth = copy_bandwidth(device)
     with tempfile.TemporaryDirectory() as tmp:
-        path = checkpoint or write_tiny_mixtral(Path(tmp) / "tiny-mixtral")
+        if checkpoint is None:
+            progress(f"writing a random {model} Mixtral with transformers ...")
+        path = checkpoint or write_mixtral(Path(tmp) / f"mixtral-{model}", model)
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            why = dtype_unsupported("cpu", dtype)
+            why = dtype_unsupported(device, dtype)
             if why is not None:
-                skipped[dtype_name] = f"torch does not run {dtype_name} on this CPU ({why})"
+                skipped[dtype_name] = f"torch does not run {dtype_name} on this {device} ({why})"
                 continue
-            engine = Engine.load(path, dtype=dtype, device="cpu", calibration=calibration)
-            plans[dtype_name] = {"plan": engine.plan.describe(), "reason": engine.plan.reason}
+            progress(f"{dtype_name}: loading, warming up and checking the tokens of each implementation ...")
+            engine = Engine.load(path, dtype=dtype, device=device, calibration=calibration)
+            weight_bytes = decode_weight_bytes(engine)
+            plans[dtype_name] = {"plan": engine.plan.describe(), "reason": engine.plan.reason,
+                                 "decode_weight_bytes": weight_bytes}
             torch.manual_seed(1)
-            prompt = torch.randint(0, engine.cfg.vocab_size, (1, prompt_len))
+            prompts = torch.randint(0, engine.cfg.vocab_size, (batch, prompt_len))
             params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-            impls = {"moeserve Engine": lambda: engine.generate_ids([prompt[0].tolist()], params)[0][0]}
+
+            def ours(e: Engine) -> list[list[int]]:
+                return e.generate_ids(prompts.tolist(), params)[0]
+
+            impls = {"moeserve Engine": lambda: ours(engine)}
             if compiled:
-                fast = Engine.load(path, dtype=dtype, device="cpu", calibration=calibration, compile="on")
+                fast = Engine.load(path, dtype=dtype, device=device, calibration=calibration, compile="on")
                 t0 = time.perf_counter()
-                fast.warm_up(1)
+                fast.warm_up(batch)
                 plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
-                impls["moeserve Engine, compiled decode"] = \
-                    lambda: fast.generate_ids([prompt[0].tolist()], params)[0][0]
+                impls["moeserve Engine, compiled decode"] = lambda: ours(fast)
+            ids = prompts.to(device)
             for backend in backends:
-                hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend).eval()
+                hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend)
+                hf = hf.to(device).eval()
                 hf.generation_config.eos_token_id = None
                 hf.generation_config.pad_token_id = 0
 
-                def run(hf=hf):
+                def run(hf=hf) -> list[list[int]]:
                     with torch.inference_mode():
-                        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                           max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-                    return out[0, prompt_len:].tolist()
+                    return out[:, prompt_len:].tolist()
 
                 impls[f"transformers generate ({backend})"] = run
             tokens = {name: fn() for name, fn in impls.items()}  # warm-up, and the tokens compared
             times: dict[str, list[float]] = {name: [] for name in impls}
-            for _ in range(repeats):
+            for r in range(repeats):
+                progress(f"{dtype_name}: round {r + 1} of {repeats}")
                 for name, fn in impls.items():
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
-            accounting = accounting_cost(engine)
-            ours = tokens["moeserve Engine"]
-            ours_tps = new_tokens / statistics.median(times["moeserve Engine"])
+            if batch == 1 and torch.device(device).type == "cpu" and model == "tiny" and checkpoint is None:
+                accounting = accounting_cost(engine)
+                for a in accounting:
+                    a["dtype"] = dtype_name
+                costs.extend(accounting)
+            ours_tps = batch * new_tokens / statistics.median(times["moeserve Engine"])
             for name in impls:
-                tps = new_tokens / statistics.median(times[name])
+                tps = batch * new_tokens / statistics.median(times[name])
                 row = {"dtype": dtype_name, "impl": name, "tokens_per_s": round(tps, 1),
-                       "p50_s": round(statistics.median(times[name]), 4), "same_tokens": tokens[name] == ours}
+                       "p50_s": round(statistics.median(times[name]), 4),
+                       "same_tokens": tokens[name] == tokens["moeserve Engine"]}
+                if batch == 1:  # a step reads each weight once for one token: bandwidth-bound
+                    row["weights_gb_per_s"] = round(weight_bytes * tps / 1e9, 1)
+                    row["pct_of_copy_bandwidth"] = round(100 * weight_bytes * tps / 1e9 / bandwidth, 1)
                 if name != "moeserve Engine":
-                    row["matching_prefix"] = next((i for i, (a, b) in enumerate(zip(ours, tokens[name])) if a != b),
-                                                  len(ours))
+                    ours_flat = [t for row_ in tokens["moeserve Engine"] for t in row_]
+                    theirs = [t for row_ in tokens[name] for t in row_]
+                    row["matching_prefix"] = next((i for i, (a, b) in enumerate(zip(ours_flat, theirs)) if a != b),
+                                                  len(ours_flat))
                     row["speedup_of_moeserve"] = round(ours_tps / tps, 2)
                 rows.append(row)
-            for a in accounting:
-                a["dtype"] = dtype_name
-            costs.extend(accounting)
-    return {"accounting": costs, "model": TINY_MIXTRAL if checkpoint is None else str(checkpoint),
-            "new_tokens": new_tokens, "prompt_len": prompt_len, "batch": 1, "repeats": repeats, "machine": machine(),
-            "plans": plans, "skipped": skipped, "results": rows}
+    return {"accounting": costs, "model": MODELS.get(model) if checkpoint is None else str(checkpoint),
+            "model_name": model if checkpoint is None else None, "device": device,
+            "copy_bandwidth_gb_per_s": round(bandwidth, 1), "new_tokens": new_tokens, "prompt_len": prompt_len,
+            "batch": batch, "repeats": repeats, "machine": machine(), "plans": plans, "skipped": skipped,
+            "results": rows}
 
 
 def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: int = 200) -> list[dict]:
@@ -127,27 +198,42 @@ def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: 
 
 
 def markdown(report: dict) -> str:
-    lines = [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}"
-             + (f"  \ncompiled decode step built in {p['compile_s']} s" if "compile_s" in p else "")
-             for dtype, p in report["plans"].items()]
+    name = report["model_name"] or report["model"]
+    lines = [f"model: {name}, device: {report['device']}, batch {report['batch']}, {report['prompt_len']} prompt "
+             f"tokens, {report['new_tokens']} new tokens; copy bandwidth {report['copy_bandwidth_gb_per_s']} GB/s", ""]
+    lines += [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}"
+              + (f"  \ncompiled decode step built in {p['compile_s']} s" if "compile_s" in p else "")
+              for dtype, p in report["plans"].items()]
     lines += [f"skipped {dtype}: {why}" for dtype, why in report["skipped"].items()]
     lines += [""] if lines else []
-    lines += ["| dtype | implementation | tokens/s | p50 s | same tokens | moeserve speed-up |",
-             "| --- | --- | ---: | ---: | --- | ---: |"]
+    per_token = report["batch"] == 1
+    extra = " weights GB/s | % of copy bandwidth |" if per_token else ""
+    lines += ["| dtype | implementation | tokens/s | p50 s | same tokens | moeserve speed-up |" + extra,
+              "| --- | --- | ---: | ---: | --- | ---: |" + (" ---: | ---: |" if per_token else "")]
     for r in report["results"]:
         same = "yes" if r["same_tokens"] else f"no (first {r.get('matching_prefix')} equal)"
         lines.append(f"| {r['dtype']} | {r['impl']} | {r['tokens_per_s']} | {r['p50_s']} | {same} | "
-                     f"{r.get('speedup_of_moeserve', '-')} |")
-    lines += ["", "Expert-load accounting (Engine.forward, on vs off):", "",
-              "| dtype | tokens | on ms | off ms | overhead |", "| --- | ---: | ---: | ---: | ---: |"]
-    for a in report["accounting"]:
-        lines.append(f"| {a['dtype']} | {a['tokens']} | {a['on_ms']} | {a['off_ms']} | {a['overhead_pct']}% |")
+                     f"{r.get('speedup_of_moeserve', '-')} |"
+                     + (f" {r['weights_gb_per_s']} | {r['pct_of_copy_bandwidth']}% |" if per_token else ""))
+    if report["accounting"]:
+        lines += ["", "Expert-load accounting (Engine.forward, on vs off):", "",
+                  "| dtype | tokens | on ms | off ms | overhead |", "| --- | ---: | ---: | ---: | ---: |"]
+        for a in report["accounting"]:
+            lines.append(f"| {a['dtype']} | {a['tokens']} | {a['on_ms']} | {a['off_ms']} | {a['overhead_pct']}% |")
     return "\n".join(lines)
 
 
 def main(args) -> int:
-    report = bench_engine(args.dtypes, args.new_tokens, args.prompt_len, args.repeats, checkpoint=args.checkpoint,
-                          calibration="redo" if args.calibrate else None, compiled=args.compile)
+    import sys
+
+    try:
+        report = bench_engine(args.dtypes, args.new_tokens, args.prompt_len, args.repeats,
+                              checkpoint=args.checkpoint, calibration="redo" if args.calibrate else None,
+                              compiled=args.compile, model=args.model, device=args.device, batch=args.batch,
+                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except BenchError as e:
+        print(f"moeserve bench engine: {e}", file=sys.stderr)
+        return 2
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

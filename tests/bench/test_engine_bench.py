@@ -1,0 +1,71 @@
+"""`moeserve bench engine`: the same tokens as transformers at batch 1 and above, the weight bytes a
+decode token reads (counted by hand here), the model sizes its names promise, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
+
+from moeserve.bench.engine import (  # noqa: E402
+    MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, write_mixtral,
+)
+from moeserve.runtime.engine import Engine  # noqa: E402
+
+SMALL = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_local_experts=4)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return write_mixtral(tmp_path_factory.mktemp("bench") / "small", **SMALL)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch):
+    report = bench_engine(["float32"], new_tokens=6, prompt_len=5, repeats=1, backends=("eager",), checkpoint=small,
+                          batch=batch, progress=lambda msg: None)
+    ours, theirs = report["results"]
+    assert ours["impl"] == "moeserve Engine" and theirs["impl"] == "transformers generate (eager)"
+    assert ours["same_tokens"] and theirs["same_tokens"] and theirs["matching_prefix"] == batch * 6
+    assert report["batch"] == batch and report["copy_bandwidth_gb_per_s"] > 0
+    text = markdown(report)
+    if batch == 1:
+        bytes_ = report["plans"]["float32"]["decode_weight_bytes"]
+        assert ours["weights_gb_per_s"] == pytest.approx(bytes_ * ours["tokens_per_s"] / 1e9, abs=0.06)
+        assert ours["pct_of_copy_bandwidth"] == pytest.approx(
+            100 * bytes_ * ours["tokens_per_s"] / 1e9 / report["copy_bandwidth_gb_per_s"], rel=0.05, abs=0.1)
+        assert "% of copy bandwidth" in text
+    else:
+        assert "weights_gb_per_s" not in ours and "% of copy bandwidth" not in text
+
+
+def test_decode_weight_bytes_counted_by_hand(small):
+    engine = Engine.load(small, dtype="float32", device="cpu")
+    V, D, F, E, L, K = 211, 64, 96, 4, 2, 2
+    q, kv = D, 2 * D // 4  # 4 heads of 16; 2 kv heads
+    per_layer = 2 * D * q + 2 * D * kv + 2 * D + E * D + K * 3 * D * F  # attention, 2 norms, router, K experts
+    expected = L * per_layer + D + V * D + D  # + final norm, LM head, one embedding row
+    assert decode_weight_bytes(engine) == 4 * expected
+    assert decode_weight_bytes(Engine.load(small, dtype="bfloat16", device="cpu")) == 2 * expected
+
+
+@pytest.mark.parametrize("name, params", [("644m", 644e6), ("2.4b", 2.4e9)])
+def test_model_sizes_are_what_their_names_say(name, params):
+    with torch.device("meta"):
+        model = MixtralForCausalLM(MixtralConfig(**MODELS[name]))
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.02)
+
+
+def test_refusals(small):
+    if not torch.cuda.is_available():
+        with pytest.raises(BenchError, match="--device cuda: no CUDA device"):
+            bench_engine(["float32"], checkpoint=small, device="cuda", progress=lambda msg: None)
+    with pytest.raises(BenchError, match="--model 'huge': expected one of tiny, 644m, 2.4b"):
+        bench_engine(["float32"], model="huge", progress=lambda msg: None)
+
+
+def test_copy_bandwidth_is_a_rate():
+    assert 0.1 < copy_bandwidth("cpu", nbytes=1 << 24, rounds=2) < 10_000
