@@ -49,7 +49,8 @@ def write_mixtral(path: Path, model: str = "tiny", seed: int = 0, **overrides) -
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 5) -> float:
     """GB/s of copying a buffer far larger than any cache, counted as STREAM's copy counts it (bytes read
-    plus bytes written); the best of `rounds`."""
+    plus bytes written); the best of `rounds`. Benchmarks take the median of several such measurements,
+    between their timed rounds, against their own medians."""
     src = torch.ones(nbytes // 8, device=device)  # two buffers of nbytes / 2
     dst = torch.empty_like(src)
     times = []
@@ -95,7 +96,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     if model not in MODELS and checkpoint is None:
         raise BenchError(f"--model {model!r}: expected one of {', '.join(MODELS)}")
     rows, costs, plans, skipped = [], [], {}, {}
-    bandwidth = copy_bandwidth(device)
+    bandwidths = [copy_bandwidth(device)]  # and once per round: a shared machine's bandwidth drifts
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is None:
             progress(f"writing a random {model} Mixtral with transformers ...")
@@ -147,11 +148,13 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
+                bandwidths.append(copy_bandwidth(device, rounds=2))
             if batch == 1 and torch.device(device).type == "cpu" and model == "tiny" and checkpoint is None:
                 accounting = accounting_cost(engine)
                 for a in accounting:
                     a["dtype"] = dtype_name
                 costs.extend(accounting)
+            bandwidth = statistics.median(bandwidths)
             ours_tps = batch * new_tokens / statistics.median(times["moeserve Engine"])
             for name in impls:
                 tps = batch * new_tokens / statistics.median(times[name])
@@ -170,7 +173,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 rows.append(row)
     return {"accounting": costs, "model": MODELS.get(model) if checkpoint is None else str(checkpoint),
             "model_name": model if checkpoint is None else None, "device": device,
-            "copy_bandwidth_gb_per_s": round(bandwidth, 1), "new_tokens": new_tokens, "prompt_len": prompt_len,
+            "copy_bandwidth_gb_per_s": round(statistics.median(bandwidths), 1), "new_tokens": new_tokens, "prompt_len": prompt_len,
             "batch": batch, "repeats": repeats, "machine": machine(), "plans": plans, "skipped": skipped,
             "results": rows}
 

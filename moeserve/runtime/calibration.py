@@ -10,9 +10,9 @@ Three choices decide an MoE model's speed on a CPU, and their best answers diffe
   grouped_mm                 for many tokens, one grouped_mm call or a loop over the experts
 
 `plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend
-on the values) the first time a shape is loaded on a machine, and caches the plan as JSON under the
-cache directory, keyed by the CPU, torch's thread count and version, the dtype and the shape: 1-7
-seconds, once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo"
+on the values; each call reads other weights than the last, STREAM_BYTES) the first time a shape is
+loaded on a machine, and caches the plan as JSON under the cache directory, keyed by the CPU, torch's
+thread count and version, the dtype and the shape: 1-15 seconds (a 644M-parameter Mixtral on 2 cores), once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo"
 measures again. On CUDA the defaults stand (grouped_mm for many tokens): the CUDA choices have not been
 measured on a GPU yet.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -49,7 +50,7 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 1  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 2  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
@@ -57,6 +58,12 @@ ENV = "MOESERVE_CALIBRATION"
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DENSE_TOKENS = (1, 16, 128)
 COUNT_S = 0.1  # each count is timed for about this long, and at least MIN_ROUNDS rounds
+# A model's decode step reads each weight once, from memory, not from a cache: consecutive calls of a
+# measurement go to different weights (dense) and different experts (MoE), cycling through about this many
+# bytes. One hot [D, D] weight stays in the last-level cache and measured packed and plain alike on an AVX2
+# EPYC (1.02x), while a model's stream of weights ran 1.5x faster packed at one token.
+STREAM_BYTES = 128 << 20
+ROUTINGS = 8  # routings cycled through per token count: at one token, top_k of E experts each
 MAX_S = 20.0  # a model so large that the ladder takes longer stops at the count it has reached
 MIN_ROUNDS, MAX_ROUNDS = 3, 25
 TIE = 1.02  # within 2% of the best score, the simpler configuration wins
@@ -199,8 +206,9 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
         for i, T in enumerate(TOKEN_COUNTS):
             if i >= 2 and time.perf_counter() - start > max_s:
                 break
-            args = _routing(shape, T, dtype, g)
-            ms = _median_ms({n: (lambda fn=fn, w=w: fn(*args, w)) for n, (fn, w) in candidates.items()}, COUNT_S)
+            routings = [_routing(shape, T, dtype, g) for _ in range(ROUTINGS)]
+            ms = _median_ms({n: (lambda fn=fn, w=w, r=itertools.cycle(routings): fn(*next(r), w))
+                             for n, (fn, w) in candidates.items()}, COUNT_S)
             for n, t in ms.items():
                 timings[n][T] = t
         timings.update(_dense_timings(D, dtype, g, COUNT_S))
@@ -216,16 +224,18 @@ def _routing(shape: ExpertShape, T: int, dtype: torch.dtype, g: torch.Generator)
 
 
 def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: float) -> dict[str, dict[int, float]]:
-    """A [D, D] projection (attention's shape) plain and packed."""
+    """A [D, D] projection (attention's shape) plain and packed, each call on the next of enough copies to
+    stream STREAM_BYTES from memory (the values do not change a GEMM's time)."""
     if not onednn_packing_available("cpu", dtype):
         return {}
     w = (torch.randn(D, D, generator=g) * D**-0.5).to(dtype)
-    packed = pack_weight(w)
+    plain = [w.clone() for _ in range(max(1, min(256, STREAM_BYTES // (w.numel() * w.element_size()))))]
+    packed = [pack_weight(c) for c in plain]
     out: dict[str, dict[int, float]] = {"linear/plain": {}, "linear/packed": {}}
     for T in DENSE_TOKENS:
         x = torch.randn(T, D, generator=g).to(dtype)
-        ms = _median_ms({"linear/plain": lambda: F.linear(x, w), "linear/packed": lambda: packed_linear(x, packed)},
-                          min_time)
+        ms = _median_ms({"linear/plain": lambda ws=itertools.cycle(plain): F.linear(x, next(ws)),
+                         "linear/packed": lambda ws=itertools.cycle(packed): packed_linear(x, next(ws))}, min_time)
         for n, t in ms.items():
             out[n][T] = t
     return out

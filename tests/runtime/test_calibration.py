@@ -114,6 +114,25 @@ def test_calibrate_times_every_candidate_this_cpu_can_run(dtype):
         plan.pack_dense, plan.pack_experts, plan.grouped_mm, plan.gather_max)
 
 
+def test_consecutive_calls_read_other_weights_as_a_decode_step_does(monkeypatch):
+    """One hot weight stays in the cache and hides what packing does to a model's stream of weights: the
+    dense timings cycle through copies worth STREAM_BYTES, the expert timings through ROUTINGS routings."""
+    D = SHAPE.d_model
+    monkeypatch.setattr(cal, "STREAM_BYTES", 3 * D * D * 4)  # 3 copies: fewer than the calls at any count
+    seen: dict[str, set[int]] = {"plain": set(), "packed": set()}
+    real_linear, real_packed = cal.F.linear, cal.packed_linear
+    monkeypatch.setattr(cal.F, "linear", lambda x, w: seen["plain"].add(w.data_ptr()) or real_linear(x, w))
+    monkeypatch.setattr(cal, "packed_linear", lambda x, w: seen["packed"].add(id(w)) or real_packed(x, w))
+    routings: list[int] = []
+    real_routing = cal._routing
+    monkeypatch.setattr(cal, "_routing", lambda *a: routings.append(a[1]) or real_routing(*a))
+    cal._dense_timings(D, torch.float32, torch.Generator().manual_seed(0), 0.0)
+    assert len(seen["plain"]) == 3
+    assert len(seen["packed"]) == (3 if onednn_packing_available("cpu", torch.float32) else 0)
+    calibrate(SHAPE, torch.float32, max_s=0.0)
+    assert routings.count(1) == routings.count(2) == cal.ROUTINGS  # (and one probe of grouped_mm at 8)
+
+
 def test_a_large_model_stops_the_ladder_where_the_time_cap_falls():
     plan = calibrate(SHAPE, torch.float32, max_s=0.0)
     assert sorted(plan.timings["gather/plain"]) == [1, 2]  # two counts at least, whatever the cap
