@@ -173,8 +173,8 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 rows.append(row)
     return {"accounting": costs, "model": MODELS.get(model) if checkpoint is None else str(checkpoint),
             "model_name": model if checkpoint is None else None, "device": device,
-            "copy_bandwidth_gb_per_s": round(statistics.median(bandwidths), 1), "new_tokens": new_tokens, "prompt_len": prompt_len,
-            "batch": batch, "repeats": repeats, "machine": machine(), "plans": plans, "skipped": skipped,
+            "copy_bandwidth_gb_per_s": round(statistics.median(bandwidths), 1), "new_tokens": new_tokens,
+            "prompt_len": prompt_len, "batch": batch, "repeats": repeats, "machine": machine(), "plans": plans, "skipped": skipped,
             "results": rows}
 
 

@@ -12,8 +12,9 @@ Three choices decide an MoE model's speed on a CPU, and their best answers diffe
 `plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend
 on the values; each call reads other weights than the last, STREAM_BYTES) the first time a shape is
 loaded on a machine, and caches the plan as JSON under the cache directory, keyed by the CPU, torch's
-thread count and version, the dtype and the shape: 1-15 seconds (a 644M-parameter Mixtral on 2 cores), once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo"
-measures again. On CUDA the defaults stand (grouped_mm for many tokens): the CUDA choices have not been
+thread count and version, the dtype and the shape: 1-15 seconds (a 644M-parameter Mixtral on 2 cores),
+once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo" measures
+again. On CUDA the defaults stand (grouped_mm for many tokens): the CUDA choices have not been
 measured on a GPU yet.
 
 How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
