@@ -174,8 +174,8 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     return {"accounting": costs, "model": MODELS.get(model) if checkpoint is None else str(checkpoint),
             "model_name": model if checkpoint is None else None, "device": device,
             "copy_bandwidth_gb_per_s": round(statistics.median(bandwidths), 1), "new_tokens": new_tokens,
-            "prompt_len": prompt_len, "batch": batch, "repeats": repeats, "machine": machine(), "plans": plans, "skipped": skipped,
-            "results": rows}
+            "prompt_len": prompt_len, "batch": batch, "repeats": repeats, "machine": machine(), "plans": plans,
+            "skipped": skipped, "results": rows}
 
 
 def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: int = 200) -> list[dict]:
