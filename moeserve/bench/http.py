@@ -28,7 +28,6 @@ comparison.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -37,9 +36,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable
 
-from moeserve.bench.server_process import MODEL_NAME, ServerLog, running_server, sigterm_as_exit
+from moeserve.bench.client import Outcome, async_client, clients, completion_body, post_completion, read_response
+from moeserve.bench.server_process import ServerLog, running_server, sigterm_as_exit
 from moeserve.runtime.device import machine
 
 PROMPTS: tuple[str, ...] = (
@@ -67,23 +67,6 @@ class HttpBenchConfig:
     overload_batch_size: int = 4
     overload_tokens: int = 32
     parts: tuple[str, ...] = ("throughput", "mixed", "overhead", "overload")
-
-
-@dataclass
-class Outcome:
-    """One request as the client saw it."""
-    start: float
-    end: float
-    status: int | None  # None: no HTTP answer (connection error, timeout)
-    tokens: int = 0
-    retry_after: str | None = None
-    error: str | None = None
-    text: str = ""
-    asked: int = 0  # max_tokens of the request
-
-    @property
-    def latency_ms(self) -> float:
-        return (self.end - self.start) * 1e3
 
 
 # ---- statistics -------------------------------------------------------------------------------------
@@ -115,47 +98,6 @@ def metric_sums(text: str, family: str, labels: dict[str, str] | None = None) ->
             elif s.name == f"{family}_count":
                 count += s.value
     return total, count
-
-
-# ---- the client ---------------------------------------------------------------------------------------
-def completion_body(prompt: str, max_tokens: int, temperature: float, seed: int | None) -> dict:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
-    return body if seed is None else {**body, "seed": seed}
-
-
-def outcome_of(start: float, status: int, headers, payload: dict | None) -> Outcome:
-    end = time.perf_counter()
-    if status != 200 or payload is None:
-        return Outcome(start, end, status, retry_after=headers.get("retry-after"), error=f"HTTP {status}")
-    return Outcome(start, end, status, tokens=payload["usage"]["completion_tokens"],
-                   text=payload["choices"][0]["text"])
-
-
-async def post_completion(client, body: dict) -> Outcome:
-    import httpx
-
-    start = time.perf_counter()
-    try:
-        r = await client.post("/v1/completions", json=body)
-    except httpx.HTTPError as e:
-        return Outcome(start, time.perf_counter(), None, error=type(e).__name__)
-    return outcome_of(start, r.status_code, r.headers, r.json() if r.status_code == 200 else None)
-
-
-def async_client(url: str, connections: int):
-    import httpx
-
-    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0),
-                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
-
-
-@contextlib.asynccontextmanager
-async def clients(url: str, n: int) -> AsyncIterator[list]:
-    """n httpx clients of one connection each, as n users would have. One client with an n-connection pool
-    is not the same: httpcore re-scans every connection for every waiting request whenever one is added or
-    done, so with n = 256 requests at once the client's own bookkeeping took seconds and set the latency."""
-    async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(async_client(url, 1)) for _ in range(n)]
 
 
 # ---- 1. throughput -------------------------------------------------------------------------------------
@@ -330,7 +272,7 @@ async def burst(url: str, cfg: HttpBenchConfig) -> list[Outcome]:
     try:
         for reader, writer in conns:
             writer.write(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-            await _response(reader)
+            await read_response(reader)
         posts = [f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(b)}\r\n\r\n".encode() + b for b in bodies]
 
@@ -338,7 +280,7 @@ async def burst(url: str, cfg: HttpBenchConfig) -> list[Outcome]:
             start = time.perf_counter()
             writer.write(request)
             try:
-                status, headers = await _response(reader)
+                status, headers = await read_response(reader)
             except (ConnectionError, asyncio.IncompleteReadError, ValueError) as e:
                 return Outcome(start, time.perf_counter(), None, error=type(e).__name__)
             return Outcome(start, time.perf_counter(), status, retry_after=headers.get("retry-after"),
@@ -348,17 +290,6 @@ async def burst(url: str, cfg: HttpBenchConfig) -> list[Outcome]:
     finally:
         for _, writer in conns:
             writer.close()
-
-
-async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    """(status, lower-cased headers) of one HTTP/1.1 response, its body read to Content-Length."""
-    status = int((await reader.readline()).split()[1])
-    headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
-    await reader.readexactly(int(headers.get("content-length", 0)))
-    return status, headers
 
 
 def overload_row(outcomes: list[Outcome], cfg: HttpBenchConfig) -> dict:
