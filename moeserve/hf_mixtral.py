@@ -120,6 +120,8 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
         first = parts[0][0]
         out = torch.empty(E, sum(shapes[w][0] for w in names), first.shape[1], dtype=dtype or first.dtype,
                           device=first.device)
+        if first.is_meta:  # shapes only (describe): nothing to copy, and a meta copy would import torch._dynamo
+            return out
         for e, mats in enumerate(parts):
             torch.cat(mats, out=out[e])
         return out
