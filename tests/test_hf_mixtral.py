@@ -195,6 +195,20 @@ def test_describe_and_verify(tmp_path: Path) -> None:
         verify_checkpoint(tmp_path)
 
 
+def test_describe_reads_headers_only(tmp_path: Path) -> None:
+    """describe() reads shapes from the headers: no tensor is copied, so the meta-device ops that would
+    import torch._dynamo (1.5 s of `moeserve inspect`) never run."""
+    import subprocess
+    import sys
+
+    hf_mixtral(tmp_path)
+    code = (f"import sys; from moeserve.checkpoint import describe; t = describe({str(tmp_path)!r}); "
+            "assert 'format: hf-mixtral' in t; print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 # ---- refusals -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "llama"}, "model_type 'llama' is not supported"),
