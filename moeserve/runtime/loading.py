@@ -51,8 +51,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     the memory-mapped file itself (checkpoint.load_checkpoint), so loading reads no byte it does not
     need and holds no second copy; converted or moved, each tensor is copied once."""
     ckpt = load_checkpoint(path, device=str(device), verify=verify, dtype=dtype)
-    floating = [t for t in ckpt.state_dict.values() if t.is_floating_point()]
-    model = Transformer.empty(ckpt.config, device, floating[0].dtype if floating else torch.float32)
+    stored = next((t.dtype for t in ckpt.state_dict.values() if t.is_floating_point()), torch.float32)
+    model = Transformer.empty(ckpt.config, device, dtype or stored)
     load_into(model, ckpt, assign=True)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a tensor neither in the checkpoint nor computed by Transformer.empty: a bug here, not the user's
