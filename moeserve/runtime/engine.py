@@ -248,7 +248,8 @@ class Engine:
             with self._lock, torch.inference_mode():
                 warm(slots)
 
-    def step_engine(self, slots: int, max_len: int | None = None, prefill_chunk: int = 512) -> StepEngine:
+    def step_engine(self, slots: int, max_len: int | None = None, prefill_chunk: int = 512,
+                    share_prefill: bool = True) -> StepEngine:
         """A step engine over this engine's runner with a cache of `slots` sequences of `max_len` positions
         (default: the model's context), its expert load counted here. The caller steps it on one thread
         (the server's model thread) and holds `self.lock` around each step if others use the engine."""
@@ -256,7 +257,7 @@ class Engine:
             raise EngineError(f"{self.name} is a {self.cfg.task} model; generation needs a language model")
         return StepEngine(self.runner, self.tokenizer, self.eos_id, slots=slots,
                           max_len=max_len or self.cfg.max_seq_len, prefill_chunk=prefill_chunk,
-                          on_aux=self.expert_load.add)
+                          on_aux=self.expert_load.add, share_prefill=share_prefill)
 
     @property
     def lock(self) -> threading.RLock:
@@ -314,13 +315,25 @@ class Engine:
         """(sum of log p(token | tokens before), tokens scored) per row; the first token only conditions."""
         if not rows:
             return []
+        logp, mask = self._token_logp(rows)
+        return [(float(lp), len(r) - 1) for lp, r in zip((logp * mask).sum(-1).tolist(), rows)]
+
+    @torch.inference_mode()
+    def token_logprobs_ids(self, rows: list[list[int]]) -> list[list[float]]:
+        """Per row, log p(token | tokens before) of each token after the first: the terms `score_ids` sums."""
+        if not rows:
+            return []
+        logp, _ = self._token_logp(rows)
+        return [lp[:len(r) - 1] for lp, r in zip(logp.tolist(), rows)]
+
+    def _token_logp(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """(log p of tokens 1.. of each right-padded row [B, S-1], float32; the mask of real tokens)."""
         if self.cfg.task != "lm":
             raise EngineError(f"{self.name} is a {self.cfg.task} model; scoring needs a language model")
         ids, mask = self._right_pad(rows)  # causal attention never reaches the padding
         logits = self.run(ids, attention_mask=mask).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-        logp = (logp * mask[:, 1:]).sum(-1)
-        return [(float(lp), len(r) - 1) for lp, r in zip(logp.tolist(), rows)]
+        return logp, mask[:, 1:]
 
     def score(self, texts: list[str]) -> list[Score]:
         """Per text: log-probability, tokens scored, bits per UTF-8 byte."""

@@ -69,6 +69,15 @@ class KVCache:
                 t[slot].zero_()
             self._untouched.discard(slot)
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot dst's positions 0..length-1 become slot src's (a sequence starting from the same prompt)."""
+        if src == dst or not (0 <= src < self.slots and 0 <= dst < self.slots) or not 0 < length <= self.max_len:
+            raise ValueError(f"copy of {length} positions from slot {src} to slot {dst} in a cache of {self.slots} "
+                             f"slots x {self.max_len}")
+        self.touch([dst])
+        for t in (*self.k, *self.v):
+            t[dst, :, :length] = t[src, :, :length]
+
     @classmethod
     def for_model(cls, model: "Transformer", slots: int, max_len: int | None = None) -> "KVCache":
         cfg, w = model.cfg, model.tok_embeddings.weight

@@ -105,7 +105,8 @@ class OnnxRunner:
     def new_cache(self, slots: int, max_len: int) -> dict[int, object]:
         return {}
 
-    def prefill(self, cache: dict, slot: int, ids_S: Tensor, start: int) -> ModelOutput:
+    def prefill(self, cache: dict, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:
+        """Logits of every token of ids_S at least (the graph computes them all: all_logits changes nothing)."""
         ids = ids_S.cpu()[None]
         if self.kv_cache:
             past = cache.get(slot) if start > 0 else None

@@ -3,8 +3,10 @@
     forward(ids, mask)                    a whole batch, no cache (scoring, classification, routes)
     new_cache(slots, max_len)             room for `slots` sequences of up to `max_len` positions
     prefill(cache, slot, ids, start)      a sequence's tokens start.. written into its slot (logits of
-                                          the last at least)
+                                          the last at least; of every one with all_logits=True)
     decode(cache, slots, ids, positions)  one token for each of a set of slots
+    copy_prefix(cache, src, dst, length)  optional: positions 0..length-1 of slot src copied into slot dst
+                                          (a prompt's n choices share one prefill)
 
 Each call returns a ModelOutput (logits and per-MoE-layer aux); the Engine does the rest (sampling,
 text, expert-load accounting). `TorchRunner` runs the Transformer; `runtime/onnx_runner.py`'s
@@ -40,7 +42,7 @@ class ModelRunner(Protocol):
 
     def new_cache(self, slots: int, max_len: int) -> Any: ...
 
-    def prefill(self, cache: Any, slot: int, ids_S: Tensor, start: int) -> ModelOutput: ...
+    def prefill(self, cache: Any, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput: ...
 
     def decode(self, cache: Any, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput: ...
 
@@ -80,8 +82,11 @@ class TorchRunner:
             self.new_cache(slots, self.cfg.max_seq_len)
             self._guarded(self._decode.warm_up)
 
-    def prefill(self, cache: KVCache, slot: int, ids_S: Tensor, start: int) -> ModelOutput:
-        return self.model(ids_S[None], cache=cache.rows([slot], [start], ids_S.shape[0]), last_only=True)
+    def prefill(self, cache: KVCache, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:
+        return self.model(ids_S[None], cache=cache.rows([slot], [start], ids_S.shape[0]), last_only=not all_logits)
+
+    def copy_prefix(self, cache: KVCache, src: int, dst: int, length: int) -> None:
+        cache.copy_prefix(src, dst, length)
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
         if self.compiled and self._decode is not None and cache is self._decode.cache:

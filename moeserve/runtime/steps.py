@@ -28,7 +28,7 @@ from torch import Tensor
 from moeserve.config import MoEConfig
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner
-from moeserve.runtime.sampling import EngineError, SamplingParams, sample
+from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample, token_logprobs
 from moeserve.tokenizer import IncrementalDecoder, Tokenizer
 
 # on_token(token_id, text): called on the engine's thread as each token is chosen, with the text it settles.
@@ -55,6 +55,8 @@ class Completion:
     token_ids: list[int]
     finish_reason: str  # "stop" (end-of-sequence token or a stop string), "length", or "cancelled"
     prompt_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, if asked (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), if asked
 
     @property
     def completion_tokens(self) -> int:
@@ -76,6 +78,8 @@ class Sequence:
     budget: int = 0  # new tokens it may have: max_new_tokens, within the context
     generator: torch.Generator | None = None
     decoder: IncrementalDecoder | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token of `out`, if params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # if params.prompt_logprobs is set
     _tail: str = ""  # the end of the text, as long as the longest stop string less one: where a stop may begin
 
     @property
@@ -90,20 +94,29 @@ class Sequence:
             cut = min((text.index(s) for s in self.params.stop if s in text), default=None)
             if cut is not None:
                 text = text[:cut]
-        return Completion(text, self.out, self.finish_reason or "length", len(self.prompt))
+        p = self.params
+        return Completion(text, self.out, self.finish_reason or "length", len(self.prompt),
+                          self.logprobs if p.logprobs is not None else None,
+                          self.prompt_logprobs if p.prompt_logprobs is not None else None)
 
 
 class StepEngine:
     """Sequences over `slots` cache slots of `max_len` positions each, advanced one `step` at a time.
-    One thread calls it; `on_aux` gets each model call's MoE aux (for expert-load accounting)."""
+    One thread calls it; `on_aux` gets each model call's MoE aux (for expert-load accounting).
+
+    `share_prefill`: when a prompt's prefill ends, waiting sequences with the same prompt (a request's n
+    choices) take free slots at once with a copy of its cache rows and its last logits, instead of
+    computing them again (where the runner can copy cache rows: `copy_prefix`)."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, eos_id: int | None, *, slots: int,
-                 max_len: int, prefill_chunk: int = 512, on_aux: Callable[[list[MoEAux]], None] | None = None):
+                 max_len: int, prefill_chunk: int = 512, on_aux: Callable[[list[MoEAux]], None] | None = None,
+                 share_prefill: bool = True):
         if slots < 1 or prefill_chunk < 1:
             raise ValueError(f"slots = {slots}, prefill_chunk = {prefill_chunk}: expected integers >= 1")
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.on_aux = on_aux
+        self.share_prefill = share_prefill and hasattr(runner, "copy_prefix")
         self.cache: Any = runner.new_cache(slots, max_len)
         self._free = list(range(slots))  # a heap: the lowest free slot first, so live slots stay one range
         self.waiting: deque[Sequence] = deque()
@@ -121,7 +134,7 @@ class StepEngine:
                               f"{self.max_len} positions")
         seq.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
         seq.decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        if seq.budget == 0:
+        if seq.budget == 0 and p.prompt_logprobs is None:  # nothing to compute
             seq.finish_reason = "length"
             return
         self.waiting.append(seq)
@@ -156,16 +169,54 @@ class StepEngine:
                 seq.slot = heapq.heappop(self._free)
                 self.prefilling.append(seq)
             seq = self.prefilling[0]
-            n = int(min(budget, len(seq.prompt) - seq.prefilled))
+            scored = seq.params.prompt_logprobs is not None  # logits at every position, so chunks stay bounded
+            n = int(min(budget, len(seq.prompt) - seq.prefilled, self.prefill_chunk if scored else math.inf))
             ids = torch.tensor(seq.prompt[seq.prefilled:seq.prefilled + n], device=self.runner.device)
-            out = self.runner.prefill(self.cache, seq.slot, ids, seq.prefilled)
+            out = self.runner.prefill(self.cache, seq.slot, ids, seq.prefilled, all_logits=scored)
             self._account(out.aux)
+            if scored:
+                self._score_prompt(seq, out.logits[0, -n:])
             seq.prefilled += n
             budget -= n
             if seq.prefilled == len(seq.prompt):
                 self.prefilling.pop(0)
-                self.running.append(seq)
-                self._choose([seq], out.logits[:, -1], ended)
+                group = [seq, *self._forks(seq)]
+                for s in group:
+                    if s.budget == 0:  # scored, nothing to generate
+                        self._finish(s, "length", ended)
+                    else:
+                        self.running.append(s)
+                live = [s for s in group if not s.done]
+                if live:
+                    self._choose(live, out.logits[:, -1].expand(len(live), -1), ended)
+
+    def _score_prompt(self, seq: Sequence, logits_NV: Tensor) -> None:
+        """The prompt tokens that the rows of this chunk predict (the first token has no prediction)."""
+        start = seq.prefilled
+        if start == 0:
+            seq.prompt_logprobs.append(None)
+        targets = seq.prompt[start + 1:start + 1 + logits_NV.shape[0]]  # the chunk's last row predicts past it
+        if targets:
+            n = len(targets)
+            seq.prompt_logprobs += token_logprobs(logits_NV[:n], targets, [seq.params.prompt_logprobs] * n)
+
+    def _forks(self, seq: Sequence) -> list[Sequence]:
+        """Waiting sequences with seq's prompt, given free slots holding a copy of its cache rows (its
+        prompt log-probabilities too): they join without a prefill of their own."""
+        if not self.share_prefill:
+            return []
+        forks = []
+        for w in list(self.waiting):
+            if not self._free:
+                break
+            if w.prompt == seq.prompt and w.params.prompt_logprobs == seq.params.prompt_logprobs:
+                self.waiting.remove(w)
+                w.slot = heapq.heappop(self._free)
+                self.runner.copy_prefix(self.cache, seq.slot, w.slot, len(seq.prompt))
+                w.prefilled = len(seq.prompt)
+                w.prompt_logprobs = list(seq.prompt_logprobs)
+                forks.append(w)
+        return forks
 
     def _decode(self, ended: list[Sequence]) -> None:
         rows = [s for s in self.running if len(s.out) > 0 and not s.done]
@@ -185,14 +236,24 @@ class StepEngine:
         """One token per row: the argmax of every row in one device call (the step's one host sync), and a
         draw from the row's own generator where it samples."""
         greedy = logits_BV.argmax(dim=-1).tolist()
-        for i, seq in enumerate(rows):
-            t = greedy[i] if seq.params.greedy else sample(logits_BV[i], seq.params, seq.generator)
-            self._accept(seq, t, ended)
+        tokens = [greedy[i] if seq.params.greedy else sample(logits_BV[i], seq.params, seq.generator)
+                  for i, seq in enumerate(rows)]
+        scored = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if scored:
+            found = token_logprobs(logits_BV[scored], [tokens[i] for i in scored],
+                                   [rows[i].params.logprobs for i in scored])
+            for i, lp in zip(scored, found):
+                logprobs[i] = lp
+        for seq, t, lp in zip(rows, tokens, logprobs):
+            self._accept(seq, t, lp, ended)
 
-    def _accept(self, seq: Sequence, t: int, ended: list[Sequence]) -> None:
+    def _accept(self, seq: Sequence, t: int, logprob: TokenLogprob | None, ended: list[Sequence]) -> None:
         if t == self.eos_id and not seq.params.ignore_eos:
             return self._finish(seq, "stop", ended)
         seq.out.append(t)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         delta = seq.decoder.push(t) if seq.decoder is not None else ""
         if seq.on_token is not None:
             seq.on_token(t, delta)
