@@ -109,7 +109,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       body_timeout_s=args.body_timeout,
                       max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
                       shutdown_timeout_s=args.shutdown_timeout, threads=args.threads, scheduler=args.scheduler,
-                      kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk)
+                      kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk, chat_template=args.chat_template)
+    if args.chat_template is not None:  # a bad template is named before the model loads
+        from moeserve.chat import ChatTemplate, ChatTemplateError
+
+        try:
+            ChatTemplate.from_file(args.chat_template)
+        except ChatTemplateError as e:
+            print(f"moeserve serve: {e}", file=sys.stderr)
+            return 2
     path = args.checkpoint
     if path is None:  # the default model: verified here, so the server loads its weights once, unhashed
         from moeserve.training.default_model import DEFAULT_MODEL_NAME
@@ -261,6 +269,9 @@ def _add_serve(sub) -> None:
                     "(default: 8)")
     sv.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                     help="continuous: prompt tokens per step while others generate (default: 256)")
+    sv.add_argument("--chat-template", type=Path, metavar="FILE",
+                    help="a Jinja2 chat template for /v1/chat/completions, in place of the checkpoint's own "
+                    "(chat_template.jinja, or chat_template in tokenizer_config.json)")
     sv.add_argument("--max-batch-size", type=int, default=32, metavar="N",
                     help="rows per model batch (scoring and classification; completions with --scheduler batch) "
                     "(default: 32)")

@@ -31,7 +31,7 @@ from moeserve.runtime.loading import load_model, verifying
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner, TorchRunner
-from moeserve.runtime.sampling import EngineError, SamplingParams
+from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
 from moeserve.tokenizer import Tokenizer, load_checkpoint_tokenizer
 
@@ -109,8 +109,9 @@ class Score:
         return {"logprob": self.logprob, "n_tokens": self.n_tokens, "bits_per_byte": self.bits_per_byte}
 
 
-# on_token(row, token_id, text): as each new token of each row is chosen, with the text it settles (streaming).
-RowTokenCallback = Callable[[int, int, str], None]
+# on_token(row, token_id, text, logprob): as each new token of each row is chosen, with the text it settles
+# and its log-probability record where asked for (streaming).
+RowTokenCallback = Callable[[int, int, str, TokenLogprob | None], None]
 # cancel(row) -> True: stop generating for that row now.
 CancelCheck = Callable[[int], bool]
 
@@ -301,7 +302,7 @@ class Engine:
         seqs = []
         for b, (row, p) in enumerate(zip(prompts, params)):
             seqs.append(Sequence(list(row), p,
-                                 on_token=(lambda t, text, b=b: on_token(b, t, text)) if on_token else None,
+                                 on_token=(lambda t, text, lp, b=b: on_token(b, t, text, lp)) if on_token else None,
                                  cancelled=(lambda b=b: cancel(b)) if cancel else None))
         for i, s in enumerate(seqs):  # every row is checked before any runs
             check_request(self.cfg, self.tokenizer, s.prompt, s.params, f"prompt {i}")

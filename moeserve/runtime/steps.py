@@ -31,8 +31,9 @@ from moeserve.runtime.runner import ModelRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample, token_logprobs
 from moeserve.tokenizer import IncrementalDecoder, Tokenizer
 
-# on_token(token_id, text): called on the engine's thread as each token is chosen, with the text it settles.
-TokenCallback = Callable[[int, str], None]
+# on_token(token_id, text, logprob): called on the engine's thread as each token is chosen, with the text it
+# settles and its log-probability record (None unless the sequence's params ask for log-probabilities).
+TokenCallback = Callable[[int, str, TokenLogprob | None], None]
 
 
 def check_request(cfg: MoEConfig, tokenizer: Tokenizer | None, prompt: list[int], params: SamplingParams,
@@ -256,7 +257,7 @@ class StepEngine:
             seq.logprobs.append(logprob)
         delta = seq.decoder.push(t) if seq.decoder is not None else ""
         if seq.on_token is not None:
-            seq.on_token(t, delta)
+            seq.on_token(t, delta, logprob)
         if len(seq.out) >= seq.budget:
             self._finish(seq, "length", ended)
         elif seq.params.stop and delta:

@@ -25,6 +25,7 @@ from moeserve.runtime.engine import Engine
 from moeserve.serve.gate import Gate
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.protocol import ERROR_RESPONSES, ApiError, StreamOptions
+from moeserve.serve.completions import router as generation
 from moeserve.serve.routes import router
 from moeserve.serve.state import ServeConfig, ServerState
 
@@ -74,6 +75,7 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
         log.error("unhandled error on %s", request.url.path, exc_info=e)
         return await api_error(request, ApiError("internal_error", f"internal error ({type(e).__name__})"))
 
+    app.include_router(generation)
     app.include_router(router)
     return app
 
@@ -91,6 +93,8 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     # union labels ("list[int]") and list indices pydantic adds after other fields name no field and are left out
     inner = len(loc) > 1 and (err.get("type") == "extra_forbidden" or loc[1] in OBJECT_FIELDS.get(loc[0], ()))
     param = ".".join(loc[:2]) if inner else loc[0] if loc else "body"
+    if loc[:1] == ["messages"] and len(loc) > 2 and loc[1].isdigit():  # the message and its field: messages[2].role
+        param = f"messages[{loc[1]}].{loc[2]}"
     ctx = err.get("ctx") or {}
     limit = next((v for k, v in ctx.items() if k in ("ge", "gt", "le", "lt", "max_length", "min_length")), None)
     if err.get("type") == "extra_forbidden":

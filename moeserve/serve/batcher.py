@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.engine import Engine, SamplingParams, TokenLogprob
 
 log = logging.getLogger("moeserve.serve")
 Kind = Literal["complete", "score", "classify"]
@@ -49,7 +49,8 @@ class Job:
     kind: Kind
     rows: list[list[int]]  # token ids per prompt / text, <bos> first
     params: list[SamplingParams] | None = None  # per row, for "complete"
-    on_token: Callable[[int, int, str], None] | None = None  # (row of this job, token id, text), on the model thread
+    # (row of this job, token id, text, log-probability record or None), on the model thread
+    on_token: Callable[[int, int, str, TokenLogprob | None], None] | None = None
     deadline: float = math.inf  # time.monotonic() past which the job is dropped
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set by the request side: the client left or gave up
@@ -179,14 +180,14 @@ class Batcher:
         if self.metrics:
             self.metrics.batch_seconds.labels(live[0].kind).observe(dt)
 
-    def _token(self, job: Job, i: int, token: int, text: str) -> None:
+    def _token(self, job: Job, i: int, token: int, text: str, logprob: TokenLogprob | None) -> None:
         """A new token of row i of `job`: time to first token, then the job's own callback (streaming)."""
         if job.first_token_at is None:
             job.first_token_at = time.monotonic()
             if self.metrics:
                 self.metrics.ttft.observe(job.first_token_at - job.arrival)
         if job.on_token is not None:
-            job.on_token(i, token, text)
+            job.on_token(i, token, text, logprob)
 
     @staticmethod
     def _fail(job: Job, e: Exception) -> None:
@@ -202,9 +203,9 @@ class Batcher:
         if kind == "complete":
             params = [job.params[i] for job, i in owners]
 
-            def on_token(r: int, token: int, text: str) -> None:
+            def on_token(r: int, token: int, text: str, logprob: TokenLogprob | None) -> None:
                 job, i = owners[r]
-                self._token(job, i, token, text)
+                self._token(job, i, token, text, logprob)
 
             def cancel(r: int) -> bool:
                 return owners[r][0].dropped(time.monotonic())

@@ -77,7 +77,7 @@ class StepBatcher(Batcher):
             self.metrics.queue_seconds.observe(now - job.arrival)
             self.metrics.prompt_tokens.inc(sum(len(r) for r in job.rows))
 
-        seqs = [Sequence(row, p, on_token=(lambda t, text, i=i: self._token(job, i, t, text)),
+        seqs = [Sequence(row, p, on_token=(lambda t, text, lp, i=i: self._token(job, i, t, text, lp)),
                          cancelled=lambda: job.dropped(time.monotonic()))
                 for i, (row, p) in enumerate(zip(job.rows, job.params))]
         try:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from moeserve.serve.protocol import ApiError
 from moeserve.serve.state import ServerState
 
-POST_ROUTES = ("/v1/completions", "/v1/score", "/v1/classify")
+POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/classify")
 ENDPOINTS = frozenset(POST_ROUTES + ("/v1/models", "/healthz", "/readyz", "/metrics"))  # metric labels
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # code -> HTTP status: the one place where a kind of failure gets its status.
 STATUS: dict[str, int] = {
     "invalid_json": 400,  # the body is not JSON (or not UTF-8)
+    "no_chat_template": 400,  # chat completions for a model without a chat template
     "unauthorized": 401,  # missing or wrong bearer token
     "not_found": 404,  # no such route
     "model_not_found": 404,  # `model` names a model this server does not serve
@@ -61,6 +62,8 @@ class ApiError(Exception):
 # ---- requests ------------------------------------------------------------------------------------
 _STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 128  # n and best_of, as OpenAI; the server's max_inputs bounds prompts x best_of further
+MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -76,22 +79,63 @@ class CompletionRequest(BaseModel):
     model: str = Field(description="the served model's id (GET /v1/models)")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="text, a list of texts (one choice each), token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most (default 16)")
+    max_tokens: int | None = Field(16, ge=0, description="tokens to generate at most (default 16; 0 with echo "
+                                   "scores the prompt)")
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1, description="extension: sample from the k likeliest tokens")
     stop: str | list[str] | None = Field(None, description="up to 4 strings; the text ends before the first")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="makes sampling reproducible per request")
-    n: int = Field(1, ge=1, le=1, description="choices per prompt (only 1)")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="makes sampling reproducible per request; "
+                             "choice i of a prompt samples with seed + i")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per prompt, sharing the prompt's prefill")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    echo: Literal[False] = False
-    logprobs: None = None
-    best_of: int | None = Field(None, ge=1, le=1)
+    echo: bool = Field(False, description="the prompt first in each choice's text (and its log-probabilities)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="per token: its log-probability and "
+                                 "the N likeliest alternatives (the model's own, before temperature, top-k, top-p)")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices generated per prompt, of which "
+                                "the n with the highest mean token log-probability are returned (not streamed)")
     presence_penalty: float = Field(0.0, ge=0, le=0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=0, le=0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(None, max_length=0)
     suffix: None = None
+    user: str | None = Field(None, max_length=256)
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(description="text, or a list of text parts (joined with newlines)")
+    name: str | None = Field(None, max_length=256)
+
+
+class ChatCompletionRequest(BaseModel):
+    """POST /v1/chat/completions: the messages become a prompt through the model's chat template."""
+
+    model_config = _STRICT
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0, description="default: the rest of the context")
+    max_tokens: int | None = Field(None, ge=0, description="the older name of max_completion_tokens")
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+    presence_penalty: float = Field(0.0, ge=0, le=0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=0, le=0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(None, max_length=0)
     user: str | None = Field(None, max_length=256)
 
 
@@ -110,10 +154,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape; the prompt's first token (with echo) has no log-probability (null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the N likeliest and the token itself
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -124,6 +177,42 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ContentLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ContentLogprob]
+    refusal: None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
 
 
 class ScoreItem(BaseModel):

@@ -1,4 +1,5 @@
-"""The HTTP handlers: OpenAI-style completions, scoring, classification, health, readiness, metrics.
+"""The HTTP handlers: scoring, classification, models, health, readiness, metrics, and what the generation
+endpoints (completions.py) share with them: reading inputs, waiting for a job, server-sent events.
 
 Module-level, on one APIRouter, each reading the server's state from `request.app.state.serve`
 (state.py), so that they can be imported and addressed on their own. The checks here are those that
@@ -13,23 +14,18 @@ import json
 import logging
 import math
 import time
-import uuid
-from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from moeserve.runtime.engine import Completion, Engine, EngineError, SamplingParams
+from moeserve.runtime.engine import Engine, EngineError
 from moeserve.serve.batcher import Closed, DeadlineExceeded, Job
-from moeserve.serve.protocol import (ApiError, ClassifyItem, ClassifyResponse, CompletionChoice, CompletionRequest,
-                                     CompletionResponse, ModelCard, ModelList, ScoreItem, ScoreResponse, TextsRequest,
-                                     Usage)
+from moeserve.serve.protocol import (ApiError, ClassifyItem, ClassifyResponse, ModelCard, ModelList, ScoreItem,
+                                     ScoreResponse, TextsRequest, Usage)
 from moeserve.serve.state import ServeConfig, ServerState
-from moeserve.serve.stream import TextStream
 
 log = logging.getLogger("moeserve.serve")
-MAX_STOP = 4  # stop strings per request, as OpenAI
 router = APIRouter()
 
 
@@ -78,27 +74,6 @@ def _encode(engine: Engine, item: str | list[int], field: str, max_len: int) -> 
     return ids
 
 
-def _sampling(req: CompletionRequest, prompt_len: int, engine: Engine, cfg: ServeConfig) -> SamplingParams:
-    ctx = engine.cfg.max_seq_len
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    limit = min(cfg.max_tokens or ctx, ctx - prompt_len)
-    if max_tokens > limit:
-        why = (f"the prompt's {prompt_len} tokens leave {ctx - prompt_len} of the context of {ctx}"
-               if limit == ctx - prompt_len else "the server's limit")
-        raise ApiError("invalid_value", f"max_tokens = {max_tokens} is more than {limit} ({why})",
-                       param="max_tokens", limit=limit)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP:
-        raise ApiError("invalid_value", f"stop has {len(stop)} strings; at most {MAX_STOP}", param="stop",
-                       limit=MAX_STOP)
-    if any(not s for s in stop):
-        raise ApiError("invalid_value", "stop strings must not be empty", param="stop")
-    for s in stop:  # a stop string that is no text could never match
-        _check_unicode(s, "stop")
-    return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                          top_p=None if req.top_p >= 1 else req.top_p, seed=req.seed, stop=stop)
-
-
 # ---- waiting for results ---------------------------------------------------------------------------
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
@@ -137,44 +112,6 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
-async def _stream(job: Job, events: asyncio.Queue, streams: list[TextStream], head: dict,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """Server-sent events: a chunk per text delta, the finish reasons, usage if asked, [DONE].
-    A deadline or a failure after the stream started can only be told in the stream: an error event."""
-    def chunk(index: int, text: str, finish: str | None) -> bytes:
-        return _sse({**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]})
-
-    try:
-        while True:
-            try:
-                item = await asyncio.wait_for(events.get(), timeout=max(0.0, job.deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                job.cancelled = True
-                raise DeadlineExceeded("no answer within the server's request timeout") from None
-            if item is None:  # the job finished
-                break
-            i, text = item
-            if delta := streams[i].push(text):
-                yield chunk(i, delta, None)
-        if job.future.exception() is not None:
-            raise job.future.exception()
-        completions: list[Completion] = job.future.result()
-        for i, c in enumerate(completions):
-            yield chunk(i, streams[i].finish(c.text), c.finish_reason)
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(completions)})
-        yield _sse("[DONE]")
-    except Exception as e:
-        yield _sse(_result_error(e).body())
-    finally:
-        job.cancelled = True  # a no-op once finished; stops the generation if the client left
-
-
-def _usage(completions: list[Completion]) -> dict:
-    p, c = sum(x.prompt_tokens for x in completions), sum(x.completion_tokens for x in completions)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
 # ---- the handlers ----------------------------------------------------------------------------------
 @router.get("/healthz", summary="the process is alive")
 async def healthz() -> dict:
@@ -202,38 +139,6 @@ async def models(request: Request) -> ModelList:
     c = engine.cfg
     return ModelList(data=[ModelCard(id=state.name, created=state.created, task=c.task, max_model_len=c.max_seq_len,
                                      router=c.router, n_experts=c.n_experts, top_k=c.top_k)])
-
-
-@router.post("/v1/completions", response_model=CompletionResponse,
-          summary="continue prompts (OpenAI completions; stream=true for server-sent events)",
-          responses={200: {"content": {"text/event-stream": {"schema": {
-              "type": "string", "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`"}}}}})
-async def completions(req: CompletionRequest, request: Request):
-    state = _state(request)
-    cfg, engine = state.cfg, state.require_ready()
-    state.check_model(req.model)
-    if engine.cfg.task != "lm":
-        raise ApiError("invalid_value", f"{state.name} is a {engine.cfg.task} model; completions need a "
-                       "language model", param="model")
-    ctx = engine.cfg.max_seq_len
-    rows = [_encode(engine, p, "prompt", ctx - 1) for p in _inputs(req.prompt, "prompt", cfg)]
-    params = [_sampling(req, len(r), engine, cfg) for r in rows]
-    job = Job("complete", rows, params, deadline=time.monotonic() + cfg.request_timeout_s)
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": state.name}
-    if not req.stream:
-        state.submit(job)
-        done: list[Completion] = await _wait(job, request, cfg.request_timeout_s)
-        return CompletionResponse(**head, usage=Usage(**_usage(done)), choices=[
-            CompletionChoice(text=c.text, index=i, finish_reason=c.finish_reason) for i, c in enumerate(done)])
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    job.on_token = lambda i, token, text: loop.call_soon_threadsafe(events.put_nowait, (i, text))
-    state.submit(job)
-    job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-    streams = [TextStream(p.stop) for p in params]
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_stream(job, events, streams, head, include_usage), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _texts_job(req: TextsRequest, request: Request, kind: str) -> tuple[list[str], list[list[int]], list]:

@@ -11,10 +11,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from moeserve.chat import ChatTemplate, load_chat_template
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.serve.batcher import BatchConfig, Batcher, Closed, Job, QueueFull
 from moeserve.serve.continuous import StepBatcher
@@ -44,6 +46,7 @@ class ServeConfig:
     scheduler: str = "continuous"  # continuous: requests join running steps; batch: run-to-completion batches
     kv_slots: int = 8  # continuous: sequences generating at once (cache slots of the model's context each)
     prefill_chunk: int = 256  # continuous: prompt tokens per step while others are generating
+    chat_template: Path | None = None  # a Jinja2 file for /v1/chat/completions, over the checkpoint's own
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -76,6 +79,7 @@ class ServerState:
     def __init__(self, cfg: ServeConfig, metrics: Metrics):
         self.cfg, self.metrics = cfg, metrics
         self.engine: Engine | None = None
+        self.chat_template: ChatTemplate | None = None
         self.batcher: Batcher | None = None
         self.ready = False
         self.draining = False
@@ -98,6 +102,7 @@ class ServerState:
         try:
             engine = source if isinstance(source, Engine) else source()
             self.name = self.cfg.model_name or engine.name
+            self.chat_template = self._chat_template(engine)
             self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
                                        engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
             if engine.cfg.task == "lm":
@@ -115,6 +120,16 @@ class ServerState:
         self.metrics.ready.set(1)
         log.info("moeserve: %s is ready", self.name)
         self.batcher.run()
+
+    def _chat_template(self, engine: Engine) -> ChatTemplate | None:
+        """--chat-template, else the checkpoint's (beside an ONNX export: its directory's); a template that does
+        not compile fails the start-up, as a model that does not load does."""
+        where = engine.path.parent if engine.path is not None and engine.path.is_file() else engine.path
+        if where is None:
+            return ChatTemplate.from_file(self.cfg.chat_template) if self.cfg.chat_template is not None else None
+        template = load_chat_template(where, self.cfg.chat_template)
+        log.info("moeserve: chat template from %s", template.origin if template else "nowhere (chat answers 400)")
+        return template
 
     def _batcher(self, engine: Engine) -> Batcher:
         """The continuous scheduler for a language model, unless the run-to-completion one was asked for (or

@@ -73,9 +73,21 @@ def live_server(source, cfg: ServeConfig | None = None, ready: bool = True) -> I
         thread.join(30)
 
 
+# A chat template for the tiny byte-tokenizer model, which has none of its own: roles in angle brackets.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_template(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "tiny.jinja"
+    path.write_text(TINY_CHAT_TEMPLATE)
+    return path
+
+
 @pytest.fixture(scope="module")
-def live(tiny_ckpt) -> Iterator[Live]:
-    """One shared server on the tiny checkpoint, fp32 on the CPU, default limits."""
+def live(tiny_ckpt, tiny_chat_template) -> Iterator[Live]:
+    """One shared server on the tiny checkpoint, fp32 on the CPU, default limits, a chat template given."""
     with live_server(lambda: Engine.load(tiny_ckpt, dtype="float32", device="cpu"),
-                     ServeConfig(model_name="tiny")) as s:
+                     ServeConfig(model_name="tiny", chat_template=tiny_chat_template)) as s:
         yield s

@@ -35,6 +35,7 @@ TOKEN = "secret"  # the guarded server's api_key
 GUARDED_BODY_LIMIT = 2048  # the guarded server's max_body_bytes
 
 CMPL, SCORE, CLASSIFY, MODELS = "/v1/completions", "/v1/score", "/v1/classify", "/v1/models"
+CHAT = "/v1/chat/completions"
 JSON = "application/json"
 
 
@@ -47,6 +48,17 @@ def cmpl(**fields) -> dict:
     """A valid completion request with `fields` changed (a value of ... removes the field)."""
     body = {"model": "tiny", "prompt": "hi", **fields}
     return {k: v for k, v in body.items() if v is not ...}
+
+
+def chat(**fields) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return {k: v for k, v in body.items() if v is not ...}
+
+
+def message(**fields) -> dict:
+    """A chat request whose one message has `fields` changed."""
+    m = {"role": "user", "content": "hi", **fields}
+    return chat(messages=[{k: v for k, v in m.items() if v is not ...}])
 
 
 def score(**fields) -> dict:
@@ -166,8 +178,7 @@ CASES = [
     bad("prompt-list-lone-surrogate", CMPL, raw(cmpl(prompt=...), prompt='["ok", "\\udc00"]'), "prompt"),
     bad("stop-lone-surrogate", CMPL, raw(cmpl(stop=...), stop='"\\ud800"'), "stop"),
     # ---- max_tokens -------------------------------------------------------------------------------
-    bad("max_tokens-0", CMPL, cmpl(max_tokens=0), "max_tokens", 1),
-    bad("max_tokens-negative", CMPL, cmpl(max_tokens=-1), "max_tokens", 1),
+    bad("max_tokens-negative", CMPL, cmpl(max_tokens=-1), "max_tokens", 0),
     bad("max_tokens-1e12", CMPL, cmpl(max_tokens=10**12), "max_tokens", CTX - n_tokens("hi")),
     bad("max_tokens-past-context", CMPL, cmpl(prompt="abcd", max_tokens=60), "max_tokens", CTX - n_tokens("abcd")),
     bad("max_tokens-2-after-63-tokens", CMPL, cmpl(prompt="x" * (CTX - 2), max_tokens=2), "max_tokens", 1),
@@ -184,10 +195,22 @@ CASES = [
     bad("top_p-1.5", CMPL, cmpl(top_p=1.5), "top_p", 1),
     bad("top_p-NaN", CMPL, raw(cmpl(), top_p="NaN"), "top_p"),
     bad("top_k-0", CMPL, cmpl(top_k=0), "top_k", 1),
-    bad("n-2", CMPL, cmpl(n=2), "n", 1),
-    bad("echo-true", CMPL, cmpl(echo=True), "echo"),
-    bad("logprobs-1", CMPL, cmpl(logprobs=1), "logprobs"),
-    bad("best_of-2", CMPL, cmpl(best_of=2), "best_of", 1),
+    # ---- choices and log-probabilities -------------------------------------------------------------
+    bad("n-0", CMPL, cmpl(n=0), "n", 1),
+    bad("n-129", CMPL, cmpl(n=129), "n", 128),
+    bad("n-string", CMPL, cmpl(n="2"), "n"),
+    bad("n-times-prompts-over-max-inputs", CMPL, cmpl(prompt=["a"] * 8, n=5), "n", MAX_INPUTS),
+    bad("best_of-times-prompts-over-max-inputs", CMPL, cmpl(prompt=["a"] * 2, n=2, best_of=17), "best_of",
+        MAX_INPUTS),
+    bad("best_of-less-than-n", CMPL, cmpl(n=3, best_of=2), "best_of", 3),
+    bad("best_of-0", CMPL, cmpl(best_of=0), "best_of", 1),
+    bad("best_of-streamed", CMPL, cmpl(n=1, best_of=2, stream=True), "best_of"),
+    bad("echo-string", CMPL, cmpl(echo="yes"), "echo"),
+    bad("echo-streamed", CMPL, cmpl(echo=True, stream=True), "echo"),
+    bad("logprobs-21", CMPL, cmpl(logprobs=21), "logprobs", 20),
+    bad("logprobs-negative", CMPL, cmpl(logprobs=-1), "logprobs", 0),
+    bad("logprobs-true", CMPL, cmpl(logprobs=True), "logprobs"),
+    bad("logprobs-float", CMPL, cmpl(logprobs=1.0), "logprobs"),
     bad("presence_penalty", CMPL, cmpl(presence_penalty=0.5), "presence_penalty", 0),
     bad("frequency_penalty", CMPL, cmpl(frequency_penalty=-0.5), "frequency_penalty", 0),
     bad("logit_bias", CMPL, cmpl(logit_bias={"1": 1.0}), "logit_bias", 0),
@@ -212,6 +235,39 @@ CASES = [
     bad("score-input-one-token-over", SCORE, score(input="x" * CTX), "input", CTX),  # <bos> + 64 bytes
     bad("score-33-inputs", SCORE, score(input=["a"] * (MAX_INPUTS + 1)), "input", MAX_INPUTS),
     bad("score-input-lone-surrogate", SCORE, raw(score(input=...), input='"a\\udc00b"'), "input"),
+    # ---- chat -------------------------------------------------------------------------------------
+    bad("chat-missing-messages", CHAT, chat(messages=...), "messages"),
+    bad("chat-messages-empty", CHAT, chat(messages=[]), "messages", 1),
+    bad("chat-messages-string", CHAT, chat(messages="hi"), "messages"),
+    bad("chat-message-not-object", CHAT, chat(messages=["hi"]), "messages"),
+    bad("chat-role-unknown", CHAT, message(role="wizard"), "messages[0].role"),
+    bad("chat-role-missing", CHAT, message(role=...), "messages[0].role"),
+    bad("chat-role-tool", CHAT, message(role="tool"), "messages[0].role"),
+    bad("chat-content-missing", CHAT, message(content=...), "messages[0].content"),
+    bad("chat-content-null", CHAT, message(content=None), "messages[0].content"),
+    bad("chat-content-number", CHAT, message(content=5), "messages[0].content"),
+    bad("chat-content-image-part", CHAT, message(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
+        "messages[0].content"),
+    bad("chat-content-part-without-text", CHAT, message(content=[{"type": "text"}]), "messages[0].content"),
+    bad("chat-message-unknown-field", CHAT, message(tool_calls=[]), "messages[0].tool_calls"),
+    bad("chat-second-message-bad", CHAT, chat(messages=[{"role": "user", "content": "a"}, {"role": "x"}]),
+        "messages[1].role"),
+    bad("chat-content-lone-surrogate", CHAT, raw(chat(messages=...), messages='[{"role": "user", "content": '
+                                                 '"\\ud800"}]'), "messages[0].content"),
+    bad("chat-logprobs-int", CHAT, chat(logprobs=1), "logprobs"),
+    bad("chat-top_logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs", 20),
+    bad("chat-top_logprobs-without-logprobs", CHAT, chat(top_logprobs=2), "top_logprobs"),
+    bad("chat-max_completion_tokens-negative", CHAT, chat(max_completion_tokens=-1), "max_completion_tokens", 0),
+    bad("chat-max_completion_tokens-past-context", CHAT, chat(max_completion_tokens=1000), "max_completion_tokens",
+        CTX - len("<user>hi\n<assistant>") - 1),
+    bad("chat-max_tokens-past-context", CHAT, chat(max_tokens=1000), "max_tokens", CTX - len("<user>hi\n<assistant>") - 1),
+    bad("chat-conversation-over-context", CHAT, message(content="x" * 100), "messages", CTX - 1),
+    bad("chat-n-0", CHAT, chat(n=0), "n", 1),
+    bad("chat-best_of", CHAT, chat(best_of=2), "best_of"),
+    bad("chat-unknown-field-tools", CHAT, chat(tools=[]), "tools"),
+    bad("chat-stream_options-unknown", CHAT, chat(stream=True, stream_options={"x": 1}), "stream_options.x"),
+    C("chat-model-unknown", "POST", CHAT, chat(model="gpt-4"), 404, "model_not_found", "model"),
+    C("chat-no-template", "POST", CHAT, chat(), 400, "no_chat_template", "messages", server="guarded"),
     # ---- content type: 415 before any parsing -----------------------------------------------------
     C("content-type-text-plain", "POST", CMPL, json.dumps(cmpl()).encode(), 415, "unsupported_media_type",
       "Content-Type", headers={"content-type": "text/plain"}),
@@ -228,7 +284,8 @@ CASES = [
     C("DELETE-models", "DELETE", MODELS, None, 405, "method_not_allowed", expect_headers={"allow": "GET"}),
     C("PUT-score", "PUT", SCORE, score(), 405, "method_not_allowed", expect_headers={"allow": "POST"}),
     C("POST-healthz", "POST", "/healthz", {}, 405, "method_not_allowed", expect_headers={"allow": "GET"}),
-    C("GET-unknown-path", "GET", "/v1/chat/completions", None, 404, "not_found"),
+    C("GET-chat", "GET", CHAT, None, 405, "method_not_allowed", expect_headers={"allow": "POST"}),
+    C("GET-unknown-path", "GET", "/v1/chat", None, 404, "not_found"),
     C("POST-unknown-path", "POST", "/v1/engines", cmpl(), 404, "not_found"),
     C("GET-root", "GET", "/", None, 404, "not_found"),
     # ---- body size: 413 before the body is parsed -------------------------------------------------

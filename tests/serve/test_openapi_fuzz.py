@@ -28,7 +28,7 @@ def api_schema(live):
     (an enum of one). Otherwise nearly every generated request would stop at 404 model_not_found and
     never reach the prompt, token and sampling checks or the model; negative mode still sends others."""
     raw = live.client.get("/openapi.json").json()
-    for name in ("CompletionRequest", "TextsRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TextsRequest"):
         raw["components"]["schemas"][name]["properties"]["model"]["enum"] = [live.state.name]
     config = schemathesis.Config.from_dict({"request-timeout": 30, "base-url": live.url})
     return schemathesis.openapi.from_dict(raw, config=config)
