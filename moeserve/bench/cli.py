@@ -80,13 +80,14 @@ def add_bench(sub, calibrate_help: str) -> None:
     bo.add_argument("--quiet", action="store_true", help="no progress lines")
     bo.set_defaults(func=_main("moeserve.bench.onnx"))
     bh = bsub.add_parser("http", help="the HTTP server under load: continuous vs batch vs batch size 1, a mixed "
-                         "workload, HTTP overhead, 429s",
+                         "workload, HTTP overhead, 429s, n choices and logprobs",
                          description="Start `moeserve serve` subprocesses (one at a time) and measure: throughput "
                          "of a closed loop of concurrent clients on continuous batching, run-to-completion batches "
                          "(--scheduler batch) and --max-batch-size 1; a mixed workload of short and long requests "
                          "on continuous against batch; "
                          "the HTTP cost of one request against a direct Engine call in this process; and the 429 "
-                         "answers of a small-queue server hit by a burst. Each against its baseline in the same run.")
+                         "answers of a small-queue server hit by a burst; n = 4 choices against 4 requests and logprobs 5 against none. "
+                         "Each against its baseline in the same run.")
     bh.add_argument("--checkpoint", type=Path, metavar="DIR",
                     help="checkpoint directory (default: the built-in default model)")
     bh.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, "
@@ -113,11 +114,14 @@ def add_bench(sub, calibrate_help: str) -> None:
                     help="--max-batch-size of the overload server (default: 4)")
     bh.add_argument("--overload-tokens", type=int, default=32, metavar="N",
                     help="max_tokens of the overload requests (default: 32)")
+    bh.add_argument("--choice-rounds", type=int, default=20, metavar="N",
+                    help="alternating rounds of the choices and log-probabilities measure (default: 20)")
     bh.add_argument("--skip-throughput", action="store_true",
                     help="leave out the continuous vs batch vs batch-1 measure")
     bh.add_argument("--skip-mixed", action="store_true", help="leave out the mixed short / long workload")
     bh.add_argument("--skip-overhead", action="store_true", help="leave out the HTTP overhead measure")
     bh.add_argument("--skip-overload", action="store_true", help="leave out the 429 measure")
+    bh.add_argument("--skip-choices", action="store_true", help="leave out n=4 vs 4 requests and logprobs 5 vs none")
     bh.add_argument("--json", type=Path, metavar="FILE",
                     help="write the report (with the machine description) as JSON")
     bh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -19,6 +19,10 @@ measured in the same run, on the same checkpoint, dtype and requests.
 3. Overload. A server with a small queue (`--max-queue 8 --max-batch-size 4`) gets K requests at once,
    over K connections opened beforehand: it must answer the excess 429 at once, each with Retry-After
    (a raw-socket client here, so that the client's own work is not most of what is measured).
+4. Choices and log-probabilities, on one continuous server, in alternating rounds: a request for n = 4
+   choices of a long prompt against four concurrent requests for one choice each (same prompt, the
+   seeds the n choices use), as choices per second; and a greedy request with logprobs 5 against the
+   same request without, as generated tokens per second.
 
 The client (httpx on asyncio, one AsyncClient and connection per simulated user) runs in this process and
 shares the machine with the server: its cost is part of what is measured, alike for both sides of each
@@ -66,7 +70,8 @@ class HttpBenchConfig:
     overload_queue: int = 8
     overload_batch_size: int = 4
     overload_tokens: int = 32
-    parts: tuple[str, ...] = ("throughput", "mixed", "overhead", "overload")
+    choice_rounds: int = 20
+    parts: tuple[str, ...] = ("throughput", "mixed", "overhead", "overload", "choices")
 
 
 # ---- statistics -------------------------------------------------------------------------------------
@@ -316,6 +321,71 @@ def bench_overload(cfg: HttpBenchConfig, log: Log) -> dict:
     return {**overload_row(outcomes, cfg), "server": server.summary()}
 
 
+# ---- 4. choices and log-probabilities --------------------------------------------------------------------
+CHOICES = 4
+
+
+def choice_variants(prompt: str, max_tokens: int, seed: int) -> dict[str, list[dict]]:
+    """The requests of one round, by variant: each variant's requests are sent at once."""
+    sampled = completion_body(prompt, max_tokens, 0.8, None)
+    greedy = completion_body(prompt, max_tokens, 0.0, None)
+    return {f"n={CHOICES}": [{**sampled, "n": CHOICES, "seed": seed}],
+            f"{CHOICES} requests": [{**sampled, "seed": seed + j} for j in range(CHOICES)],
+            "logprobs 5": [{**greedy, "logprobs": 5}],
+            "no logprobs": [greedy]}
+
+
+async def choice_rounds(url: str, cfg: HttpBenchConfig, prompt: str, warmup: int = 2) -> dict[str, list[tuple]]:
+    """(seconds, generated tokens, texts, prompt tokens) of every timed round of each variant, the order of
+    the variants reversed every other round."""
+    out: dict[str, list[tuple]] = {}
+    async with async_client(url, CHOICES) as client:
+        async def post(body: dict) -> dict:
+            r = await client.post("/v1/completions", json=body)
+            r.raise_for_status()
+            return r.json()
+
+        for n in range(warmup + cfg.choice_rounds):
+            variants = list(choice_variants(prompt, cfg.max_tokens, 1000 * n).items())
+            for name, bodies in variants if n % 2 == 0 else variants[::-1]:
+                t0 = time.perf_counter()
+                answers = await asyncio.gather(*(post(b) for b in bodies))
+                dt = time.perf_counter() - t0
+                if n >= warmup:
+                    texts = [c["text"] for a in answers for c in a["choices"]]
+                    out.setdefault(name, []).append((dt, sum(a["usage"]["completion_tokens"] for a in answers), texts,
+                                                     answers[0]["usage"]["prompt_tokens"]))
+    return out
+
+
+def choices_row(rounds: dict[str, list[tuple]]) -> dict:
+    def median_s(name: str) -> float:
+        return statistics.median(r[0] for r in rounds[name])
+
+    n, separate = f"n={CHOICES}", f"{CHOICES} requests"
+    per_s = {name: round(CHOICES / median_s(name), 2) for name in (n, separate)}
+    tok_s = {name: round(statistics.median(r[1] / r[0] for r in rounds[name]), 1)
+             for name in ("logprobs 5", "no logprobs")}
+    return {"prompt_tokens": rounds[n][0][3], "rounds": len(rounds[n]),
+            "choices_per_s": per_s, "n_vs_separate": ratio(per_s[n], per_s[separate]),
+            "same_choices": all(a[2] == b[2] for a, b in zip(rounds[n], rounds[separate])),
+            "tokens_per_s": tok_s, "logprobs_cost": ratio(tok_s["logprobs 5"], tok_s["no logprobs"]),
+            "same_text": all(a[2] == b[2] for a, b in zip(rounds["logprobs 5"], rounds["no logprobs"]))}
+
+
+def bench_choices(cfg: HttpBenchConfig, log: Log) -> dict:
+    prompt = "".join(PROMPTS) * 4  # long enough that a prefill costs what it does in real use
+    log(f"choices: n={CHOICES} vs {CHOICES} requests, logprobs 5 vs none, {cfg.choice_rounds} rounds")
+    server = ServerLog()
+    with running_server(cfg.checkpoint, cfg.dtype, ["--kv-slots", str(max(CHOICES, cfg.batch_size))], server) as url:
+        import httpx
+
+        ctx = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+        prompt = prompt[:ctx // 2]  # byte-level at most one token a character: half the context, room to generate
+        rounds = asyncio.run(choice_rounds(url, cfg, prompt))
+    return {**choices_row(rounds), "server": server.summary()}
+
+
 # ---- the whole bench ------------------------------------------------------------------------------------
 def resolved_dtype(dtype: str) -> str:
     from moeserve.runtime.engine import resolve_device, resolve_dtype
@@ -338,6 +408,8 @@ def bench_http(cfg: HttpBenchConfig, log: Log = lambda msg: None) -> dict:
         report["overhead"] = bench_overhead(cfg, engine, log)
     if "overload" in cfg.parts:
         report["overload"] = bench_overload(cfg, log)
+    if "choices" in cfg.parts:
+        report["choices"] = bench_choices(cfg, log)
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return report
 
@@ -397,6 +469,17 @@ def overload_markdown(r: dict) -> list[str]:
             f"{_cell(r['p50_200_ms'])} | {'yes' if r['all_429_retry_after'] else 'no'} |"]
 
 
+def choices_markdown(r: dict) -> list[str]:
+    n, separate = f"n={CHOICES}", f"{CHOICES} requests"
+    return [f"Choices and log-probabilities: a prompt of about {r['prompt_tokens']} tokens, {r['rounds']} alternating "
+            "rounds", "",
+            f"| {n}: choices/s | {separate} at once: choices/s | ratio | same choices | tokens/s logprobs 5 | "
+            "tokens/s none | ratio | same text |", "| ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+            f"| {r['choices_per_s'][n]} | {r['choices_per_s'][separate]} | {_cell(r['n_vs_separate'])} | "
+            f"{'yes' if r['same_choices'] else 'no'} | {r['tokens_per_s']['logprobs 5']} | "
+            f"{r['tokens_per_s']['no logprobs']} | {_cell(r['logprobs_cost'])} | {'yes' if r['same_text'] else 'no'} |"]
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"`{report['checkpoint']}`, {report['dtype']}, on {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
@@ -409,6 +492,8 @@ def markdown(report: dict) -> str:
         lines += [""] + overhead_markdown(report["overhead"])
     if "overload" in report:
         lines += [""] + overload_markdown(report["overload"])
+    if "choices" in report:
+        lines += [""] + choices_markdown(report["choices"])
     return "\n".join(lines)
 
 
@@ -418,13 +503,13 @@ def config_from_args(args) -> HttpBenchConfig:
         from moeserve.training.default_model import default_model_path
 
         checkpoint = default_model_path(progress=not args.quiet)
-    parts = tuple(p for p in ("throughput", "mixed", "overhead", "overload") if not getattr(args, f"skip_{p}"))
+    parts = tuple(p for p in HttpBenchConfig.parts if not getattr(args, f"skip_{p}"))
     return HttpBenchConfig(checkpoint=Path(checkpoint), dtype=args.dtype, clients=args.clients,
                            duration_s=args.duration, warmup_s=args.warmup, max_tokens=args.max_tokens,
                            long_tokens=args.long_tokens,
                            batch_size=args.batch_size, requests=args.requests, overload=args.overload,
                            overload_queue=args.overload_queue, overload_batch_size=args.overload_batch_size,
-                           overload_tokens=args.overload_tokens, parts=parts)
+                           overload_tokens=args.overload_tokens, choice_rounds=args.choice_rounds, parts=parts)
 
 
 def main(args) -> int:
@@ -434,7 +519,7 @@ def main(args) -> int:
         raise ValueError("moeserve bench http needs httpx: pip install httpx") from e
     cfg = config_from_args(args)
     for name in ("clients", "requests", "overload", "batch_size", "max_tokens", "long_tokens", "overload_queue",
-                 "overload_batch_size", "overload_tokens"):
+                 "overload_batch_size", "overload_tokens", "choice_rounds"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} = {getattr(cfg, name)}: expected an integer >= 1")
     if not cfg.duration_s > 0 or not cfg.warmup_s >= 0:

@@ -17,7 +17,7 @@ def test_bench_http_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "http", "--checkpoint", str(ckpt), "--dtype", "float32", "--clients", "4", "--duration", "1.5",
                "--warmup", "0.5", "--max-tokens", "4", "--long-tokens", "24", "--requests", "5", "--overload", "40", "--overload-queue", "8",
-               "--overload-tokens", "16", "--quiet", "--json", str(out)])
+               "--overload-tokens", "16", "--choice-rounds", "2", "--quiet", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["machine"]["cores"] >= 1 and report["dtype"] == "float32"
@@ -41,5 +41,11 @@ def test_bench_http_end_to_end(tmp_path, capsys):
     assert overload["requests"] == 40 and overload["other"] == 0, overload
     assert overload["rejected_429"] >= 1 and overload["ok"] >= 1 and overload["all_429_retry_after"], overload
 
+    choices = report["choices"]
+    assert choices["rounds"] == 2 and choices["prompt_tokens"] == 1 + 32  # <bos>, half the context of 64
+    assert choices["same_choices"] and choices["same_text"], choices  # n=4 is four requests; logprobs change nothing
+    assert choices["n_vs_separate"] > 0 and choices["logprobs_cost"] > 0, choices
+
     table = capsys.readouterr().out
     assert "Batching vs batch size 1" in table and "Continuous vs batch: req/s" in table and "| --batch-wait-ms 0 |" in table
+    assert "n=4: choices/s" in table
