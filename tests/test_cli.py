@@ -101,3 +101,12 @@ def test_train_refuses_existing_out_dir(ckpt):
 def test_unknown_router_is_an_argparse_error():
     p = run("train", "--router", "banana", "--out", "x")
     assert p.returncode == 2 and "banana" in p.stderr
+
+
+@pytest.mark.parametrize("content, why", [(None, "cannot read"), ("{% for m in messages %}", "not valid Jinja2")])
+def test_serve_names_a_bad_chat_template_before_loading(tmp_path, content, why):
+    template = tmp_path / "chat.jinja"
+    if content is not None:
+        template.write_text(content)
+    p = run("serve", "--checkpoint", tmp_path / "no-such-checkpoint", "--chat-template", template)
+    assert p.returncode == 2 and why in p.stderr and str(template) in p.stderr, p.stderr

@@ -21,8 +21,9 @@ measured in the same run, on the same checkpoint, dtype and requests.
    (a raw-socket client here, so that the client's own work is not most of what is measured).
 4. Choices and log-probabilities, on one continuous server, in alternating rounds: a request for n = 4
    choices of a long prompt against four concurrent requests for one choice each (same prompt, the
-   seeds the n choices use), as choices per second; and a greedy request with logprobs 5 against the
-   same request without, as generated tokens per second.
+   seeds the n choices use), as choices per second, with the tokens the experts saw per round (from the
+   server's expert-load counter: a prefill computed once or four times); and a greedy request with
+   logprobs 5 against the same request without, as generated tokens per second.
 
 The client (httpx on asyncio, one AsyncClient and connection per simulated user) runs in this process and
 shares the machine with the server: its cost is part of what is measured, alike for both sides of each
@@ -103,6 +104,14 @@ def metric_sums(text: str, family: str, labels: dict[str, str] | None = None) ->
             elif s.name == f"{family}_count":
                 count += s.value
     return total, count
+
+
+def counter_total(text: str, family: str) -> float:
+    """The sum of a Prometheus counter's series in exposition text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == family
+               for s in fam.samples if s.name == f"{family}_total")
 
 
 # ---- 1. throughput -------------------------------------------------------------------------------------
@@ -336,8 +345,8 @@ def choice_variants(prompt: str, max_tokens: int, seed: int) -> dict[str, list[d
 
 
 async def choice_rounds(url: str, cfg: HttpBenchConfig, prompt: str, warmup: int = 2) -> dict[str, list[tuple]]:
-    """(seconds, generated tokens, texts, prompt tokens) of every timed round of each variant, the order of
-    the variants reversed every other round."""
+    """(seconds, generated tokens, texts, prompt tokens, expert-routed tokens) of every timed round of each
+    variant, the order of the variants reversed every other round."""
     out: dict[str, list[tuple]] = {}
     async with async_client(url, CHOICES) as client:
         async def post(body: dict) -> dict:
@@ -348,13 +357,15 @@ async def choice_rounds(url: str, cfg: HttpBenchConfig, prompt: str, warmup: int
         for n in range(warmup + cfg.choice_rounds):
             variants = list(choice_variants(prompt, cfg.max_tokens, 1000 * n).items())
             for name, bodies in variants if n % 2 == 0 else variants[::-1]:
+                routed = counter_total((await client.get("/metrics")).text, "moeserve_expert_routed_tokens")
                 t0 = time.perf_counter()
                 answers = await asyncio.gather(*(post(b) for b in bodies))
                 dt = time.perf_counter() - t0
+                routed = counter_total((await client.get("/metrics")).text, "moeserve_expert_routed_tokens") - routed
                 if n >= warmup:
                     texts = [c["text"] for a in answers for c in a["choices"]]
                     out.setdefault(name, []).append((dt, sum(a["usage"]["completion_tokens"] for a in answers), texts,
-                                                     answers[0]["usage"]["prompt_tokens"]))
+                                                     answers[0]["usage"]["prompt_tokens"], routed))
     return out
 
 
@@ -368,6 +379,7 @@ def choices_row(rounds: dict[str, list[tuple]]) -> dict:
              for name in ("logprobs 5", "no logprobs")}
     return {"prompt_tokens": rounds[n][0][3], "rounds": len(rounds[n]),
             "choices_per_s": per_s, "n_vs_separate": ratio(per_s[n], per_s[separate]),
+            "routed_per_round": {name: statistics.median(r[4] for r in rounds[name]) for name in (n, separate)},
             "same_choices": all(a[2] == b[2] for a, b in zip(rounds[n], rounds[separate])),
             "tokens_per_s": tok_s, "logprobs_cost": ratio(tok_s["logprobs 5"], tok_s["no logprobs"]),
             "same_text": all(a[2] == b[2] for a, b in zip(rounds["logprobs 5"], rounds["no logprobs"]))}
@@ -473,9 +485,11 @@ def choices_markdown(r: dict) -> list[str]:
     n, separate = f"n={CHOICES}", f"{CHOICES} requests"
     return [f"Choices and log-probabilities: a prompt of about {r['prompt_tokens']} tokens, {r['rounds']} alternating "
             "rounds", "",
-            f"| {n}: choices/s | {separate} at once: choices/s | ratio | same choices | tokens/s logprobs 5 | "
-            "tokens/s none | ratio | same text |", "| ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+            f"| {n}: choices/s | {separate} at once: choices/s | ratio | expert tokens per round ({n} / {separate}) | "
+            "same choices | tokens/s logprobs 5 | tokens/s none | ratio | same text |",
+            "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
             f"| {r['choices_per_s'][n]} | {r['choices_per_s'][separate]} | {_cell(r['n_vs_separate'])} | "
+            f"{r['routed_per_round'][n]:g} / {r['routed_per_round'][separate]:g} | "
             f"{'yes' if r['same_choices'] else 'no'} | {r['tokens_per_s']['logprobs 5']} | "
             f"{r['tokens_per_s']['no logprobs']} | {_cell(r['logprobs_cost'])} | {'yes' if r['same_text'] else 'no'} |"]
 
