@@ -243,8 +243,8 @@ def _add_generate(sub) -> None:
 
 def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="serve a model over HTTP (no checkpoint: the built-in default model)",
-                        description="Serve a checkpoint over HTTP: OpenAI-style /v1/completions (with streaming), "
-                        "/v1/score, /v1/classify, /v1/models, /healthz, /readyz and Prometheus /metrics, with dynamic "
+                        description="Serve a checkpoint over HTTP: OpenAI-style /v1/completions and "
+                        "/v1/chat/completions (with streaming), /v1/score, /v1/classify, /v1/models, /healthz, /readyz and Prometheus /metrics, with dynamic "
                         "batching. With no checkpoint, the built-in default model (trained on first use, then "
                         "cached). SIGTERM stops intake and lets requests in flight finish.")
     sv.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint or Hugging Face Mixtral directory, or an "

@@ -108,5 +108,5 @@ def test_serve_names_a_bad_chat_template_before_loading(tmp_path, content, why):
     template = tmp_path / "chat.jinja"
     if content is not None:
         template.write_text(content)
-    p = run("serve", "--checkpoint", tmp_path / "no-such-checkpoint", "--chat-template", template)
+    p = run("serve", tmp_path / "no-such-checkpoint", "--chat-template", template)
     assert p.returncode == 2 and why in p.stderr and str(template) in p.stderr, p.stderr
