@@ -5,10 +5,13 @@ A step (1) drops cancelled sequences, (2) admits waiting sequences into free slo
 them, at most `prefill_chunk` prompt tokens per step while others are decoding (a long prompt is
 written over several steps, so running streams keep flowing), and (3) decodes one token for every
 running sequence in one model call. A sequence leaves the step it ends (end-of-sequence, its token
-budget, a stop string, cancellation) and its slot is free for the next step.
+budget, a stop string, cancellation) and its slot is free for the next step. When a prompt's prefill
+ends, waiting sequences with the same prompt (a request's n choices) start from a copy of its cache
+rows instead of prefilling it again.
 
 Everything that makes a sequence's tokens its own lives on the sequence: its seeded generator, its
-incremental decoder (text is decoded once per token, not re-decoded in full), its stop strings. A
+incremental decoder (text is decoded once per token, not re-decoded in full), its stop strings, the
+log-probabilities it asked for (of the model's own distribution, before temperature and filtering). A
 prompt's tokens therefore do not depend on which other sequences share its steps, up to the
 rounding of batched GEMMs (fp32 on CPU: exact in the tests).
 """
