@@ -146,3 +146,9 @@ def test_onnx_runner_gives_the_torch_runners_tokens(tmp_path):
         seqs = [Sequence(onnx.encode(p), sp) for p, sp in zip(PROMPTS[:2], params)]
         steps.run(seqs)
         assert [s.out for s in seqs] == want, kv
+        # a prompt scored in chunks of 5 through the graph: the torch engine's terms (logits at every position
+        # come from both kinds of export)
+        scored = Sequence(onnx.encode(PROMPTS[1]), SamplingParams(max_new_tokens=0, prompt_logprobs=2))
+        steps.run([scored])
+        terms = engine.token_logprobs_ids([engine.encode(PROMPTS[1])])[0]
+        assert [lp.logprob for lp in scored.prompt_logprobs[1:]] == pytest.approx(terms, abs=1e-4), kv
