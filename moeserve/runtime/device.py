@@ -54,11 +54,28 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# CPU flags that decide which kernels run (the vector width, bf16 and int8 dot products, AMX tiles)
+REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """Which of REPORTED_FLAGS the kernel reports for this CPU ([] where there is no /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in REPORTED_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict:
     """The machine a measurement ran on, written beside every benchmark and calibration."""
-    return {"cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(),
             "fast_bf16": cpu_has_fast_bf16(), "onednn_bf16": onednn_bf16_available(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "gpu": gpu, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version()}
 
 

@@ -57,7 +57,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | 
     for s in stop:  # a stop string that is no text could never match
         _check_unicode(s, "stop")
     return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                          top_p=None if req.top_p >= 1 else req.top_p, seed=req.seed, stop=stop)
+                          top_p=None if req.top_p >= 1 else req.top_p, seed=req.seed, stop=stop,
+                          ignore_eos=req.ignore_eos)
 
 
 @dataclasses.dataclass

@@ -100,6 +100,8 @@ class CompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=0)
     suffix: None = None
     user: str | None = Field(None, max_length=256)
+    ignore_eos: bool = Field(False, description="extension (as vLLM): generate max_tokens whatever the model says; "
+                             "for benchmarks with fixed output lengths")
 
 
 class TextPart(BaseModel):
@@ -137,6 +139,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=0, le=0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(None, max_length=0)
     user: str | None = Field(None, max_length=256)
+    ignore_eos: bool = Field(False, description="extension (as vLLM): generate max tokens whatever the model says")
 
 
 class TextsRequest(BaseModel):

@@ -18,6 +18,7 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
+from moeserve.chat import ChatTemplate  # noqa: E402
 from moeserve.runtime.engine import Engine, SamplingParams  # noqa: E402
 from moeserve.serve.state import ServeConfig  # noqa: E402
 
@@ -241,3 +242,25 @@ def test_logprobs_stream_equal_the_whole_answer(live):
                     got[k] += lp[k]
     assert got == {k: whole[k] for k in got}
     assert all(math.isfinite(x) for x in whole["token_logprobs"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_ignore_eos_generates_max_tokens(tiny_ckpt, tiny_chat_template, path):
+    """A tokenizer whose end-of-sequence is the prompt's first greedy token: the request ends at once, unless
+    it asks to ignore the end (the extension benchmarks use for fixed output lengths)."""
+    from moeserve.tokenizer import ByteTokenizer
+
+    engine = Engine.load(tiny_ckpt, dtype="float32", device="cpu")
+    if path == "/v1/completions":
+        body, ids = {"prompt": "hi"}, engine.encode("hi")
+    else:
+        messages = [{"role": "user", "content": "hi"}]
+        body = {"messages": messages}
+        ids = engine.tokenizer.encode(ChatTemplate.from_file(tiny_chat_template).render(messages), bos=True)
+    engine.tokenizer = type("EndsAtOnce", (ByteTokenizer,), {"eos_id": greedy(engine, ids, 1).token_ids[0]})()
+    with live_server(engine, ServeConfig(model_name="t", chat_template=tiny_chat_template)) as s:
+        body = {"model": "t", "max_tokens": 7, "temperature": 0, **body}
+        ends = s.post(path, body).json()
+        assert ends["choices"][0]["finish_reason"] == "stop" and ends["usage"]["completion_tokens"] == 0
+        full = s.post(path, {**body, "ignore_eos": True}).json()
+        assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 7
