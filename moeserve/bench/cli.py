@@ -126,3 +126,44 @@ def add_bench(sub, calibrate_help: str) -> None:
                     help="write the report (with the machine description) as JSON")
     bh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bh.set_defaults(func=_main("moeserve.bench.http"))
+    bs = bsub.add_parser("serve", help="load on any OpenAI-compatible endpoint: TTFT, ITL, latency, throughput and "
+                         "goodput across concurrency levels and request rates",
+                         description="Stream completions (or chat completions) from a running server at each load "
+                         "level, a closed loop per --concurrency and a Poisson open loop per --rate, timing every "
+                         "token's arrival. Prints a table; --json writes the report (schema: "
+                         "moeserve/bench/serve_schema.json), --plot a PNG, --compare A.json B.json sets two runs "
+                         "side by side. Exit 2: the endpoint cannot be used as asked; 1: it stopped answering "
+                         "mid-run (the levels measured are kept).")
+    bs.add_argument("--url", help="the server's base URL, e.g. http://127.0.0.1:8000 (no /v1)")
+    bs.add_argument("--model", help="the model id to ask for (default: the first of GET /v1/models)")
+    bs.add_argument("--api-key", help="bearer token, if the server wants one")
+    bs.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
+                    help="/v1/completions or /v1/chat/completions (default: completions)")
+    bs.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16], metavar="C",
+                    help="closed-loop levels: concurrent users (default: 1 4 16; none: only --rate)")
+    bs.add_argument("--rate", type=float, nargs="*", default=[], metavar="R",
+                    help="open-loop levels: requests per second, Poisson arrivals; inf sends at once (default: none)")
+    bs.add_argument("--duration", type=float, default=20.0, metavar="S", help="seconds per level at most (default: 20)")
+    bs.add_argument("--requests", type=int, metavar="N", help="requests per level at most (default: as many as the "
+                    "duration allows; 64 for --rate inf)")
+    bs.add_argument("--prompts", type=Path, metavar="FILE",
+                    help="prompts: JSONL with a \"prompt\" or \"text\" field, or one per line (default: cut from the "
+                    "built-in corpus to --input-len tokens)")
+    bs.add_argument("--input-len", type=int, nargs="+", default=[128], metavar="N",
+                    help="prompt tokens: N, or LOW HIGH for a uniform range (default: 128)")
+    bs.add_argument("--output-len", type=int, nargs="+", default=[64], metavar="N",
+                    help="max_tokens: N, or LOW HIGH (default: 64)")
+    bs.add_argument("--ignore-eos", default="auto", choices=("auto", "on", "off"),
+                    help="ask for exactly max_tokens (auto: where /v1/models says moeserve or vllm, which take it)")
+    bs.add_argument("--slo-ttft", type=float, metavar="MS", help="goodput: time to first token at most this")
+    bs.add_argument("--slo-itl", type=float, metavar="MS", help="goodput: mean inter-token latency at most this")
+    bs.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per request (default: 300)")
+    bs.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrival times (default: 0)")
+    bs.add_argument("--quick", action="store_true", help="the first level of each kind, 3 s and 8 requests each")
+    bs.add_argument("--json", type=Path, metavar="FILE", help="write the report as JSON")
+    bs.add_argument("--plot", type=Path, metavar="FILE.png", help="latency against throughput, TTFT and ITL "
+                    "percentiles (needs matplotlib: the bench extra)")
+    bs.add_argument("--compare", type=Path, nargs=2, metavar=("A.json", "B.json"),
+                    help="print two reports' levels side by side instead of running")
+    bs.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bs.set_defaults(func=_main("moeserve.bench.serve"))

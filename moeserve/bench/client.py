@@ -54,20 +54,23 @@ async def post_completion(client, body: dict) -> Outcome:
     return outcome_of(start, r.status_code, r.headers, r.json() if r.status_code == 200 else None)
 
 
-def async_client(url: str, connections: int):
+def async_client(url: str, connections: int | None, headers: dict[str, str] | None = None, timeout_s: float = 300.0):
+    """An httpx client of at most `connections` connections (None: no limit)."""
     import httpx
 
-    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0),
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s), headers=headers,
                              limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
 
 
 @contextlib.asynccontextmanager
-async def clients(url: str, n: int) -> AsyncIterator[list]:
-    """n httpx clients of one connection each, as n users would have. One client with an n-connection pool
-    is not the same: httpcore re-scans every connection for every waiting request whenever one is added or
-    done, so with n = 256 requests at once the client's own bookkeeping took seconds and set the latency."""
+async def clients(url: str, n: int, headers: dict[str, str] | None = None, timeout_s: float = 300.0,
+                  connections: int | None = 1) -> AsyncIterator[list]:
+    """n httpx clients of one connection each (by default), as n users would have. One client with an
+    n-connection pool is not the same: httpcore re-scans every connection for every waiting request whenever
+    one is added or done, so with n = 256 requests at once the client's own bookkeeping took seconds and set
+    the latency."""
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(async_client(url, 1)) for _ in range(n)]
+        yield [await stack.enter_async_context(async_client(url, connections, headers, timeout_s)) for _ in range(n)]
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import statistics
 import sys
@@ -45,6 +44,7 @@ from typing import Callable
 
 from moeserve.bench.client import Outcome, async_client, clients, completion_body, post_completion, read_response
 from moeserve.bench.server_process import ServerLog, running_server, sigterm_as_exit
+from moeserve.bench.stats import percentile, ratio
 from moeserve.runtime.device import machine
 
 PROMPTS: tuple[str, ...] = (
@@ -76,14 +76,6 @@ class HttpBenchConfig:
 
 
 # ---- statistics -------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
-
-
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
@@ -197,10 +189,6 @@ def run_loops(cfg: HttpBenchConfig, names: list[str], lengths: tuple[int, ...], 
             outcomes, t0, t1, before, after = asyncio.run(closed_loop(url, cfg, lengths))
         rows.append({**throughput_row(name, flags, outcomes, (t0, t1), (before, after)), "server": server.summary()})
     return rows
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a is not None and b else None
 
 
 def bench_throughput(cfg: HttpBenchConfig, log: Log) -> dict:

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moeserve.bench.stats import percentile
 from moeserve.config import MoEConfig
 from moeserve.runtime.calibration import ExpertShape, calibrate, interleaved_ms, plan_for
 from moeserve.runtime.device import dtype_unsupported, machine
@@ -45,11 +46,6 @@ class Shape:
     def flops(self, tokens: int) -> float:
         """Expert FLOPs per forward: 3 matrices of D x F per (token, expert), 2 FLOPs per multiply-add."""
         return 2.0 * 3 * self.d_model * self.d_ff * tokens * self.top_k
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
 def moeserve_layer(shape: Shape, seed: int = 0) -> MoELayer:
@@ -177,8 +173,8 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
             for name, err in errors.items():
                 p50 = statistics.median(times[name])
                 rows.append({"dtype": dtype_name, "tokens": T, "impl": name, "p50_ms": round(p50, 4),
-                             "p90_ms": round(percentile(times[name], 0.9), 4),
-                             "p99_ms": round(percentile(times[name], 0.99), 4),
+                             "p90_ms": round(percentile(times[name], 90), 4),
+                             "p99_ms": round(percentile(times[name], 99), 4),
                              "gflops": round(shape.flops(T) / p50 / 1e6, 1), "max_abs_err_vs_fp32": err,
                              "runs": len(times[name])})
                 if progress:

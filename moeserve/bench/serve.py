@@ -1,0 +1,526 @@
+"""`moeserve bench serve`: load on any OpenAI-compatible endpoint, timed token by token.
+
+Each request streams (`stream: true`, `stream_options.include_usage`), so the arrival of every text
+chunk is timed: time to first token (TTFT: send to the first chunk with text), inter-token latency
+(ITL: the gaps between text chunks), end-to-end latency (send to the last byte). Levels:
+
+- closed loop at a concurrency C: C users, each sending its next request when the last one ends;
+- open loop at a rate R: requests sent at Poisson arrival times whatever the answers do (inter-arrival
+  gaps drawn from an exponential distribution and scaled so that N requests span (N - 1) / R seconds:
+  the schedule keeps the asked rate exactly, and the measured rate says whether client and server kept up);
+  `inf` sends them all at once.
+
+Each level runs for --duration seconds or --requests requests, whichever ends first (an open level sends
+min(R x duration, requests)). Per level: requests, errors by status (429, 503, 504, other; an error event
+inside a stream counts by its code), TTFT / ITL / end-to-end percentiles, output tokens/s, requests/s,
+and goodput: the share of requests with TTFT <= --slo-ttft and mean ITL <= --slo-itl.
+
+Prompts come from --prompts (JSONL with a "prompt" or "text" field, or text: a prompt per non-blank line),
+or are cut from the built-in corpus (the Python standard library's source) to --input-len tokens, as the
+server's tokenizer counts them: one calibration request measures its characters per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from moeserve.bench.plots import PlotUnavailable
+from moeserve.bench.stats import percentile, ratio
+from moeserve.runtime.device import machine
+
+SCHEMA = "moeserve.bench.serve/1"
+SCHEMA_FILE = Path(__file__).with_name("serve_schema.json")
+STREAM_ERROR_STATUS = {"queue_full": 429, "not_ready": 503, "shutting_down": 503, "deadline_exceeded": 504}
+
+
+class BenchError(Exception):
+    """The endpoint cannot be benchmarked as asked (unreachable, not OpenAI-compatible, refused): exit 2."""
+
+
+class ServerGone(Exception):
+    """The endpoint stopped answering mid-run: what was measured is kept, exit 1."""
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    url: str
+    model: str | None = None  # default: the first model of GET /v1/models
+    api_key: str | None = None
+    endpoint: str = "completions"  # or "chat"
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    rates: tuple[float, ...] = ()
+    duration_s: float = 20.0
+    requests: int | None = None  # per level, at most
+    prompts: Path | None = None
+    input_len: tuple[int, int] = (128, 128)  # tokens, low..high (uniform)
+    output_len: tuple[int, int] = (64, 64)
+    ignore_eos: str = "auto"  # auto: where the server says it is moeserve (which takes the field)
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    timeout_s: float = 300.0
+    seed: int = 0
+
+
+@dataclass
+class Record:
+    """One request as the client saw it."""
+
+    start: float  # seconds since the level began
+    status: str  # "200", "429", ..., "connection", "timeout", "stream:<code>"
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each text chunk, seconds since start
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "200"
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.ok and self.output_tokens > 1 else None
+
+
+# ---- the endpoint ------------------------------------------------------------------------------------
+def headers(cfg: ServeBenchConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+
+
+def probe(cfg: ServeBenchConfig) -> dict:
+    """GET /v1/models: the server's answer, or a BenchError saying why there is none to use."""
+    import httpx
+
+    url = cfg.url.rstrip("/") + "/v1/models"
+    try:
+        r = httpx.get(url, headers=headers(cfg), timeout=10)
+    except httpx.HTTPError as e:
+        raise BenchError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if r.status_code in (401, 403):
+        raise BenchError(f"{url} answered {r.status_code}: it wants an API key{' (this one was refused)' if cfg.api_key else ''}"
+                         "; pass --api-key")
+    try:
+        data = r.json()["data"]
+        ids = [m["id"] for m in data]
+    except (ValueError, KeyError, TypeError):
+        raise BenchError(f"{url} answered {r.status_code} without an OpenAI model list: not an OpenAI-compatible "
+                         "endpoint (give the server's base URL, without /v1)") from None
+    if cfg.model is not None and cfg.model not in ids:
+        raise BenchError(f"--model {cfg.model!r}: the server serves {', '.join(map(repr, ids)) or 'no model'}")
+    if not ids:
+        raise BenchError(f"{url} lists no model")
+    return r.json()
+
+
+def request_body(cfg: ServeBenchConfig, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if cfg.endpoint == "chat" else {"prompt": prompt})
+    return {**body, "ignore_eos": True} if ignore_eos else body
+
+
+def chunk_text(event: dict, chat: bool) -> str:
+    choices = event.get("choices") or [{}]
+    return (choices[0].get("delta") or {}).get("content") or "" if chat else choices[0].get("text") or ""
+
+
+async def send(client, cfg: ServeBenchConfig, body: dict, t0: float) -> Record:
+    """One streamed request; its record (times in seconds since t0)."""
+    import httpx
+
+    path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
+    start = time.perf_counter()
+    rec = Record(start - t0, "200")
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                rec.status = str(r.status_code)
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    code = (event["error"] or {}).get("code")
+                    rec.status = str(STREAM_ERROR_STATUS.get(code, f"stream:{code}"))
+                    return rec
+                if chunk_text(event, cfg.endpoint == "chat"):
+                    rec.chunk_times.append(time.perf_counter() - start)
+                if event.get("usage"):
+                    rec.output_tokens = event["usage"].get("completion_tokens") or 0
+                    rec.prompt_tokens = event["usage"].get("prompt_tokens") or 0
+    except httpx.TimeoutException:
+        rec.status = "timeout"
+        return rec
+    except (httpx.HTTPError, ValueError) as e:
+        rec.status = "connection" if isinstance(e, httpx.TransportError) else f"other:{type(e).__name__}"
+        return rec
+    rec.e2e_s = time.perf_counter() - start
+    rec.ttft_s = rec.chunk_times[0] if rec.chunk_times else None
+    rec.output_tokens = rec.output_tokens or len(rec.chunk_times)  # a server without usage in streams
+    return rec
+
+
+# ---- prompts -----------------------------------------------------------------------------------------
+def read_prompts(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"--prompts {path}: cannot read ({e})") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+                prompts.append(record["prompt"] if "prompt" in record else record["text"])
+            except (ValueError, KeyError, TypeError):
+                raise BenchError(f"--prompts {path}:{n}: expected a JSON object with a \"prompt\" or \"text\" "
+                                 "string") from None
+        else:
+            prompts.append(line)
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise BenchError(f"--prompts {path}: no prompts (or an empty one)")
+    return prompts
+
+
+def corpus_text(chars: int) -> str:
+    """At least `chars` characters of the built-in corpus (the standard library's source)."""
+    from moeserve.training.data import default_corpus_files
+
+    parts, total = [], 0
+    for path in default_corpus_files():
+        parts.append(path.read_text(encoding="utf-8", errors="replace"))
+        total += len(parts[-1])
+        if total >= chars:
+            break
+    return "".join(parts)
+
+
+def chars_per_token(cfg: ServeBenchConfig, model: str, sample: str) -> float:
+    """The server's tokenizer on this text: characters per prompt token, from one request's usage."""
+    import httpx
+
+    body = {**request_body(cfg, model, sample, 1, False), "stream": False}
+    del body["stream_options"]
+    path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
+    try:
+        r = httpx.post(cfg.url.rstrip("/") + path, json=body, headers=headers(cfg), timeout=60)
+        tokens = r.json()["usage"]["prompt_tokens"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise BenchError(f"POST {path} did not answer with usage.prompt_tokens ({type(e).__name__}): cannot size "
+                         "prompts in tokens; give --prompts") from None
+    return max(len(sample) / max(tokens, 1), 0.25)
+
+
+def workload(cfg: ServeBenchConfig, model: str, n: int, context: int | None) -> list[tuple[str, int]]:
+    """(prompt, max_tokens) for n requests: deterministic for a seed. `context`: the model's, where the
+    server says it (moeserve and vLLM do, as max_model_len)."""
+    if context is not None and cfg.prompts is None and cfg.input_len[1] + cfg.output_len[1] > context:
+        raise BenchError(f"--input-len {cfg.input_len[1]} + --output-len {cfg.output_len[1]} tokens do not fit the "
+                         f"model's context of {context}")
+    rng = random.Random(cfg.seed)
+    out_lens = [rng.randint(*cfg.output_len) for _ in range(n)]
+    if cfg.prompts is not None:
+        prompts = read_prompts(cfg.prompts)
+        return [(prompts[i % len(prompts)], out_lens[i]) for i in range(n)]
+    in_lens = [rng.randint(*cfg.input_len) for _ in range(n)]
+    text = corpus_text(200_000)
+    cpt = chars_per_token(cfg, model, text[:min(2000, (context or 4096) // 2)])
+    starts = [rng.randrange(0, len(text) - 20_000) for _ in range(n)]
+    return [(text[s:s + max(1, int(k * cpt))], m) for s, k, m in zip(starts, in_lens, out_lens)]
+
+
+# ---- load levels -------------------------------------------------------------------------------------
+def arrival_times(rate: float, n: int, seed: int) -> list[float]:
+    """n Poisson arrival times at `rate`, the first at 0, the n - 1 gaps scaled to add up to (n - 1) / rate
+    seconds: the rate of the schedule is exactly the asked one (all 0 for an infinite rate)."""
+    if math.isinf(rate) or n < 2:
+        return [0.0] * n
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) for _ in range(n - 1)]
+    scale = ((n - 1) / rate) / sum(gaps)
+    times = [0.0]
+    for g in gaps:
+        times.append(times[-1] + g * scale)
+    return times
+
+
+async def closed_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], users: int,
+                       ignore_eos: bool) -> tuple[list[Record], float]:
+    from moeserve.bench.client import clients
+
+    records: list[Record] = []
+    limit = cfg.requests or len(work)
+    next_i = 0
+    t0 = time.perf_counter()
+    end = t0 + cfg.duration_s
+
+    async def user(client) -> None:
+        nonlocal next_i
+        while time.perf_counter() < end and next_i < limit:
+            prompt, max_tokens = work[next_i % len(work)]
+            next_i += 1
+            records.append(await send(client, cfg, request_body(cfg, model, prompt, max_tokens, ignore_eos), t0))
+
+    async with clients(cfg.url, users, headers=headers(cfg), timeout_s=cfg.timeout_s) as pool:
+        await asyncio.gather(*(user(c) for c in pool))
+    return records, time.perf_counter() - t0
+
+
+async def open_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], rate: float,
+                     ignore_eos: bool) -> tuple[list[Record], float]:
+    from moeserve.bench.client import clients
+
+    n = len(work) if math.isinf(rate) else max(1, min(len(work), int(rate * cfg.duration_s)))
+    times = arrival_times(rate, n, cfg.seed)
+    async with clients(cfg.url, min(n, 64), headers=headers(cfg), timeout_s=cfg.timeout_s, connections=None) as pool:
+        t0 = time.perf_counter()
+
+        async def at(i: int) -> Record:
+            await asyncio.sleep(max(0.0, t0 + times[i] - time.perf_counter()))
+            prompt, max_tokens = work[i % len(work)]
+            return await send(pool[i % len(pool)], cfg, request_body(cfg, model, prompt, max_tokens, ignore_eos), t0)
+
+        records = list(await asyncio.gather(*(at(i) for i in range(n))))
+    return records, time.perf_counter() - t0
+
+
+def summarize(kind: str, value: float, records: list[Record], wall_s: float, cfg: ServeBenchConfig) -> dict:
+    ok = [r for r in records if r.ok]
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            key = r.status if r.status in ("429", "503", "504") else "other"
+            errors[key] = errors.get(key, 0) + 1
+
+    def dist(xs: list[float]) -> dict:
+        ms = [x * 1e3 for x in xs]
+        return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99),
+                "max": max(ms, default=None), "mean": sum(ms) / len(ms) if ms else None}
+
+    def good(r: Record) -> bool:
+        return (cfg.slo_ttft_ms is None or (r.ttft_s is not None and r.ttft_s * 1e3 <= cfg.slo_ttft_ms)) and \
+               (cfg.slo_itl_ms is None or r.mean_itl_s is None or r.mean_itl_s * 1e3 <= cfg.slo_itl_ms)
+
+    sends = sorted(r.start for r in records)
+    achieved = (len(sends) - 1) / (sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None
+    tokens = sum(r.output_tokens for r in ok)
+    goodput = [r for r in ok if good(r)]
+    return {"kind": kind, "value": value if not math.isinf(value) else "inf", "requests": len(records),
+            "ok": len(ok), "errors": errors, "other_statuses": sorted({r.status for r in records
+                                                                       if not r.ok and r.status not in errors}),
+            "wall_s": round(wall_s, 3), "requests_per_s": len(ok) / wall_s, "output_tokens_per_s": tokens / wall_s,
+            "achieved_rate": achieved, "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / len(ok) if ok else None,
+            "output_tokens_mean": tokens / len(ok) if ok else None,
+            "ttft_ms": dist([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "itl_ms": dist([x for r in ok for x in r.itls]), "e2e_ms": dist([r.e2e_s for r in ok]),
+            "goodput": len(goodput) / len(records) if records else None,
+            "goodput_requests_per_s": len(goodput) / wall_s}
+
+
+def uses_ignore_eos(cfg: ServeBenchConfig, models: dict) -> bool:
+    if cfg.ignore_eos != "auto":
+        return cfg.ignore_eos == "on"
+    return any(m.get("owned_by") in ("moeserve", "vllm") for m in models.get("data", []))
+
+
+def bench_serve(cfg: ServeBenchConfig, log=lambda msg: None, report: dict | None = None) -> dict:
+    """Run every level; `report` (filled as levels end) is what a caller keeps if the server goes away."""
+    report = report if report is not None else {}
+    models = probe(cfg)
+    model = cfg.model or models["data"][0]["id"]
+    ignore_eos = uses_ignore_eos(cfg, models)
+    report.update({"schema": SCHEMA, "config": {**asdict(cfg), "prompts": str(cfg.prompts) if cfg.prompts else None,
+                                                "rates": [r if not math.isinf(r) else "inf" for r in cfg.rates]},
+                   "machine": machine(), "libraries": libraries(), "server": {"url": cfg.url, "models": models},
+                   "model": model, "ignore_eos": ignore_eos, "levels": [], "complete": False, "error": None})
+    biggest = max([cfg.requests or 0] + [int(r * cfg.duration_s) for r in cfg.rates if not math.isinf(r)] +
+                  [c * 64 for c in cfg.concurrency])
+    card = next(m for m in models["data"] if m["id"] == model)
+    context = card.get("max_model_len") if isinstance(card.get("max_model_len"), int) else None
+    work = workload(cfg, model, max(1, min(biggest, 4096) if cfg.requests is None else cfg.requests), context)
+    levels = [("concurrency", float(c)) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
+    for kind, value in levels:
+        log(f"{kind} {value:g}: up to {cfg.duration_s:g} s" + (f" or {cfg.requests} requests" if cfg.requests else ""))
+        if kind == "concurrency":
+            records, wall = asyncio.run(closed_level(cfg, model, work, int(value), ignore_eos))
+        else:
+            records, wall = asyncio.run(open_level(cfg, model, work, value, ignore_eos))
+        report["levels"].append(summarize(kind, value, records, wall, cfg))
+        if records and all(r.status in ("connection", "timeout") for r in records):
+            raise ServerGone(f"{kind} {value:g}: every request failed ({records[0].status}); the server stopped "
+                             "answering")
+    report["complete"] = True
+    return report
+
+
+def libraries() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("moeserve", "torch", "httpx", "fastapi", "uvicorn", "transformers", "onnxruntime"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# ---- output ------------------------------------------------------------------------------------------
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def level_name(level: dict) -> str:
+    value = level["value"] if level["value"] == "inf" else f"{level['value']:g}"
+    return f"{'C' if level['kind'] == 'concurrency' else 'R'}={value}"
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['server']['url']} ({report['model']}), {report['config']['endpoint']}, ignore_eos "
+             f"{'on' if report['ignore_eos'] else 'off'}; client on {report['machine']['cpu']}, "
+             f"{report['machine']['cores']} cores", "",
+             "| level | ok / sent | errors | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+             "E2E p50 / p99 ms | goodput |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for lv in report["levels"]:
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(lv["errors"].items())) or "-"
+        lines.append(f"| {level_name(lv)} | {lv['ok']} / {lv['requests']} | {errors} | {_f(lv['requests_per_s'], 2)} | "
+                     f"{_f(lv['output_tokens_per_s'])} | {_f(lv['ttft_ms']['p50'])} / {_f(lv['ttft_ms']['p99'])} | "
+                     f"{_f(lv['itl_ms']['p50'])} / {_f(lv['itl_ms']['p99'])} | {_f(lv['e2e_ms']['p50'])} / "
+                     f"{_f(lv['e2e_ms']['p99'])} | {_f(None if lv['goodput'] is None else 100 * lv['goodput'])}% |")
+    if not report["complete"]:
+        lines += ["", f"INCOMPLETE: {report['error']}"]
+    return "\n".join(lines)
+
+
+def compare(a: dict, b: dict) -> str:
+    """Two runs' levels side by side (matched by kind and value), with B / A ratios."""
+    lines = [f"A: {a['server']['url']} ({a['model']}); B: {b['server']['url']} ({b['model']})", "",
+             "| level | req/s A / B | ratio | out tok/s A / B | ratio | TTFT p50 ms A / B | ITL p50 ms A / B | "
+             "E2E p99 ms A / B |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    theirs = {(lv["kind"], lv["value"]): lv for lv in b["levels"]}
+    for x in a["levels"]:
+        y = theirs.get((x["kind"], x["value"]))
+        if y is None:
+            continue
+        lines.append(f"| {level_name(x)} | {_f(x['requests_per_s'], 2)} / {_f(y['requests_per_s'], 2)} | "
+                     f"{_f(ratio(y['requests_per_s'], x['requests_per_s']), 2)} | {_f(x['output_tokens_per_s'])} / "
+                     f"{_f(y['output_tokens_per_s'])} | {_f(ratio(y['output_tokens_per_s'], x['output_tokens_per_s']), 2)} | "
+                     f"{_f(x['ttft_ms']['p50'])} / {_f(y['ttft_ms']['p50'])} | {_f(x['itl_ms']['p50'])} / "
+                     f"{_f(y['itl_ms']['p50'])} | {_f(x['e2e_ms']['p99'])} / {_f(y['e2e_ms']['p99'])} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Latency against throughput across the levels, and the TTFT / ITL percentiles per level."""
+    from moeserve.bench.plots import pyplot
+
+    plt = pyplot()
+    levels = [lv for lv in report["levels"] if lv["ok"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for kind, marker in (("concurrency", "o-"), ("rate", "s--")):
+        xs = [lv for lv in levels if lv["kind"] == kind]
+        if xs:
+            left.plot([lv["output_tokens_per_s"] for lv in xs], [lv["e2e_ms"]["p50"] for lv in xs], marker,
+                      label=f"{kind}: E2E p50")
+            for lv in xs:
+                left.annotate(level_name(lv), (lv["output_tokens_per_s"], lv["e2e_ms"]["p50"]), fontsize=8)
+    left.set_xlabel("output tokens/s")
+    left.set_ylabel("end-to-end latency p50 (ms)")
+    left.set_title("latency against throughput")
+    left.legend()
+    names = [level_name(lv) for lv in levels]
+    width = 0.13
+    for j, (metric, q) in enumerate([(m, q) for m in ("ttft_ms", "itl_ms") for q in ("p50", "p90", "p99")]):
+        right.bar([i + (j - 2.5) * width for i in range(len(levels))], [lv[metric][q] or 0 for lv in levels], width,
+                  label=f"{metric.removesuffix('_ms').upper()} {q}")
+    right.set_xticks(range(len(levels)), names)
+    right.set_yscale("log")
+    right.set_ylabel("ms")
+    right.set_title("TTFT and ITL percentiles")
+    right.legend(fontsize=7)
+    fig.suptitle(f"moeserve bench serve: {report['model']} at {report['server']['url']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def config_from_args(args) -> ServeBenchConfig:
+    def span(values: list[int], name: str) -> tuple[int, int]:
+        if len(values) not in (1, 2) or min(values) < 1 or values[0] > values[-1]:
+            raise BenchError(f"--{name} {' '.join(map(str, values))}: expected N or LOW HIGH, integers >= 1")
+        return values[0], values[-1]
+
+    if any(c < 1 for c in args.concurrency) or any(not r > 0 for r in args.rate):
+        raise BenchError("--concurrency levels must be >= 1 and --rate levels > 0 (inf: all at once)")
+    if not args.duration > 0 or (args.requests is not None and args.requests < 1):
+        raise BenchError("--duration must be > 0 and --requests >= 1")
+    concurrency, rates = tuple(args.concurrency), tuple(args.rate)
+    duration, requests = args.duration, args.requests
+    if args.quick:  # seconds, for CI and a first look
+        concurrency, rates = concurrency[:1] or (1,), rates[:1]
+        duration, requests = min(duration, 3.0), min(requests or 8, 8)
+    if not concurrency and not rates:
+        raise BenchError("no load levels: give --concurrency and/or --rate")
+    if any(math.isinf(r) for r in rates) and requests is None:
+        requests = 64  # an infinite rate needs a count
+    return ServeBenchConfig(url=args.url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,
+                            concurrency=concurrency, rates=rates, duration_s=duration, requests=requests,
+                            prompts=args.prompts, input_len=span(args.input_len, "input-len"),
+                            output_len=span(args.output_len, "output-len"), ignore_eos=args.ignore_eos,
+                            slo_ttft_ms=args.slo_ttft, slo_itl_ms=args.slo_itl, timeout_s=args.timeout,
+                            seed=args.seed)
+
+
+def main(args) -> int:
+    def err(msg: str) -> None:
+        print(f"moeserve bench serve: {msg}", file=sys.stderr)
+
+    if args.compare:
+        try:
+            a, b = (json.loads(Path(p).read_text()) for p in args.compare)
+            print(compare(a, b))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            err(f"--compare: {type(e).__name__}: {e}")
+            return 2
+        return 0
+    if not args.url:
+        err("--url is required (the server's base URL, e.g. http://127.0.0.1:8000), or --compare A.json B.json")
+        return 2
+    log = (lambda msg: None) if args.quiet else (lambda msg: err(msg))
+    report: dict = {}
+    code = 0
+    try:
+        cfg = config_from_args(args)
+        if args.plot:
+            from moeserve.bench.plots import pyplot
+
+            pyplot()  # no matplotlib: said before the run, not after it
+        bench_serve(cfg, log, report)
+    except (BenchError, PlotUnavailable) as e:
+        err(str(e))
+        return 2
+    except (ServerGone, KeyboardInterrupt) as e:
+        report["error"] = str(e) or type(e).__name__
+        err(f"stopped: {report['error']}; the levels measured so far are kept")
+        code = 1
+    print(table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, allow_nan=False))
+    if args.plot and report["levels"]:
+        plot(report, Path(args.plot))
+    return code

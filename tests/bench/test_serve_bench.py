@@ -1,0 +1,184 @@
+"""`moeserve bench serve` against real servers on loopback: its timings agree with the server's own histograms
+and with a client's own timestamps, errors are counted by status, the open loop keeps its rate, bad
+endpoints are named errors (exit 2), a server that goes away leaves a partial, valid report (exit 1)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from moeserve.bench.serve import SCHEMA_FILE, arrival_times
+from moeserve.bench.stats import percentile
+from moeserve.cli import main
+from moeserve.runtime.engine import Engine
+from moeserve.serve.batcher import BatchConfig
+from moeserve.serve.state import ServeConfig
+
+from ..serve.conftest import live_server
+
+jsonschema = pytest.importorskip("jsonschema")
+SHORT = ["--input-len", "8", "--output-len", "12", "--quiet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(one_torch_thread):
+    pass
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    import torch
+
+    from moeserve.checkpoint import save_checkpoint
+    from moeserve.config import preset
+    from moeserve.runtime.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="xmoe"))
+    return save_checkpoint(tmp_path_factory.mktemp("bench-serve") / "tiny", model.cfg, model.state_dict())
+
+
+def serve(ckpt: Path, **cfg):
+    return live_server(lambda: Engine.load(ckpt, dtype="float32", device="cpu"), ServeConfig(model_name="tiny", **cfg))
+
+
+def bench(url: str, tmp_path: Path, *args: str) -> tuple[int, dict | None]:
+    out = tmp_path / "report.json"
+    out.unlink(missing_ok=True)
+    rc = main(["bench", "serve", "--url", url, "--json", str(out), *args])
+    report = json.loads(out.read_text()) if out.exists() else None
+    if report is not None:
+        jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text()))
+    return rc, report
+
+
+def histogram_mean(metrics: str, family: str, before: str) -> float:
+    from moeserve.bench.http import metric_sums
+
+    (s1, c1), (s0, c0) = metric_sums(metrics, family), metric_sums(before, family)
+    return (s1 - s0) / (c1 - c0)
+
+
+def test_timings_agree_with_the_server_and_a_client_of_our_own(tiny_ckpt, tmp_path):
+    with serve(tiny_ckpt) as s:
+        before = s.client.get("/metrics").text
+        rc, report = bench(s.url, tmp_path, "--concurrency", "1", "--requests", "12", "--duration", "30",
+                           "--plot", str(tmp_path / "p.png"), *SHORT)
+        after = s.client.get("/metrics").text
+        # one request timed here, chunk by chunk, the same shape as the bench's
+        t0, times = time.perf_counter(), []
+        body = {"model": "tiny", "prompt": "def main(args):", "max_tokens": 12, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with s.client.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    times.append(time.perf_counter() - t0)
+    assert rc == 0 and report["complete"] and report["ignore_eos"] and report["model"] == "tiny"
+    (level,) = report["levels"]
+    assert (level["kind"], level["value"], level["requests"], level["ok"], level["errors"]) == \
+        ("concurrency", 1, 12, 12, {})
+    assert level["output_tokens_mean"] == 12 and level["prompt_tokens_mean"] > 1  # ignore_eos: exact lengths
+    server_ttft = histogram_mean(after, "moeserve_time_to_first_token_seconds", before) * 1e3
+    server_e2e = histogram_mean(after, "moeserve_request_duration_seconds", before) * 1e3
+    # the client's clock starts before the server's and stops after it, by an HTTP round trip on loopback
+    assert server_ttft - 1 <= level["ttft_ms"]["mean"] <= server_ttft + 20, (level["ttft_ms"], server_ttft)
+    assert server_e2e - 1 <= level["e2e_ms"]["mean"] <= server_e2e + 20, (level["e2e_ms"], server_e2e)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(gaps) >= 5
+    ours = percentile(gaps, 50) * 1e3
+    assert ours / 3 <= level["itl_ms"]["p50"] <= ours * 3, (level["itl_ms"], ours)
+    assert level["ttft_ms"]["p50"] + 11 * level["itl_ms"]["p50"] <= level["e2e_ms"]["max"] * 1.5
+    from matplotlib.image import imread
+
+    png = imread(tmp_path / "p.png")
+    assert png.shape[:2] == (450, 1200)  # the figure's 12 x 4.5 inches at 100 dpi, decoded
+
+
+def test_open_loop_keeps_its_rate_and_errors_are_counted_by_status(tiny_ckpt, tmp_path):
+    with serve(tiny_ckpt) as s:
+        rc, report = bench(s.url, tmp_path, "--concurrency", "--rate", "20", "--duration", "2", *SHORT)
+    assert rc == 0
+    (level,) = report["levels"]
+    assert level["requests"] == 40 and level["ok"] == 40
+    assert level["achieved_rate"] == pytest.approx(20, rel=0.1)
+    # a queue of one and a single slot: a burst gets 429s; a 30 ms deadline: the queued ones run out of time
+    with serve(tiny_ckpt, batch=BatchConfig(max_queue=1), kv_slots=1, request_timeout_s=0.03) as s:
+        rc, report = bench(s.url, tmp_path, "--concurrency", "--rate", "inf", "--requests", "16",
+                           "--input-len", "8", "--output-len", "40", "--quiet")
+    assert rc == 0
+    (level,) = report["levels"]
+    assert level["requests"] == 16 and level["value"] == "inf"
+    assert level["errors"].get("429", 0) >= 1, level
+    assert level["ok"] + sum(level["errors"].values()) == 16
+    assert set(level["errors"]) <= {"429", "504"}, level
+
+
+def test_bad_endpoints_are_named_errors(tiny_ckpt, tmp_path, capsys):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert bench(f"http://127.0.0.1:{port}", tmp_path, "--quick")[0] == 2
+    assert "cannot reach" in capsys.readouterr().err
+
+    (tmp_path / "index.html").write_text("<html>not an API</html>")
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path))  # noqa: E731
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        assert bench(f"http://127.0.0.1:{web.server_port}", tmp_path, "--quick")[0] == 2
+        assert "not an OpenAI-compatible endpoint" in capsys.readouterr().err
+    finally:
+        web.shutdown()
+
+    with serve(tiny_ckpt, api_key="k") as s:
+        assert bench(s.url, tmp_path, "--quick")[0] == 2
+        assert "wants an API key" in capsys.readouterr().err
+        assert bench(s.url, tmp_path, "--quick", "--model", "other", "--api-key", "k")[0] == 2
+        assert "'tiny'" in capsys.readouterr().err
+        rc, report = bench(s.url, tmp_path, "--quick", "--api-key", "k", *SHORT)
+        assert rc == 0 and report["levels"][0]["ok"] == 8
+    assert bench("http://127.0.0.1:1", tmp_path, "--input-len", "0")[0] == 2
+    assert "--input-len 0: expected N or LOW HIGH" in capsys.readouterr().err
+
+
+def test_a_server_that_goes_away_leaves_a_partial_valid_report(tiny_ckpt, tmp_path, capsys):
+    with serve(tiny_ckpt) as s:
+        timer = threading.Timer(2.0, lambda: setattr(s.server, "should_exit", True))
+        timer.start()
+        rc, report = bench(s.url, tmp_path, "--concurrency", "1", "1", "1", "--duration", "2.5", *SHORT)
+        timer.cancel()
+    assert rc == 1, capsys.readouterr().err
+    assert not report["complete"] and "stopped answering" in report["error"]
+    assert report["levels"] and report["levels"][0]["ok"] > 0  # what was measured before is kept
+    assert "INCOMPLETE" in capsys.readouterr().out
+
+
+def test_compare_and_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
+    level = {"kind": "concurrency", "value": 4, "requests_per_s": 2.0, "output_tokens_per_s": 100.0,
+             "ttft_ms": {"p50": 10.0}, "itl_ms": {"p50": 5.0}, "e2e_ms": {"p99": 300.0}}
+    a = {"server": {"url": "A"}, "model": "m", "levels": [level]}
+    b = {"server": {"url": "B"}, "model": "m", "levels": [{**level, "requests_per_s": 3.0}]}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert main(["bench", "serve", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert "| C=4 | 2.00 / 3.00 | 1.50 |" in capsys.readouterr().out
+    assert main(["bench", "serve", "--compare", str(tmp_path / "a.json"), str(tmp_path / "none.json")]) == 2
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install 'moeserve[bench]'" in capsys.readouterr().err
+
+
+def test_arrivals_and_percentiles():
+    times = arrival_times(5.0, 11, seed=1)
+    assert times[0] == 0 and times[-1] == pytest.approx(2.0) and times == sorted(times)
+    assert len({round(b - a, 6) for a, b in zip(times, times[1:])}) > 5  # Poisson gaps, not a metronome
+    assert arrival_times(float("inf"), 3, 0) == [0.0, 0.0, 0.0]
+    assert percentile([4, 1, 3, 2], 50) == 2 and percentile([4, 1, 3, 2], 51) == 3 and percentile([], 50) is None
+    assert percentile([1, 2, 3], 100) == 3 and percentile([1, 2, 3], 0) == 1
