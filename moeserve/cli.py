@@ -392,6 +392,7 @@ def _runtime_log_to_stderr(quiet: bool) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = ["moeserve", *(sys.argv[1:] if argv is None else argv)]  # what a bench report records
     from moeserve.checkpoint import CheckpointError
 
     try:

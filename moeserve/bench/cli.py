@@ -11,6 +11,9 @@ from moeserve.config import PRESETS
 from moeserve.export import MODES
 
 
+PLOT_HELP = "draw the report into a PNG (needs matplotlib: the bench extra)"
+
+
 def _main(module: str) -> Callable[[argparse.Namespace], int]:
     return lambda args: importlib.import_module(module).main(args)
 
@@ -26,6 +29,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     bt.add_argument("--steps", type=int, help="steps per recipe (default: the default model's)")
     bt.add_argument("--out", type=Path, help="keep the checkpoints here (default: a temporary directory)")
     bt.add_argument("--json", type=Path, help="write the report as JSON")
+    bt.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
     bt.add_argument("--quiet", action="store_true")
     bt.set_defaults(func=_main("moeserve.bench.train"))
     bl = bsub.add_parser("layer", help="one MoE layer: moeserve's dispatch paths vs the reference loop and "
@@ -42,6 +46,7 @@ def add_bench(sub, calibrate_help: str) -> None:
                     "token count and print them with the plan they give (nothing is cached)")
     bl.add_argument("--calibrate", action="store_true", help=calibrate_help)
     bl.add_argument("--json", type=Path, help="write the report as JSON")
+    bl.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
     bl.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     bl.set_defaults(func=_main("moeserve.bench.layer"))
     be = bsub.add_parser("engine", help="greedy generation end to end: the Engine vs transformers' generate",
@@ -62,6 +67,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     be.add_argument("--compile", action="store_true",
                     help="also time the Engine with its compiled decode step (torch.compile; see serve --compile)")
     be.add_argument("--json", type=Path, help="write the report as JSON")
+    be.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
     be.set_defaults(func=_main("moeserve.bench.engine"))
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
                          description="Export a checkpoint in each ONNX mode (parity-checked) and time the scoring "
@@ -77,6 +83,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     bo.add_argument("--new-tokens", type=int, default=64, metavar="N", help="greedy generation of N tokens by torch "
                     "and by a fused --kv-cache export, at each batch size (default: 64; 0: skip)")
     bo.add_argument("--json", type=Path, metavar="FILE", help="write the report (with the machine) as JSON")
+    bo.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
     bo.add_argument("--quiet", action="store_true", help="no progress lines")
     bo.set_defaults(func=_main("moeserve.bench.onnx"))
     bh = bsub.add_parser("http", help="the HTTP server under load: continuous vs batch vs batch size 1, a mixed "
@@ -124,6 +131,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     bh.add_argument("--skip-choices", action="store_true", help="leave out n=4 vs 4 requests and logprobs 5 vs none")
     bh.add_argument("--json", type=Path, metavar="FILE",
                     help="write the report (with the machine description) as JSON")
+    bh.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
     bh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bh.set_defaults(func=_main("moeserve.bench.http"))
     bs = bsub.add_parser("serve", help="load on any OpenAI-compatible endpoint: TTFT, ITL, latency, throughput and "
@@ -167,3 +175,11 @@ def add_bench(sub, calibrate_help: str) -> None:
                     help="print two reports' levels side by side instead of running")
     bs.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bs.set_defaults(func=_main("moeserve.bench.serve"))
+    bd = bsub.add_parser("docs", help="a page of every bench report in a directory, with their plots drawn again",
+                         description="Render each *.json that a bench's --json wrote in DIR (its tables, the command "
+                         "that wrote it, the machine) into one markdown page, and draw each plot again beside its "
+                         "JSON, so that every number on the page can be traced to a file and a command.")
+    bd.add_argument("--dir", type=Path, default=Path("docs/bench"), help="the reports (default: docs/bench)")
+    bd.add_argument("--out", type=Path, help="the page (default: DIR/README.md)")
+    bd.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib needed)")
+    bd.set_defaults(func=_main("moeserve.bench.report"))

@@ -10,7 +10,6 @@ reads per second against the machine's copy bandwidth, measured in the same run.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.bench.report import check_plot, finish
 from moeserve.checkpoint import parameter_counts
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES, Engine, SamplingParams
@@ -226,10 +226,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: Path) -> None:
+    """Generated tokens per second by implementation, per dtype."""
+    from moeserve.bench.plots import bars, pyplot, save
+
+    rows = report["results"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    tps = {(r["dtype"], r["impl"]): r["tokens_per_s"] for r in rows}
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
+    bars(ax, dtypes, {impl: [tps.get((d, impl)) for d in dtypes] for impl in impls}, "tokens/s",
+         f"batch {report['batch']}, {report['new_tokens']} new tokens")
+    save(fig, path, f"moeserve bench engine: {report['model_name'] or report['model']} on {report['device']}")
+
+
 def main(args) -> int:
     import sys
 
     try:
+        check_plot(args)
         report = bench_engine(args.dtypes, args.new_tokens, args.prompt_len, args.repeats,
                               checkpoint=args.checkpoint, calibration="redo" if args.calibrate else None,
                               compiled=args.compile, model=args.model, device=args.device, batch=args.batch,
@@ -238,6 +253,5 @@ def main(args) -> int:
         print(f"moeserve bench engine: {e}", file=sys.stderr)
         return 2
     print(markdown(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    finish(report, args, "engine")
     return 0

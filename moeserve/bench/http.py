@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from moeserve.bench.client import Outcome, async_client, clients, completion_body, post_completion, read_response
+from moeserve.bench.report import check_plot, finish
 from moeserve.bench.server_process import ServerLog, running_server, sigterm_as_exit
 from moeserve.bench.stats import percentile, ratio
 from moeserve.runtime.device import machine
@@ -499,6 +500,26 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: Path) -> None:
+    """Requests/s and p50 latency of each server configuration and workload, and the choices measure."""
+    from moeserve.bench.plots import bars, pyplot, save
+
+    loops = [(part, r) for part in ("throughput", "mixed") if part in report for r in report[part]["rows"]]
+    panels = 2 + ("choices" in report)
+    fig, axes = pyplot().subplots(1, panels, figsize=(5.5 * panels, 4.5), squeeze=False)
+    configs = list(dict.fromkeys(r["config"] for _, r in loops))
+    parts = list(dict.fromkeys(part for part, _ in loops))
+    by = {(part, r["config"]): r for part, r in loops}
+    for ax, key, label in ((axes[0][0], "rps", "requests/s"), (axes[0][1], "p50_ms", "p50 latency ms")):
+        bars(ax, configs, {part: [(by.get((part, c)) or {}).get(key) for c in configs] for part in parts}, label,
+             label)
+    if "choices" in report:
+        c = report["choices"]
+        bars(axes[0][2], list(c["choices_per_s"]), {"choices/s": list(c["choices_per_s"].values())}, "choices/s",
+             f"n choices, prompt of {c['prompt_tokens']} tokens")
+    save(fig, path, f"moeserve bench http: {Path(report['checkpoint']).name}, {report['dtype']}")
+
+
 def config_from_args(args) -> HttpBenchConfig:
     checkpoint = args.checkpoint
     if checkpoint is None:
@@ -527,9 +548,9 @@ def main(args) -> int:
     if not cfg.duration_s > 0 or not cfg.warmup_s >= 0:
         raise ValueError("--duration must be > 0 and --warmup >= 0")
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"moeserve bench http: {msg}", file=sys.stderr))
+    check_plot(args)
     with sigterm_as_exit():
         report = bench_http(cfg, log)
     print(markdown(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    finish(report, args, "http")
     return 0

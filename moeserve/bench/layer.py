@@ -14,14 +14,15 @@ The fixed variants (gather or grouped, plain or packed weights, grouped_mm) show
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from moeserve.bench.report import check_plot, finish
 from moeserve.bench.stats import percentile
 from moeserve.config import MoEConfig
 from moeserve.runtime.calibration import ExpertShape, calibrate, interleaved_ms, plan_for
@@ -221,6 +222,23 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: Path) -> None:
+    """p50 latency against token count, per implementation, one panel per dtype."""
+    from moeserve.bench.plots import pyplot, save
+
+    dtypes = list(dict.fromkeys(r["dtype"] for r in report["results"]))
+    fig, axes = pyplot().subplots(1, max(1, len(dtypes)), figsize=(6 * max(1, len(dtypes)), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        rows = [r for r in report["results"] if r["dtype"] == dtype]
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            points = sorted((r["tokens"], r["p50_ms"]) for r in rows if r["impl"] == impl)
+            ax.plot(*zip(*points), "o-", markersize=3, label=impl)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="p50 ms", title=dtype)
+        ax.legend(fontsize=6)
+    s = report["shape"]
+    save(fig, path, f"moeserve bench layer: D {s['d_model']}, F {s['d_ff']}, E {s['n_experts']}, k {s['top_k']}")
+
+
 def sweep(dtype: str, shape: Shape = Shape()) -> str:
     """The calibration measured afresh (nothing read from or written to the cache): every candidate's
     p50 at every token count, and the plan those times give."""
@@ -241,9 +259,9 @@ def main(args) -> int:
             why = dtype_unsupported("cpu", DTYPES[dtype])
             print(f"{dtype}: skipped, torch does not run it on this CPU ({why})" if why else sweep(dtype, shape))
         return 0
+    check_plot(args)
     report = bench_layer(args.tokens, args.dtypes, shape, args.min_time, progress=not args.quiet,
                          calibration="redo" if args.calibrate else None)
     print(markdown(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    finish(report, args, "layer")
     return 0

@@ -9,7 +9,6 @@ made fresh by `export_onnx`, parity check included, so the numbers are for graph
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.bench.report import check_plot, finish
 from moeserve.export import MODES
 from moeserve.export.onnx_export import export_onnx
 from moeserve.runtime.device import machine
@@ -112,7 +112,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: Path) -> None:
+    """Tokens per second of each backend: forward calls by batch x sequence, and greedy generation by batch."""
+    from moeserve.bench.plots import bars, pyplot, save
+
+    panels = [("forward", report["results"], lambda r: f"{r['batch']}x{r['seq']}")]
+    if report["generation"]:
+        panels.append(("greedy generation", report["generation"], lambda r: f"batch {r['batch']}"))
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (title, rows, group_of) in zip(axes[0], panels):
+        groups = list(dict.fromkeys(group_of(r) for r in rows))
+        backends = list(dict.fromkeys(r["backend"] for r in rows))
+        tps = {(group_of(r), r["backend"]): r["tokens_per_s"] for r in rows}
+        bars(ax, groups, {b: [tps.get((g, b)) for g in groups] for b in backends}, "tokens/s", title, log=True)
+    save(fig, path, f"moeserve bench onnx: {Path(report['checkpoint']).name} ({report['router']})")
+
+
 def main(args) -> int:
+    check_plot(args)
     checkpoint = args.checkpoint
     if checkpoint is None:
         from moeserve.training.default_model import default_model_path
@@ -121,6 +138,5 @@ def main(args) -> int:
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"moeserve bench onnx: {msg}", flush=True))
     report = bench_onnx(checkpoint, args.batches, args.seqs, args.repeats, args.modes, args.new_tokens, log=log)
     print(markdown(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    finish(report, args, "onnx")
     return 0

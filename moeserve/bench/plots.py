@@ -1,10 +1,13 @@
-"""Plots for the benches: matplotlib (the `bench` extra), drawn off-screen into files."""
+"""Plots for the benches: matplotlib (the `bench` extra), drawn off-screen into PNG files. Each bench module
+has a `plot(report, path)` drawn from its JSON report alone, so `moeserve bench docs` can draw it again."""
 
 from __future__ import annotations
 
+from pathlib import Path
 
-class PlotUnavailable(Exception):
-    """--plot without matplotlib."""
+
+class PlotUnavailable(ValueError):
+    """--plot without matplotlib (a ValueError: the CLI reports it as a user error, exit 2)."""
 
 
 def pyplot():
@@ -17,3 +20,27 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def bars(ax, groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str,
+         log: bool = False) -> None:
+    """Grouped bars: one group per x label, one bar per series (None: no bar)."""
+    width = 0.8 / max(1, len(series))
+    for j, (name, values) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, [v if v is not None else 0 for v in values], width, label=name)
+    ax.set_xticks(range(len(groups)), groups, fontsize=8, rotation=20 if len(groups) > 4 else 0)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+
+
+def save(fig, path: Path | str, title: str) -> None:
+    plt = pyplot()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moeserve.bench.plots import PlotUnavailable
+from moeserve.bench.report import check_plot, finish
 from moeserve.bench.stats import percentile, ratio
 from moeserve.runtime.device import machine
 
@@ -427,11 +428,10 @@ def compare(a: dict, b: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Latency against throughput across the levels, and the TTFT / ITL percentiles per level."""
-    from moeserve.bench.plots import pyplot
+    from moeserve.bench.plots import pyplot, save
 
-    plt = pyplot()
     levels = [lv for lv in report["levels"] if lv["ok"]]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(12, 4.5))
     for kind, marker in (("concurrency", "o-"), ("rate", "s--")):
         xs = [lv for lv in levels if lv["kind"] == kind]
         if xs:
@@ -453,10 +453,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_ylabel("ms")
     right.set_title("TTFT and ITL percentiles")
     right.legend(fontsize=7)
-    fig.suptitle(f"moeserve bench serve: {report['model']} at {report['server']['url']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, f"moeserve bench serve: {report['model']} at {report['server']['url']}")
 
 
 def config_from_args(args) -> ServeBenchConfig:
@@ -506,10 +503,7 @@ def main(args) -> int:
     code = 0
     try:
         cfg = config_from_args(args)
-        if args.plot:
-            from moeserve.bench.plots import pyplot
-
-            pyplot()  # no matplotlib: said before the run, not after it
+        check_plot(args)
         bench_serve(cfg, log, report)
     except (BenchError, PlotUnavailable) as e:
         err(str(e))
@@ -519,8 +513,5 @@ def main(args) -> int:
         err(f"stopped: {report['error']}; the levels measured so far are kept")
         code = 1
     print(table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, allow_nan=False))
-    if args.plot and report["levels"]:
-        plot(report, Path(args.plot))
+    finish(report, args, "serve", plot=bool(report["levels"]))
     return code

@@ -6,12 +6,12 @@ throughput and validation bits per byte against the corpus's unigram baseline, m
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from moeserve.bench.report import check_plot, finish
 from moeserve.config import preset
 from moeserve.runtime.device import machine
 from moeserve.training.data import load_corpus
@@ -63,9 +63,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: Path) -> None:
+    """Validation bits per byte (against the unigram baseline) and training tokens/s, per recipe."""
+    from moeserve.bench.plots import bars, pyplot, save
+
+    rows = report["results"]
+    recipes = [r["recipe"] for r in rows]
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4.5))
+    bars(left, recipes, {"validation": [r["val_bpb"] for r in rows], "unigram": [r["unigram_bpb"] for r in rows]},
+         "bits per byte", "held-out bits per byte (lower is better)")
+    bars(right, recipes, {"tokens/s": [r["tokens_per_s"] for r in rows]}, "tokens/s", "training throughput")
+    save(fig, path, f"moeserve bench train: preset {report['preset']}, {rows[0]['steps'] if rows else 0} steps")
+
+
 def main(args) -> int:
+    check_plot(args)
     report = bench_train(args.preset, args.recipes, args.steps, args.out, progress=not args.quiet)
     print(markdown(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    finish(report, args, "train")
     return 0

@@ -10,8 +10,9 @@ pytest.importorskip("transformers")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from moeserve.bench.engine import (  # noqa: E402
-    MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, write_mixtral,
+    MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, plot, write_mixtral,
 )
+from .test_report import png_size  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
 
 SMALL = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -24,7 +25,7 @@ def small(tmp_path_factory):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch):
+def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, tmp_path):
     report = bench_engine(["float32"], new_tokens=6, prompt_len=5, repeats=1, backends=("eager",), checkpoint=small,
                           batch=batch, progress=lambda msg: None)
     ours, theirs = report["results"]
@@ -32,6 +33,8 @@ def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch):
     assert ours["same_tokens"] and theirs["same_tokens"] and theirs["matching_prefix"] == batch * 6
     assert report["batch"] == batch and report["copy_bandwidth_gb_per_s"] > 0
     text = markdown(report)
+    plot(report, tmp_path / "engine.png")
+    assert png_size(tmp_path / "engine.png") == (800, 450)
     if batch == 1:
         bytes_ = report["plans"]["float32"]["decode_weight_bytes"]
         assert ours["weights_gb_per_s"] == pytest.approx(bytes_ * ours["tokens_per_s"] / 1e9, abs=0.06)

@@ -9,6 +9,8 @@ from moeserve.cli import main
 from moeserve.config import preset
 from moeserve.runtime.model import Transformer
 
+from .test_report import png_size
+
 
 def test_bench_http_end_to_end(tmp_path, capsys):
     torch.manual_seed(0)
@@ -17,7 +19,8 @@ def test_bench_http_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "http", "--checkpoint", str(ckpt), "--dtype", "float32", "--clients", "4", "--duration", "1.5",
                "--warmup", "0.5", "--max-tokens", "4", "--long-tokens", "24", "--requests", "5", "--overload", "40", "--overload-queue", "8",
-               "--overload-tokens", "16", "--choice-rounds", "2", "--quiet", "--json", str(out)])
+               "--overload-tokens", "16", "--choice-rounds", "2", "--quiet", "--json", str(out),
+               "--plot", str(tmp_path / "http.png")])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["machine"]["cores"] >= 1 and report["dtype"] == "float32"
@@ -45,6 +48,9 @@ def test_bench_http_end_to_end(tmp_path, capsys):
     assert choices["rounds"] == 2 and choices["prompt_tokens"] == 1 + 32  # <bos>, half the context of 64
     assert choices["same_choices"] and choices["same_text"], choices  # n=4 is four requests; logprobs change nothing
     assert choices["n_vs_separate"] > 0 and choices["logprobs_cost"] > 0, choices
+
+    assert report["bench"] == "http" and report["command"].startswith("moeserve bench http --checkpoint ")
+    assert png_size(tmp_path / "http.png") == (1650, 450)  # three panels of 5.5 x 4.5 inches at 100 dpi
 
     table = capsys.readouterr().out
     assert "Batching vs batch size 1" in table and "Continuous vs batch: req/s" in table and "| --batch-wait-ms 0 |" in table

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.bench.onnx import bench_onnx, markdown
+from moeserve.bench.onnx import bench_onnx, markdown, plot
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.model import Transformer
+
+from .test_report import png_size
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,3 +34,5 @@ def test_bench_onnx_times_every_export_against_eager(tmp_path):
         ("torch eager fp32", 1), ("onnxruntime fused, KV cache", 1), ("torch eager fp32", 2),
         ("onnxruntime fused, KV cache", 2)]
     assert "| onnxruntime vq-table | 2 x 5 |" in markdown(report)
+    plot(report, tmp_path / "onnx.png")
+    assert png_size(tmp_path / "onnx.png") == (1400, 450)  # two panels of 7 x 4.5 inches at 100 dpi
