@@ -182,3 +182,14 @@ def test_arrivals_and_percentiles():
     assert arrival_times(float("inf"), 3, 0) == [0.0, 0.0, 0.0]
     assert percentile([4, 1, 3, 2], 50) == 2 and percentile([4, 1, 3, 2], 51) == 3 and percentile([], 50) is None
     assert percentile([1, 2, 3], 100) == 3 and percentile([1, 2, 3], 0) == 1
+
+
+def test_chat_endpoint(tiny_ckpt, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    with serve(tiny_ckpt, chat_template=template) as s:
+        rc, report = bench(s.url, tmp_path, "--endpoint", "chat", "--quick", *SHORT)
+    assert rc == 0 and report["config"]["endpoint"] == "chat"
+    (level,) = report["levels"]
+    assert level["ok"] == level["requests"] == 8 and level["output_tokens_mean"] == 12
+    assert level["ttft_ms"]["p50"] > 0 and level["itl_ms"]["p50"] > 0
