@@ -11,7 +11,7 @@ chunk is timed: time to first token (TTFT: send to the first chunk with text), i
   `inf` sends them all at once.
 
 Each level runs for --duration seconds or --requests requests, whichever ends first (an open level sends
-min(R x duration, requests)). Per level: requests, errors by status (429, 503, 504, other; an error event
+min(R x duration, requests); at R = inf, --requests or 64). Per level: requests, errors by status (429, 503, 504, other; an error event
 inside a stream counts by its code), TTFT / ITL / end-to-end percentiles, output tokens/s, requests/s,
 and goodput: the share of requests with TTFT <= --slo-ttft and mean ITL <= --slo-itl.
 
@@ -37,6 +37,7 @@ from moeserve.bench.stats import percentile, ratio
 from moeserve.runtime.device import machine
 
 SCHEMA = "moeserve.bench.serve/1"
+BURST = 64  # requests of a --rate inf level without --requests
 SCHEMA_FILE = Path(__file__).with_name("serve_schema.json")
 STREAM_ERROR_STATUS = {"queue_full": 429, "not_ready": 503, "shutting_down": 503, "deadline_exceeded": 504}
 
@@ -265,7 +266,7 @@ async def closed_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, 
     from moeserve.bench.client import clients
 
     records: list[Record] = []
-    limit = cfg.requests or len(work)
+    limit = cfg.requests or math.inf  # else the duration ends it; the prompts are used round-robin
     next_i = 0
     t0 = time.perf_counter()
     end = t0 + cfg.duration_s
@@ -286,7 +287,7 @@ async def open_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, in
                      ignore_eos: bool) -> tuple[list[Record], float]:
     from moeserve.bench.client import clients
 
-    n = len(work) if math.isinf(rate) else max(1, min(len(work), int(rate * cfg.duration_s)))
+    n = level_requests(cfg, rate)
     times = arrival_times(rate, n, cfg.seed)
     async with clients(cfg.url, min(n, 64), headers=headers(cfg), timeout_s=cfg.timeout_s, connections=None) as pool:
         t0 = time.perf_counter()
@@ -298,6 +299,13 @@ async def open_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, in
 
         records = list(await asyncio.gather(*(at(i) for i in range(n))))
     return records, time.perf_counter() - t0
+
+
+def level_requests(cfg: ServeBenchConfig, rate: float) -> int:
+    """Requests an open level sends: rate x duration, at most --requests; --requests (or BURST) for inf."""
+    if math.isinf(rate):
+        return cfg.requests or BURST
+    return max(1, min(cfg.requests or math.inf, int(rate * cfg.duration_s)))
 
 
 def summarize(kind: str, value: float, records: list[Record], wall_s: float, cfg: ServeBenchConfig) -> dict:
@@ -349,11 +357,12 @@ def bench_serve(cfg: ServeBenchConfig, log=lambda msg: None, report: dict | None
                                                 "rates": [r if not math.isinf(r) else "inf" for r in cfg.rates]},
                    "machine": machine(), "libraries": libraries(), "server": {"url": cfg.url, "models": models},
                    "model": model, "ignore_eos": ignore_eos, "levels": [], "complete": False, "error": None})
-    biggest = max([cfg.requests or 0] + [int(r * cfg.duration_s) for r in cfg.rates if not math.isinf(r)] +
-                  [c * 64 for c in cfg.concurrency])
     card = next(m for m in models["data"] if m["id"] == model)
     context = card.get("max_model_len") if isinstance(card.get("max_model_len"), int) else None
-    work = workload(cfg, model, max(1, min(biggest, 4096) if cfg.requests is None else cfg.requests), context)
+    # distinct prompts: as many as the largest level sends where that is known (closed levels without --requests
+    # go round them), at most 4096
+    distinct = max([level_requests(cfg, r) for r in cfg.rates] + [4 * c for c in cfg.concurrency] + [cfg.requests or 1])
+    work = workload(cfg, model, min(distinct, 4096), context)
     levels = [("concurrency", float(c)) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
     for kind, value in levels:
         log(f"{kind} {value:g}: up to {cfg.duration_s:g} s" + (f" or {cfg.requests} requests" if cfg.requests else ""))
@@ -473,8 +482,6 @@ def config_from_args(args) -> ServeBenchConfig:
         duration, requests = min(duration, 3.0), min(requests or 8, 8)
     if not concurrency and not rates:
         raise BenchError("no load levels: give --concurrency and/or --rate")
-    if any(math.isinf(r) for r in rates) and requests is None:
-        requests = 64  # an infinite rate needs a count
     return ServeBenchConfig(url=args.url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,
                             concurrency=concurrency, rates=rates, duration_s=duration, requests=requests,
                             prompts=args.prompts, input_len=span(args.input_len, "input-len"),
