@@ -19,6 +19,7 @@ import torch
 
 from moeserve.bench.report import check_plot, finish
 from moeserve.checkpoint import parameter_counts
+from moeserve.runtime.calibration import interleaved_ms
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES, Engine, SamplingParams
 
@@ -141,14 +142,13 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
 
                 impls[f"transformers generate ({backend})"] = run
             tokens = {name: fn() for name, fn in impls.items()}  # warm-up, and the tokens compared
-            times: dict[str, list[float]] = {name: [] for name in impls}
-            for r in range(repeats):
-                progress(f"{dtype_name}: round {r + 1} of {repeats}")
-                for name, fn in impls.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+
+            def between(r: int) -> None:  # the bandwidth the rounds ran at, measured beside them
                 bandwidths.append(copy_bandwidth(device, rounds=2))
+                progress(f"{dtype_name}: round {r + 1} of {repeats} timed")
+
+            times = {name: [ms / 1e3 for ms in ts] for name, ts in interleaved_ms(
+                impls, 0.0, min_rounds=repeats, max_rounds=repeats, warmup=0, after_round=between).items()}
             if batch == 1 and torch.device(device).type == "cpu" and model == "tiny" and checkpoint is None:
                 accounting = accounting_cost(engine)
                 for a in accounting:
@@ -181,20 +181,19 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
 def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: int = 200) -> list[dict]:
     """p50 of Engine.forward with expert-load accounting on and off (the per-layer bincount and the
     engine's add into its counter), rounds interleaved."""
+    def forward(ids: torch.Tensor, on: bool) -> None:
+        for layer in engine.model.moe_layers:
+            layer.count_load = on
+        engine.forward(ids)
+
     rows = []
     for T in tokens:
         ids = torch.randint(0, engine.cfg.vocab_size, (1, T))
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(rounds + 5):
-            for on in (True, False):
-                for layer in engine.model.moe_layers:
-                    layer.count_load = on
-                t0 = time.perf_counter()
-                engine.forward(ids)
-                times[on].append(time.perf_counter() - t0)
+        times = interleaved_ms({"on": lambda: forward(ids, True), "off": lambda: forward(ids, False)}, 0.0,
+                               min_rounds=rounds, max_rounds=rounds, warmup=5)
         for layer in engine.model.moe_layers:
             layer.count_load = True
-        on, off = (statistics.median(times[k][5:]) * 1e3 for k in (True, False))
+        on, off = (statistics.median(times[k]) for k in ("on", "off"))
         rows.append({"tokens": T, "on_ms": round(on, 4), "off_ms": round(off, 4),
                      "overhead_pct": round(100 * (on - off) / off, 2)})
     return rows

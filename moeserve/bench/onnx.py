@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from moeserve.bench.report import check_plot, finish
 from moeserve.export import MODES
 from moeserve.export.onnx_export import export_onnx
+from moeserve.runtime.calibration import interleaved_ms
 from moeserve.runtime.device import machine
 from moeserve.runtime.engine import Engine, load_engine
 
@@ -29,17 +29,12 @@ BLOCKS = 3
 
 
 def timed(engines: dict[str, Engine], call, repeats: int) -> dict[str, float]:
-    """p50 seconds of call(engine) per engine, the engines taking turns in BLOCKS blocks."""
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(BLOCKS):
-        for name, engine in engines.items():
-            for _ in range(2):  # untimed: first-call allocations, and the other pool's threads going idle
-                call(engine)
-            for _ in range(max(1, repeats // BLOCKS)):
-                t0 = time.perf_counter()
-                call(engine)
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """p50 seconds of call(engine) per engine, the engines taking turns in BLOCKS blocks, each block after two
+    untimed calls (first-call allocations, and the other pool's threads going idle)."""
+    ms = interleaved_ms({name: (lambda e=engine: call(e)) for name, engine in engines.items()}, 0.0,
+                        min_rounds=BLOCKS, max_rounds=BLOCKS, warmup=0, turn_warmup=2,
+                        per_turn=max(1, repeats // BLOCKS))
+    return {name: statistics.median(ts) / 1e3 for name, ts in ms.items()}
 
 
 def rows_of(p50: dict[str, float], tokens: int, **shape) -> list[dict]:

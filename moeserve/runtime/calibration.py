@@ -243,20 +243,29 @@ def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: flo
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], min_time: float, min_rounds: int = MIN_ROUNDS,
-                   max_rounds: int = MAX_ROUNDS) -> dict[str, list[float]]:
-    """Wall times (ms) of each function, the functions taking turns call by call (after a warm-up call each)
-    for at least `min_rounds` rounds and `min_time` seconds in all: a shared machine's speed drifts (a 2-core
-    VM's by 15% and more within a minute), and taking turns makes the drift hit every one alike instead of
-    whichever happened to run during a slow spell. Used by the calibration and by `moeserve bench layer`."""
+                   max_rounds: int = MAX_ROUNDS, *, warmup: int = 1, per_turn: int = 1, turn_warmup: int = 0,
+                   after_round: Callable[[int], object] | None = None) -> dict[str, list[float]]:
+    """Wall times (ms) of each function, the functions taking turns (after `warmup` calls each) for at least
+    `min_rounds` rounds and `min_time` seconds in all: a shared machine's speed drifts (a 2-core VM's by 15% and
+    more within a minute), and taking turns makes the drift hit every one alike instead of whichever happened
+    to run during a slow spell. A turn is `turn_warmup` untimed calls then `per_turn` timed ones (ONNX Runtime
+    and torch slow each other when they alternate call by call: their idle threads still spin); `after_round(r)`
+    runs between rounds, untimed. The one timing loop of the calibration and of the benches."""
     for fn in fns.values():
-        fn()
+        for _ in range(warmup):
+            fn()
     times: dict[str, list[float]] = {n: [] for n in fns}
     start, rounds = time.perf_counter(), 0
     while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - start < min_time):
         for n, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[n].append((time.perf_counter() - t0) * 1e3)
+            for _ in range(turn_warmup):
+                fn()
+            for _ in range(per_turn):
+                t0 = time.perf_counter()
+                fn()
+                times[n].append((time.perf_counter() - t0) * 1e3)
+        if after_round is not None:
+            after_round(rounds)
         rounds += 1
     return times
 

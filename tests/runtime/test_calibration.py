@@ -282,3 +282,17 @@ def test_default_plan_follows_the_device_and_dtype():
     assert default_plan("cpu", torch.float32).pack_experts == onednn_packing_available("cpu", torch.float32)
     assert default_plan("cpu", torch.bfloat16).pack_dense == onednn_packing_available("cpu", torch.bfloat16)
     assert "gather path up to 1 token then a loop over experts" in default_plan("cpu", torch.float32).describe()
+
+
+def test_interleaved_turns_blocks_and_between_rounds():
+    """The benches' options of the one timing loop: warm-up calls, untimed calls at each turn, several timed
+    calls per turn, and a hook between rounds; the order of calls is exactly that."""
+    from moeserve.runtime.calibration import interleaved_ms
+
+    calls: list[str] = []
+    times = interleaved_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 0.0, min_rounds=2,
+                           max_rounds=2, warmup=1, turn_warmup=1, per_turn=2,
+                           after_round=lambda r: calls.append(f"round {r}"))
+    turn = ["a"] * 3 + ["b"] * 3
+    assert calls == ["a", "b", *turn, "round 0", *turn, "round 1"]
+    assert {n: len(ts) for n, ts in times.items()} == {"a": 4, "b": 4}  # 2 rounds x 2 timed calls
