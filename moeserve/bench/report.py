@@ -12,9 +12,9 @@ from pathlib import Path
 
 from moeserve.runtime.device import machine
 
-# bench name -> its module; each has markdown(report) (serve: table) and plot(report, path)
+# bench name -> the module that renders its reports: markdown(report) and plot(report, path)
 MODULES = {"train": "moeserve.bench.train", "layer": "moeserve.bench.layer", "engine": "moeserve.bench.engine",
-           "onnx": "moeserve.bench.onnx", "http": "moeserve.bench.http", "serve": "moeserve.bench.serve"}
+           "onnx": "moeserve.bench.onnx", "http": "moeserve.bench.http", "serve": "moeserve.bench.serve_report"}
 
 
 def check_plot(args) -> None:
@@ -44,8 +44,7 @@ def module(bench: str):
 
 
 def render(report: dict) -> str:
-    mod = module(report["bench"])
-    return mod.table(report) if report["bench"] == "serve" else mod.markdown(report)
+    return module(report["bench"]).markdown(report)
 
 
 def docs(directory: Path, out: Path, plots: bool = True) -> list[Path]:
