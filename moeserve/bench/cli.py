@@ -11,7 +11,11 @@ from moeserve.config import PRESETS
 from moeserve.export import MODES
 
 
-PLOT_HELP = "draw the report into a PNG (needs matplotlib: the bench extra)"
+def _report_files(parser, plot_help: str = "draw the report into a PNG (needs matplotlib: the bench extra)") -> None:
+    """--json and --plot, the same on every bench: finish() in bench/report.py writes both."""
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="write the report (with its command line and the machine) as JSON")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help=plot_help)
 
 
 def _main(module: str) -> Callable[[argparse.Namespace], int]:
@@ -28,8 +32,7 @@ def add_bench(sub, calibrate_help: str) -> None:
                     help="softmax sigmoid xmoe vq xmoe+omoe (default: softmax xmoe vq xmoe+omoe)")
     bt.add_argument("--steps", type=int, help="steps per recipe (default: the default model's)")
     bt.add_argument("--out", type=Path, help="keep the checkpoints here (default: a temporary directory)")
-    bt.add_argument("--json", type=Path, help="write the report as JSON")
-    bt.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
+    _report_files(bt)
     bt.add_argument("--quiet", action="store_true")
     bt.set_defaults(func=_main("moeserve.bench.train"))
     bl = bsub.add_parser("layer", help="one MoE layer: moeserve's dispatch paths vs the reference loop and "
@@ -45,8 +48,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     bl.add_argument("--sweep", action="store_true", help="instead: measure the calibration's candidates at every "
                     "token count and print them with the plan they give (nothing is cached)")
     bl.add_argument("--calibrate", action="store_true", help=calibrate_help)
-    bl.add_argument("--json", type=Path, help="write the report as JSON")
-    bl.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
+    _report_files(bl)
     bl.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     bl.set_defaults(func=_main("moeserve.bench.layer"))
     be = bsub.add_parser("engine", help="greedy generation end to end: the Engine vs transformers' generate",
@@ -66,8 +68,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     be.add_argument("--calibrate", action="store_true", help=calibrate_help)
     be.add_argument("--compile", action="store_true",
                     help="also time the Engine with its compiled decode step (torch.compile; see serve --compile)")
-    be.add_argument("--json", type=Path, help="write the report as JSON")
-    be.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
+    _report_files(be)
     be.set_defaults(func=_main("moeserve.bench.engine"))
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
                          description="Export a checkpoint in each ONNX mode (parity-checked) and time the scoring "
@@ -82,8 +83,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     bo.add_argument("--modes", nargs="+", choices=MODES, help="exports to time (default: every one the model has)")
     bo.add_argument("--new-tokens", type=int, default=64, metavar="N", help="greedy generation of N tokens by torch "
                     "and by a fused --kv-cache export, at each batch size (default: 64; 0: skip)")
-    bo.add_argument("--json", type=Path, metavar="FILE", help="write the report (with the machine) as JSON")
-    bo.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
+    _report_files(bo)
     bo.add_argument("--quiet", action="store_true", help="no progress lines")
     bo.set_defaults(func=_main("moeserve.bench.onnx"))
     bh = bsub.add_parser("http", help="the HTTP server under load: continuous vs batch vs batch size 1, a mixed "
@@ -93,8 +93,8 @@ def add_bench(sub, calibrate_help: str) -> None:
                          "(--scheduler batch) and --max-batch-size 1; a mixed workload of short and long requests "
                          "on continuous against batch; "
                          "the HTTP cost of one request against a direct Engine call in this process; and the 429 "
-                         "answers of a small-queue server hit by a burst; n = 4 choices against 4 requests and logprobs 5 against none. "
-                         "Each against its baseline in the same run.")
+                         "answers of a small-queue server hit by a burst; n = 4 choices against 4 requests and "
+                         "logprobs 5 against none. Each against its baseline in the same run.")
     bh.add_argument("--checkpoint", type=Path, metavar="DIR",
                     help="checkpoint directory (default: the built-in default model)")
     bh.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, "
@@ -129,9 +129,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     bh.add_argument("--skip-overhead", action="store_true", help="leave out the HTTP overhead measure")
     bh.add_argument("--skip-overload", action="store_true", help="leave out the 429 measure")
     bh.add_argument("--skip-choices", action="store_true", help="leave out n=4 vs 4 requests and logprobs 5 vs none")
-    bh.add_argument("--json", type=Path, metavar="FILE",
-                    help="write the report (with the machine description) as JSON")
-    bh.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOT_HELP)
+    _report_files(bh)
     bh.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bh.set_defaults(func=_main("moeserve.bench.http"))
     bs = bsub.add_parser("serve", help="load on any OpenAI-compatible endpoint: TTFT, ITL, latency, throughput and "
@@ -168,9 +166,8 @@ def add_bench(sub, calibrate_help: str) -> None:
     bs.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per request (default: 300)")
     bs.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrival times (default: 0)")
     bs.add_argument("--quick", action="store_true", help="the first level of each kind, 3 s and 8 requests each")
-    bs.add_argument("--json", type=Path, metavar="FILE", help="write the report as JSON")
-    bs.add_argument("--plot", type=Path, metavar="FILE.png", help="latency against throughput, TTFT and ITL "
-                    "percentiles (needs matplotlib: the bench extra)")
+    _report_files(bs, "latency against throughput, TTFT and ITL percentiles, as a PNG (needs matplotlib: the "
+                  "bench extra)")
     bs.add_argument("--compare", type=Path, nargs=2, metavar=("A.json", "B.json"),
                     help="print two reports' levels side by side instead of running")
     bs.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
