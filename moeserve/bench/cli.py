@@ -172,11 +172,14 @@ def add_bench(sub, calibrate_help: str) -> None:
                     help="print two reports' levels side by side instead of running")
     bs.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bs.set_defaults(func=_main("moeserve.bench.serve"))
-    bd = bsub.add_parser("docs", help="a page of every bench report in a directory, with their plots drawn again",
-                         description="Render each *.json that a bench's --json wrote in DIR (its tables, the command "
-                         "that wrote it, the machine) into one markdown page, and draw each plot again beside its "
-                         "JSON, so that every number on the page can be traced to a file and a command.")
+    bd = bsub.add_parser("docs", help="docs/benchmarks.md: every bench report in a directory, with its plot drawn "
+                         "again", description="Render each *.json that a bench's --json wrote in DIR (the command "
+                         "that wrote it, the machine, its tables, its plot, and the notes in NAME.md beside it), then "
+                         "DIR/log.md, into one markdown page, drawing each plot again beside its JSON, so that every "
+                         "number on the page can be traced to a file and a command.")
     bd.add_argument("--dir", type=Path, default=Path("docs/bench"), help="the reports (default: docs/bench)")
-    bd.add_argument("--out", type=Path, help="the page (default: DIR/README.md)")
-    bd.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib needed)")
+    bd.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"),
+                    help="the page (default: docs/benchmarks.md)")
+    bd.add_argument("--no-plots", action="store_true",
+                    help="do not draw the plots again (the PNGs already there are linked; no matplotlib needed)")
     bd.set_defaults(func=_main("moeserve.bench.report"))

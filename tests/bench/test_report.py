@@ -55,17 +55,27 @@ def test_bench_docs_renders_every_report_with_its_command(tmp_path, capsys):
     assert {"cpu", "cpu_flags", "cores", "gpu", "torch"} <= set(layer["machine"])
     (reports / "train.json").write_text(json.dumps({**train_report(), "bench": "train", "command": "moeserve bench "
                                                     "train --preset tiny"}))
+    (reports / "train.md").write_text("# Routing methods side by side\n\nxmoe is *faster* here.\n")
+    (reports / "log.md").write_text("## Measurements along the way\n\nolder numbers\n")
     capsys.readouterr()
-    assert main(["bench", "docs", "--dir", str(reports)]) == 0
-    page = (reports / "README.md").read_text()
-    assert "## layer (`moeserve bench layer`)" in page and "## train (`moeserve bench train`)" in page
+    out = tmp_path / "benchmarks.md"
+    assert main(["bench", "docs", "--dir", str(reports), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "## layer (`moeserve bench layer`)" in page
+    assert "## Routing methods side by side (`moeserve bench train`)" in page and "xmoe is *faster* here." in page
+    assert page.index("(`moeserve bench layer`)") < page.index("(`moeserve bench train`)") < page.index("older numbers")
     assert f"`{layer['command']}`" in page and "`moeserve bench train --preset tiny`" in page
     assert "| float32 | 1 | moeserve (auto) |" in page and "| xmoe | 10 | 1.0 | 900 | 2.4 | 4.5 |" in page
-    assert "![layer](layer.png)" in page and png_size(reports / "layer.png") == (600, 450)
-    assert png_size(reports / "train.png") == (1100, 450)
+    # images and files linked relative to the page, drawn again from the JSON
+    assert "![layer](reports/layer.png)" in page and "[`train.json`](reports/train.json)" in page
+    assert png_size(reports / "layer.png") == (600, 450) and png_size(reports / "train.png") == (1100, 450)
     assert "wrote" in capsys.readouterr().out
+    (reports / "layer.png").unlink()
+    assert main(["bench", "docs", "--dir", str(reports), "--out", str(out), "--no-plots"]) == 0
+    assert not (reports / "layer.png").exists() and "![layer]" not in out.read_text()
     (reports / "broken.json").write_text("{}")
-    assert main(["bench", "docs", "--dir", str(reports), "--no-plots"]) == 2
+    assert main(["bench", "docs", "--dir", str(reports), "--out", str(out), "--no-plots"]) == 2
+    assert "broken.json: not a bench report" in capsys.readouterr().err
     assert main(["bench", "docs", "--dir", str(tmp_path / "none")]) == 2
 
 
