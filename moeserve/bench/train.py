@@ -16,16 +16,8 @@ from moeserve.config import preset
 from moeserve.runtime.device import machine
 from moeserve.training.data import load_corpus
 from moeserve.training.default_model import DEFAULT_TRAIN
-from moeserve.training.trainer import train
+from moeserve.training.trainer import RECIPES, train
 
-# name -> (config overrides, optimizer)
-RECIPES: dict[str, tuple[dict, str]] = {
-    "softmax": ({"router": "softmax"}, "adamw"),
-    "sigmoid": ({"router": "sigmoid"}, "adamw"),
-    "xmoe": ({"router": "xmoe"}, "adamw"),
-    "vq": ({"router": "vq"}, "adamw"),
-    "xmoe+omoe": ({"router": "xmoe"}, "omoe"),
-}
 
 
 def bench_train(preset_name: str, recipes: list[str], steps: int | None, out_dir: Path | None,

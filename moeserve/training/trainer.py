@@ -38,12 +38,22 @@ from moeserve.runtime.device import cpu_has_fast_bf16
 from moeserve.runtime.loading import load_into
 from moeserve.runtime.model import Transformer
 from moeserve.training.data import Batcher, Corpus, bits_per_byte, eval_batches, load_corpus, unigram_bits_per_byte
+from moeserve.training.diagnostics import routing_fluctuation
 from moeserve.training.losses import aux_losses, load_entropy
 
 if TYPE_CHECKING:
     from moeserve.training.omoe import OMoE
 
 LOG_NAME = "train_log.jsonl"
+# the routing methods compared by `moeserve bench train` and `moeserve study`: name -> (config overrides, optimizer)
+RECIPES: dict[str, tuple[dict, str]] = {
+    "softmax": ({"router": "softmax"}, "adamw"),
+    "sigmoid": ({"router": "sigmoid"}, "adamw"),
+    "xmoe": ({"router": "xmoe"}, "adamw"),
+    "vq": ({"router": "vq"}, "adamw"),
+    "xmoe+omoe": ({"router": "xmoe"}, "omoe"),
+}
+TOP1_PREFIX = "eval.top1."  # train-state tensors: the last evaluation's top-1 expert per MoE layer
 
 
 @dataclass
@@ -136,13 +146,18 @@ def _pace(step_seconds: list[float]) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, batches, amp: torch.dtype | None) -> float:
-    """Mean validation loss in nats per token over fixed windows."""
+def evaluate(model: Transformer, batches, amp: torch.dtype | None) -> tuple[float, list[torch.Tensor]]:
+    """Mean validation loss in nats per token over fixed windows, and each MoE layer's top-1 expert of every
+    validation token (the routing fluctuation between two evaluations compares them; X-MoE 4.5)."""
     was_training = model.training
     model.eval()
-    losses = [lm_loss(model, x, y, amp)[0].item() for x, y in batches]
+    losses, top1 = [], []
+    for x, y in batches:
+        loss, out = lm_loss(model, x, y, amp)
+        losses.append(loss.item())
+        top1.append([(a.routing.expert_ids[:, 0] if a.routing is not None else a.codes).reshape(-1) for a in out.aux])
     model.train(was_training)
-    return sum(losses) / len(losses)
+    return sum(losses) / len(losses), [torch.cat(layer).to(torch.int16) for layer in zip(*top1)]
 
 
 def _make_optimizer(model: Transformer, tc: TrainConfig):
@@ -251,8 +266,14 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
         if "val_loss" in r:
             metrics.update(val_loss=r["val_loss"], val_bits_per_byte=r["val_bits_per_byte"], step=r["step"])
 
+    # the last evaluation's routing, for the next one's fluctuation; kept in the train state so a resumed
+    # run logs what the uninterrupted one does
+    last_top1: list[torch.Tensor] = [ckpt.train_state[k] for k in sorted(ckpt.train_state)
+                                     if k.startswith(TOP1_PREFIX)] if start else []
+
     def save(step: int) -> None:
         state, meta = _train_state(adamw, omoe)
+        state.update({f"{TOP1_PREFIX}{i:03d}": t for i, t in enumerate(last_top1)})
         meta.update(step=step, train_seconds=metrics.get("train_seconds", 0.0))
         save_checkpoint(out, cfg, model.state_dict(), recipe=recipe, metrics=metrics, train_state=state,
                         train_meta=meta)
@@ -293,8 +314,11 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
             "load_entropy_bits": [round(load_entropy(a.counts), 4) for a in out_.aux],
         }
         if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
-            val = evaluate(model, val_batches, amp)
+            val, top1 = evaluate(model, val_batches, amp)
             rec.update(val_loss=val, val_bits_per_byte=bits_per_byte(val))
+            if last_top1:
+                rec["routing_fluctuation"] = [round(routing_fluctuation(a, b), 4) for a, b in zip(last_top1, top1)]
+            last_top1 = top1
             metrics.update(val_loss=val, val_bits_per_byte=bits_per_byte(val), step=step + 1)
             bar.set_postfix(loss=f"{task.item():.3f}", val_bpb=f"{bits_per_byte(val):.3f}", refresh=False)
         elif step % 10 == 0:

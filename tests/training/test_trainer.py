@@ -78,8 +78,11 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, corpus, monkeypatch, over
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(24))  # nothing missing, nothing twice
     for ra, rb in zip(a, b):
-        for key in ("loss", "balance_loss", "vq_codebook_loss", "grad_norm", "val_loss"):
+        for key in ("loss", "balance_loss", "vq_codebook_loss", "grad_norm", "val_loss", "routing_fluctuation"):
             assert ra.get(key) == rb.get(key), (ra["step"], key, ra.get(key), rb.get(key))
+    # the routing fluctuation between the two evaluations: the resumed run kept the first one's routing
+    assert "routing_fluctuation" not in b[11] and len(b[23]["routing_fluctuation"]) == cfg.n_layers
+    assert all(0 <= rf <= 1 for rf in b[23]["routing_fluctuation"]) and any(rf > 0 for rf in b[23]["routing_fluctuation"])
     sa, sb = load_checkpoint(tmp_path / "a").state_dict, load_checkpoint(tmp_path / "b").state_dict
     assert all(sa[k].equal(sb[k]) for k in sa)
 
