@@ -48,6 +48,7 @@ class MoEConfig:
     init_std: float = 0.02
     task: str = "lm"  # lm: next-token head; classify: mean-pooled class head
     n_classes: int = 0  # classify only
+    labels: list[str] | None = None  # classify: each class's name, by id (moeserve finetune writes them)
     tokenizer: str = "byte"  # byte (built in), hf (tokenizer.json in the checkpoint), none (token ids only)
 
     # --- MoE layers ---
@@ -198,6 +199,10 @@ class MoEConfig:
         if self.task == "classify":
             if isinstance(self.n_classes, bool) or not isinstance(self.n_classes, int) or self.n_classes < 2:
                 fail("n_classes", self.n_classes, "an integer >= 2 when task is 'classify'")
+        if self.labels is not None:
+            if (self.task != "classify" or not isinstance(self.labels, list) or len(self.labels) != self.n_classes
+                    or not all(isinstance(x, str) for x in self.labels) or len(set(self.labels)) != len(self.labels)):
+                fail("labels", self.labels, f"n_classes={self.n_classes} distinct names of a classify model's classes")
         if self.vocab_size < 259 and self.tokenizer == "byte":
             fail("vocab_size", self.vocab_size, "at least 259 for the byte tokenizer (256 bytes + 3 specials)")
         if not isinstance(self.extra, dict):

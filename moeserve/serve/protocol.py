@@ -236,6 +236,7 @@ class ScoreResponse(BaseModel):
 class ClassifyItem(BaseModel):
     index: int
     label: int = Field(description="the most probable class")
+    label_name: str | None = Field(None, description="its name, where the checkpoint names its classes")
     probs: list[float]
 
 

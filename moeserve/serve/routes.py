@@ -172,7 +172,9 @@ async def score(req: TextsRequest, request: Request) -> ScoreResponse:
 @router.post("/v1/classify", response_model=ClassifyResponse, summary="class probabilities of each text")
 async def classify(req: TextsRequest, request: Request) -> ClassifyResponse:
     _, rows, results = await _texts_job(req, request, "classify")
-    data = [ClassifyItem(index=i, label=max(range(len(p)), key=p.__getitem__), probs=p)
-            for i, p in enumerate(results)]
+    names = _state(request).require_ready().cfg.labels
+    best = [max(range(len(p)), key=p.__getitem__) for p in results]
+    data = [ClassifyItem(index=i, label=b, label_name=names[b] if names else None, probs=p)
+            for i, (b, p) in enumerate(zip(best, results))]
     used = sum(len(r) for r in rows)
     return ClassifyResponse(model=_state(request).name, data=data, usage=Usage(prompt_tokens=used, total_tokens=used))

@@ -251,6 +251,10 @@ def test_every_router_kind_forward_backward_grads(kind):
         (dict(vq_blend_rate=0.6), "vq_blend_rate"),
         (dict(expert_act="relu"), "expert_act"),
         (dict(d_model=0), "d_model"),
+        (dict(task="classify", n_classes=2, labels=["a"]), "labels"),
+        (dict(task="classify", n_classes=2, labels=["a", "a"]), "labels"),
+        (dict(task="classify", n_classes=2, labels=["a", 1]), "labels"),
+        (dict(labels=["a", "b"]), "labels"),  # a language model has no classes to name
     ],
 )
 def test_config_rejects_bad_values_naming_field(overrides, field):
@@ -260,8 +264,9 @@ def test_config_rejects_bad_values_naming_field(overrides, field):
 
 
 def test_config_good_values_accepted():
-    cfg = preset("tiny", top_k=4, moe_layers=[0, 1], capacity_factor=1.0, task="classify", n_classes=2)
-    assert cfg.top_k == 4 and cfg.moe_layer_ids == [0, 1]
+    cfg = preset("tiny", top_k=4, moe_layers=[0, 1], capacity_factor=1.0, task="classify", n_classes=2,
+                 labels=["no", "yes"])
+    assert cfg.top_k == 4 and cfg.moe_layer_ids == [0, 1] and cfg.labels == ["no", "yes"]
 
 
 def test_config_json_round_trip():

@@ -343,7 +343,8 @@ def test_load_failure_is_reported_not_served(tmp_path):
 
 def test_classifier_serves_classify_only(tmp_path):
     torch.manual_seed(0)
-    model = Transformer(preset("tiny", router="softmax", task="classify", n_classes=3))
+    names = ["neg", "neu", "pos"]
+    model = Transformer(preset("tiny", router="softmax", task="classify", n_classes=3, labels=names))
     ckpt = save_checkpoint(tmp_path / "cls", model.cfg, model.state_dict())
     ref = Engine.load(ckpt, dtype="float32", device="cpu")
     texts = ["good", "bad movie", "x" * 40]
@@ -355,6 +356,7 @@ def test_classifier_serves_classify_only(tmp_path):
     for item, probs in zip(r["data"], want):
         assert item["probs"] == pytest.approx(probs, abs=1e-5)
         assert item["label"] == max(range(3), key=probs.__getitem__)
+        assert item["label_name"] == names[item["label"]]
     assert (wrong.status_code, wrong.json()["error"]["param"]) == (422, "model")
     assert (wrong_score.status_code, wrong_score.json()["error"]["param"]) == (422, "model")
 
