@@ -23,12 +23,13 @@ def pyplot():
 
 
 def bars(ax, groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str,
-         log: bool = False) -> None:
-    """Grouped bars: one group per x label, one bar per series (None: no bar)."""
+         log: bool = False, errors: dict[str, list[float | None]] | None = None) -> None:
+    """Grouped bars: one group per x label, one bar per series (None: no bar), with error bars from `errors`."""
     width = 0.8 / max(1, len(series))
     for j, (name, values) in enumerate(series.items()):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
-        ax.bar(xs, [v if v is not None else 0 for v in values], width, label=name)
+        err = [e or 0 for e in errors[name]] if errors and name in errors else None
+        ax.bar(xs, [v if v is not None else 0 for v in values], width, label=name, yerr=err, capsize=3 if err else 0)
     ax.set_xticks(range(len(groups)), groups, fontsize=8, rotation=20 if len(groups) > 4 else 0)
     if log:
         ax.set_yscale("log")
