@@ -133,6 +133,12 @@ def test_discrete_vq_runs_no_router_and_one_expert_per_token(bases, tmp_path):
     ratio = flops(model.moe_layers[0]) / flops(mixed.moe_layers[0])
     # mixed runs top-2 experts, the discrete expert, the router and the gate; discrete runs one expert
     assert 0.2 < ratio < 0.4, ratio
+    # a discrete model as-is: the vq-table export folds each layer into a table, with parity
+    pytest.importorskip("onnxruntime")
+    from moeserve.export.onnx_export import export_onnx
+
+    report = export_onnx(out, tmp_path / "discrete.onnx", "vq-table")
+    assert report.passed and {layer["form"] for layer in report.layers} == {"table"}
 
 
 def test_resume_repeats_the_uninterrupted_run(bases, tmp_path, monkeypatch):
