@@ -104,6 +104,8 @@ def _study_parser(sub) -> None:
                     "measurement")
     st.add_argument("--seeds", type=int, help="seeds per recipe (default: 3; 2 with --quick)")
     st.add_argument("--work", help="keep the checkpoints here (default: a temporary directory)")
+    st.add_argument("--render", action="store_true", help="only draw the page and plots again from the JSON beside "
+                    "--out (docs/study/study.json), after a change to how they are written")
     st.add_argument("--quiet", action="store_true")
     st.set_defaults(func=cmd_study)
 

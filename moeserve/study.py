@@ -254,12 +254,28 @@ def markdown(results: dict, plots: list[str], command: str) -> str:
              "much, inconclusive otherwise.", "",
              "## Claims", "", "| claim | verdict | measured |", "| --- | --- | --- |"]
     lines += [f"| {c} | **{v}** | {t} |" for c, v, t in claims(results)]
-    lines += ["", "## Pre-training", "",
-              "| recipe | val bits/byte | RF ratio, 2nd half | RC | parameter difference | relative output variance |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    chance = 1 / len(results["task"]["labels"])
+    reached = [_mean_sd(_values(results, n, "acc_full"))[0] for n in results["recipes"]]
+    lines += ["", "Reading these numbers:",
+              f"- Fine-tuning accuracy is {chance:.3f} by chance; at this size and budget the models reach "
+              f"{min(reached):.2f}-{max(reached):.2f}, so a fine-tuning claim needs a large effect to clear the "
+              "spread over seeds.",
+              "- The experts here are initialised independently, so nearly every parameter differs by more than 1e-3 "
+              "between two experts from the first step; the OMoE paper's experts start as copies of one pre-trained "
+              "FFN, where the share is what the optimizer changes. Read the relative output variance first.",
+              "- The RF claim is judged on the second half of pre-training (decided before the run, as X-MoE reads "
+              "its curve after routing has formed); the mean over all evaluations is in the table beside it and "
+              "the curves in the first plot.",
+              "", "## Pre-training", "",
+              "| recipe | val bits/byte | RF ratio, 2nd half | RF ratio, all evaluations | RC | parameter difference | "
+              "relative output variance |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, rec in results["recipes"].items():
         late = _mean_sd([_late_fluctuation(row) for row in rec["seeds"]])
+        whole = _mean_sd([statistics.fmean(rf for _, rf in row["fluctuation"]) for row in rec["seeds"]
+                          if row["fluctuation"]])
         lines.append(f"| {name} | {_cell(results, name, 'val_bpb')} | {late[0]:.4f} ± {late[1]:.4f} | "
+                     f"{whole[0]:.4f} ± {whole[1]:.4f} | "
                      f"{_cell(results, name, 'rc', '.4g')} | {_cell(results, name, 'param_diff')} | "
                      f"{_cell(results, name, 'output_var_rel')} |")
     lines += ["", "## Fine-tuning on the built-in task", "",
@@ -322,10 +338,23 @@ def draw(results: dict, directory: Path) -> list[Path]:
     return paths
 
 
+def render(out: Path) -> list[Path]:
+    """The page and its plots drawn again from the JSON beside it (`moeserve study --render`): no training."""
+    figures = out.parent / out.stem
+    results = json.loads((figures / "study.json").read_text())
+    plots = [p.relative_to(out.parent).as_posix() for p in draw(results, figures)]
+    out.write_text(markdown(results, plots, results.get("command", "moeserve study")))
+    return [figures / Path(p).name for p in plots]
+
+
 def main(args) -> int:
     from moeserve.bench.plots import pyplot
 
     pyplot()  # matplotlib before an hour of training, not after
+    if args.render:
+        drawn = render(Path(args.out))
+        print(f"wrote {args.out} and {len(drawn)} plots from {Path(args.out).parent / Path(args.out).stem}/study.json")
+        return 0
     sc = StudyConfig.quick() if args.quick else StudyConfig()
     if args.seeds is not None:
         if args.seeds < 2:
@@ -339,8 +368,9 @@ def main(args) -> int:
     log = (lambda m: None) if args.quiet else (lambda m: print(f"moeserve study: {m}", file=sys.stderr))
     with tempfile.TemporaryDirectory() as tmp:  # the checkpoints, kept only with --work
         results = run_study(sc, Path(args.work or tmp), log)
+    results["command"] = " ".join(args.argv)
     (figures / "study.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False))
     plots = [p.relative_to(out.parent).as_posix() for p in draw(results, figures)]
-    out.write_text(markdown(results, plots, " ".join(args.argv)))
+    out.write_text(markdown(results, plots, results["command"]))
     print(f"wrote {out}, {len(plots)} plots and {figures / 'study.json'} in {results['wall_s'] / 60:.1f} min")
     return 0

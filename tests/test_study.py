@@ -6,8 +6,12 @@ import json
 
 import pytest
 
+from pathlib import Path
+
 from moeserve.cli import main
-from moeserve.study import claims, verdict
+from moeserve.study import claims, markdown, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_verdict_needs_a_difference_larger_than_the_spread():
@@ -57,3 +61,13 @@ def test_quick_study_writes_the_page_plots_and_json(tmp_path, capsys):
     assert 0.2 < vq["discrete_flops_ratio"] < 0.4 and all("acc_discrete" in s for s in vq["seeds"])
     assert all(len(s["fluctuation"]) == 3 for r in results["recipes"].values() for s in r["seeds"])
     assert main(["study", "--quick", "--seeds", "1", "--out", str(out)]) == 2
+    out.write_text("edited by hand")
+    assert main(["study", "--render", "--out", str(out)]) == 0 and out.read_text() == page  # drawn from the JSON
+
+
+def test_the_committed_study_page_is_rendered_from_its_json():
+    results = json.loads((ROOT / "docs" / "study" / "study.json").read_text())
+    plots = [f"study/{name}.png" for name in ("pretraining", "routing", "finetuning")]
+    assert (ROOT / "docs" / "study.md").read_text() == markdown(results, plots, results["command"]), (
+        "docs/study.md is stale: run `moeserve study --render` and commit the result")
+    assert all((ROOT / "docs" / p).exists() for p in plots)
