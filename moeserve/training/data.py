@@ -16,7 +16,7 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -104,28 +104,35 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path}: cannot read corpus file: {e}") from e
 
 
-def _jsonl_documents(path: Path, text_field: str) -> list[tuple[str, str]]:
-    """(key, text) per line; blank lines are skipped, any other bad line is an error.
+def jsonl_objects(path: Path, lines: Iterable[str]) -> Iterator[tuple[str, dict]]:
+    """("path:line", object) for each non-blank line of a JSONL file; any other bad line is an error naming it.
 
     A bad line is fatal rather than skipped because silently dropping data changes what a model is
     trained on without anyone noticing.
     """
-    docs = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+    for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
-            record = json.loads(line)
+            obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg}") from e
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from e
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield where, obj
+
+
+def _jsonl_documents(path: Path, text_field: str) -> list[tuple[str, str]]:
+    """(key, text) per line of a corpus's JSONL file."""
+    docs = []
+    for where, record in jsonl_objects(path, _read_text(path).splitlines()):
         if text_field not in record:
-            raise DataError(f"{path}:{lineno}: no field {text_field!r} (fields: {sorted(record)})")
+            raise DataError(f"{where}: no field {text_field!r} (fields: {sorted(record)})")
         value = record[text_field]
         if not isinstance(value, str):
-            raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, expected a string")
-        docs.append((f"{path}:{lineno}", value))
+            raise DataError(f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
+        docs.append((where, value))
     return docs
 
 

@@ -18,8 +18,9 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-from moeserve.training.data import MAX_FILE_BYTES, SKIP_DIRS, DataError, _stdlib_root
+from moeserve.training.data import MAX_FILE_BYTES, SKIP_DIRS, DataError, _stdlib_root, jsonl_objects
 
 # Label id -> stdlib package. Each exists in CPython 3.9-3.13; on 3.11 (the only one checked) each has
 # >= 150 KB of .py outside SKIP_DIRS and files in both splits of the path-hash rule below. Left out: logging and
@@ -197,6 +198,16 @@ class _Record:
     label: str | int
 
 
+def _decoded_lines(path: Path, raw: bytes) -> Iterator[str]:
+    """Each line decoded on its own, so that bad UTF-8 is an error naming its line."""
+    for lineno, raw_line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            line = raw_line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
+        yield line.removeprefix("\ufeff") if lineno == 1 else line  # a byte-order mark some editors write
+
+
 def _read_jsonl(path: Path, text_field: str, label_field: str) -> list[_Record]:
     """One record per non-blank line; any bad line is an error naming the file and line, since silently
     dropping data would change what a model is tuned on without anyone noticing."""
@@ -209,22 +220,7 @@ def _read_jsonl(path: Path, text_field: str, label_field: str) -> list[_Record]:
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e}") from e
     records: list[_Record] = []
-    for lineno, raw_line in enumerate(raw.split(b"\n"), start=1):
-        where = f"{path}:{lineno}"
-        try:
-            line = raw_line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
-        if lineno == 1:
-            line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from e
-        if not isinstance(obj, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for where, obj in jsonl_objects(path, _decoded_lines(path, raw)):
         for field in (text_field, label_field):
             if field not in obj:
                 raise DataError(f"{where}: no field {field!r} (fields: {sorted(obj)})")
