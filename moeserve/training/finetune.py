@@ -185,7 +185,8 @@ def _finetune(base_path: Path, data: ClassificationData, tc: TrainConfig, fc: Fi
         ckpt = load_checkpoint(out, load_train_state=True)
         if ckpt.train_state is None:
             raise CheckpointError(f"{out}: has no train_state.safetensors to resume from")
-        if ckpt.config != cfg or ckpt.manifest.get("recipe", {}).get("data_sha256") != data.sha256:
+        was = ckpt.manifest.get("recipe", {})
+        if ckpt.config != cfg or was.get("data_sha256") != data.sha256 or was.get("finetune") != dataclasses.asdict(fc):
             raise CheckpointError(f"{out} was fine-tuned from another model, recipe or data; resume with the same "
                                   "flags")
         load_into(model, ckpt)

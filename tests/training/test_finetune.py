@@ -164,6 +164,9 @@ def test_resume_repeats_the_uninterrupted_run(bases, tmp_path, monkeypatch):
     assert [r["step"] for r in log] == [0, 1, 2, 3]
     with pytest.raises(CheckpointError, match="resume with the same flags"):
         finetune(bases["softmax"], task(n=40), tc(steps=4), FinetuneConfig(), part, resume=True, progress=False)
+    with pytest.raises(CheckpointError, match="resume with the same flags"):  # same config, other recipe
+        finetune(bases["softmax"], task(), tc(steps=4), FinetuneConfig(routing="frozen"), part, resume=True,
+                 progress=False)
 
 
 def test_cli_finetunes_jsonl_and_names_bad_input(bases, tmp_path, capsys):
