@@ -86,8 +86,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     cfg = ScoreConfig(
         input=args.input, output=args.output, format=args.format, text_field=args.text_field, id_field=args.id_field,
         dtype=args.dtype, device=args.device, backend=args.backend, batch_size=args.batch_size,
-        batch_tokens=args.batch_tokens, chunk_size=args.chunk_size, resume=args.resume, overwrite=args.overwrite,
-        progress=not args.quiet,
+        batch_tokens=args.batch_tokens, stride=args.stride, chunk_size=args.chunk_size, resume=args.resume,
+        overwrite=args.overwrite, progress=not args.quiet,
     )
     summary = score_file(args.checkpoint, cfg, log=lambda msg: print(f"moeserve score: {msg}", file=sys.stderr))
     if summary.already_complete:
@@ -344,7 +344,7 @@ def _add_score(sub) -> None:
     s.add_argument("--input", type=Path, required=True, metavar="FILE",
                    help="JSONL (one object per line) or text (one record per non-blank line) file")
     s.add_argument("--output", type=Path, required=True, metavar="FILE",
-                   help="JSONL file to write: {id, logprob, n_tokens, bits_per_byte} or {id, error} per record")
+                   help="JSONL file to write: {id, logprob, n_tokens, bits_per_byte, windows} or {id, error} per record")
     s.add_argument("--format", default="auto", choices=("auto", "jsonl", "text"),
                    help="input format (default: auto: .jsonl and .json are JSONL, anything else text)")
     s.add_argument("--text-field", default="text", metavar="NAME",
@@ -359,6 +359,10 @@ def _add_score(sub) -> None:
     s.add_argument("--batch-size", type=int, default=64, metavar="N", help="most rows per forward pass (default: 64)")
     s.add_argument("--batch-tokens", type=int, default=16384, metavar="N",
                    help="most tokens per forward pass, padding included (default: 16384)")
+    s.add_argument("--stride", type=int, default=None, metavar="N",
+                   help="a text longer than the model's context is scored in windows of the context, each scoring "
+                   "the N tokens past the last (default: half the context). Smaller: more context per token, "
+                   "more windows; context - 1: disjoint windows, as lm-evaluation-harness")
     s.add_argument("--chunk-size", type=int, default=256, metavar="N", help="records per committed chunk; batches "
                    "are formed within a chunk, sorted by length (default: 256)")
     again = s.add_mutually_exclusive_group()

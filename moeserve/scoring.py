@@ -3,9 +3,12 @@ record out, in input order, keyed by the record's id.
 
 Per chunk of `chunk_size` records, in input order:
   read (each line parsed; a bad one becomes an error record, the run goes on)
-  -> encode (Engine.encode: not a string, empty, longer than the context are error records too)
+  -> encode (Engine.encode: not a string or empty are error records too)
   -> batch (sorted by token length, up to batch_size rows and batch_tokens padded tokens)
   -> Engine.score_ids -> the chunk's lines written in input order, fsynced -> progress committed.
+
+A text longer than the model's context is scored in rolling windows `stride` tokens apart
+(runtime/windows.py); its line says how many (`windows`).
 
 Chunk boundaries depend only on record counts, so a resumed run forms exactly the batches an
 uninterrupted one would, and writes byte-identical output. Next to OUTPUT while a run is under way:
@@ -31,6 +34,7 @@ from tqdm import tqdm
 
 from moeserve.checkpoint import fsync_path
 from moeserve.runtime.engine import Engine, EngineError, Score, load_engine
+from moeserve.runtime.windows import check_stride, default_stride
 
 FORMATS = ("auto", "jsonl", "text")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -52,6 +56,7 @@ class ScoreConfig:
     backend: str = "auto"  # torch for a checkpoint directory, onnx for an exported .onnx file (auto: by the path)
     batch_size: int = 64  # rows per forward: more amortises per-call overhead, costs activation memory
     batch_tokens: int = 16384  # tokens per forward, padding included: bounds memory whatever the lengths
+    stride: int | None = None  # rolling windows over texts past the context: None = half the context
     chunk_size: int = 256  # records per commit: smaller loses less to a crash, fsyncs more often
     resume: bool = False  # continue OUTPUT.partial from its progress file
     overwrite: bool = False  # start again even if OUTPUT or OUTPUT.partial exists
@@ -65,6 +70,9 @@ class ScoreConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
+        if self.stride is not None and (isinstance(self.stride, bool) or not isinstance(self.stride, int)
+                                        or self.stride < 1):
+            raise ValueError(f"stride = {self.stride!r}: expected an integer >= 1")
         for name in ("text_field", "id_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} = {getattr(self, name)!r}: expected a non-empty field name")
@@ -209,15 +217,17 @@ def score_chunk(engine: Engine, chunk: list[Record], cfg: ScoreConfig) -> list[d
             continue
         what = f"line {r.line}" if cfg.resolved_format == "text" else f"line {r.line}: field {cfg.text_field!r}"
         try:
-            rows.append(engine.encode(r.text, what))
+            rows.append(engine.encode(r.text, what, any_length=True))
         except EngineError as e:
             out[j] = {"id": r.id, "error": str(e)}
             continue
         where.append(j)
-    for batch in plan_batches([len(row) for row in rows], cfg.batch_size, cfg.batch_tokens):
-        for k, (logprob, n) in zip(batch, engine.score_ids([rows[k] for k in batch])):
+    C = engine.cfg.max_seq_len  # a longer row runs as windows of C tokens, which score_ids batches itself
+    for batch in plan_batches([min(len(row), C) for row in rows], cfg.batch_size, cfg.batch_tokens):
+        scores = engine.score_ids([rows[k] for k in batch], cfg.stride, max_batch_tokens=cfg.batch_tokens)
+        for k, row in zip(batch, scores):
             r = chunk[where[k]]
-            out[where[k]] = {"id": r.id, **Score.of(logprob, n, r.text).as_dict()}
+            out[where[k]] = {"id": r.id, **Score.of(row, r.text).as_dict()}
     return out  # type: ignore[return-value]
 
 
@@ -258,7 +268,8 @@ def _identity(cfg: ScoreConfig, info: InputInfo, engine: Engine) -> dict:
         "checkpoint_sha256": _checkpoint_fingerprint(engine.path),
         "settings": {"format": cfg.resolved_format, "text_field": cfg.text_field, "id_field": cfg.id_field,
                      "dtype": str(engine.dtype).removeprefix("torch."), "device": engine.device.type,
-                     "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens},
+                     "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens,
+                     "stride": cfg.stride or default_stride(engine.cfg.max_seq_len)},
     }
 
 
@@ -320,6 +331,8 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
         raise ValueError(f"{engine.path or engine.name} is a '{engine.cfg.task}' model; scoring needs a language model")
     if engine.tokenizer is None:
         raise ValueError(f"{engine.path or engine.name} has no tokenizer (no tokenizer.json); cannot score text")
+    if cfg.stride is not None:
+        check_stride(cfg.stride, engine.cfg.max_seq_len)
 
     identity = _identity(cfg, info, engine)
     state = {"records_done": 0, "bytes_written": 0, "input_offset": 0, "input_line": 0, "scored": 0, "errors": 0}

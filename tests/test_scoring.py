@@ -54,10 +54,10 @@ def run(ckpt, engine, tmp_path, inp, out="out.jsonl", **kw):
     return score_file(ckpt, cfg, engine=engine), read_jsonl(tmp_path / out)
 
 
-def assert_scores(engine, got: list[dict], texts: list[str]) -> None:
-    want = engine.score(texts)
+def assert_scores(engine, got: list[dict], texts: list[str], stride: int | None = None) -> None:
+    want = engine.score(texts, stride)
     for g, w in zip(got, want):
-        assert g["n_tokens"] == w.n_tokens
+        assert g["n_tokens"] == w.n_tokens and g["windows"] == w.windows
         assert g["logprob"] == pytest.approx(w.logprob, rel=1e-5, abs=1e-5)
         assert g["bits_per_byte"] == pytest.approx(w.bits_per_byte, rel=1e-5, abs=1e-5)
 
@@ -68,7 +68,8 @@ def test_scores_equal_engine_score_in_input_order(ckpt, engine, tmp_path):
     rows[2] = {"text": TEXTS[2]}  # no id: its line number
     summary, out = run(ckpt, engine, tmp_path, write_jsonl(tmp_path / "in.jsonl", rows), batch_size=2, chunk_size=4)
     assert [r["id"] for r in out] == ["doc-0", "doc-1", 3, "doc-3", "doc-4", "doc-5"]
-    assert all(set(r) == {"id", "logprob", "n_tokens", "bits_per_byte"} for r in out)
+    assert all(set(r) == {"id", "logprob", "n_tokens", "bits_per_byte", "windows"} for r in out)
+    assert [r["windows"] for r in out] == [1] * 6
     assert_scores(engine, out, TEXTS)
     assert (summary.scored, summary.errors, summary.records) == (6, 0, 6)
     assert not (tmp_path / "out.jsonl.partial").exists() and not (tmp_path / "out.jsonl.progress.json").exists()
@@ -86,7 +87,7 @@ def test_batch_limits_do_not_change_scores(ckpt, engine, tmp_path):
 def test_bad_records_are_error_lines_and_the_run_goes_on(ckpt, engine, tmp_path):
     lines = [{"id": "ok1", "text": "fine"}, "not json {", "[1, 2]", {"id": "no-text", "body": "x"},
              {"id": "int", "text": 5}, {"id": "null", "text": None}, {"id": "empty", "text": ""},
-             {"id": "long", "text": "x" * 64}, {"id": "edge", "text": "x" * 63}, '{"id": "sur", "text": "\\ud800"}',
+             {"id": "long", "text": "y" * 64}, {"id": "edge", "text": "x" * 63}, '{"id": "sur", "text": "\\ud800"}',
              {"id": "ok2", "text": "also fine"}]
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
     with open(inp, "ab") as f:
@@ -100,13 +101,30 @@ def test_bad_records_are_error_lines_and_the_run_goes_on(ckpt, engine, tmp_path)
     assert "must be a string" in errors["int"] and "int" in errors["int"]
     assert "must be a string" in errors["null"]
     assert "line 7" in errors["empty"] and "empty" in errors["empty"]
-    assert "65 tokens" in errors["long"] and "context is 64" in errors["long"]
     assert "Unicode" in errors["sur"]
     assert "line 12" in errors[12] and "UTF-8" in errors[12]
     scored = [r for r in out if "error" not in r]
-    assert [r["id"] for r in scored] == ["ok1", "edge", "ok2"]
-    assert_scores(engine, scored, ["fine", "x" * 63, "also fine"])
-    assert (summary.scored, summary.errors) == (3, 9)
+    assert [r["id"] for r in scored] == ["ok1", "long", "edge", "ok2"]
+    assert_scores(engine, scored, ["fine", "y" * 64, "x" * 63, "also fine"])
+    assert [r["windows"] for r in scored] == [1, 2, 1, 1]  # 65 tokens on a context of 64: two windows
+    assert (summary.scored, summary.errors) == (4, 8)
+
+
+def test_texts_longer_than_the_context_are_scored_in_windows(ckpt, engine, tmp_path):
+    """A 300-byte text on a 64-token context: every token scored once, in windows `stride` apart, as the
+    engine scores it (whose windows tests/runtime/test_windows.py checks against a direct computation)."""
+    texts = ["def f(x):\n    return x * 2\n" * 11, "short", "z" * 640]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    for stride, windows in ((None, [9, 1, 20]), (8, [31, 1, 74]), (63, [5, 1, 11])):
+        out_name = f"out-{stride}.jsonl"
+        _, out = run(ckpt, engine, tmp_path, inp, out_name, stride=stride, batch_tokens=256)
+        assert [r["n_tokens"] for r in out] == [len(t) for t in texts]
+        assert [r["windows"] for r in out] == windows
+        assert_scores(engine, out, texts, stride)
+    with pytest.raises(ValueError, match=r"stride = 64: expected an integer in \[1, 63\]"):
+        run(ckpt, engine, tmp_path, inp, "bad.jsonl", stride=64)
+    with pytest.raises(ValueError, match="stride = 0"):
+        ScoreConfig(input=inp, output=tmp_path / "x.jsonl", stride=0)
 
 
 def test_plain_text_input_one_record_per_non_blank_line(ckpt, engine, tmp_path):
@@ -175,6 +193,7 @@ def test_resume_of_a_complete_output_says_so(ckpt, engine, tmp_path, capsys):
     (["{ckpt}", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/no/dir/o.jsonl"], "does not exist"),
     (["{ckpt}", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/o.jsonl", "--chunk-size", "0"], "chunk_size"),
     (["{ckpt}", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/o.jsonl", "--batch-tokens", "-1"], "batch_tokens"),
+    (["{ckpt}", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/o.jsonl", "--stride", "64"], "stride = 64"),
 ])
 def test_user_errors_exit_2_naming_the_cause(ckpt, tmp_path, capsys, args, needle):
     write_jsonl(tmp_path / "in.jsonl", [{"text": "abc"}])
@@ -188,11 +207,11 @@ def interrupt_after(engine, monkeypatch, calls: int) -> None:
     """Make the engine's `calls`+1-th score_ids raise KeyboardInterrupt (Ctrl-C mid-run)."""
     real, n = engine.score_ids, [0]
 
-    def score_ids(rows):
+    def score_ids(rows, *args, **kwargs):
         n[0] += 1
         if n[0] > calls:
             raise KeyboardInterrupt
-        return real(rows)
+        return real(rows, *args, **kwargs)
 
     monkeypatch.setattr(engine, "score_ids", score_ids)
 
@@ -217,7 +236,8 @@ def test_resume_after_an_interrupt_and_a_half_written_chunk_is_exact(ckpt, engin
     assert progress["records_done"] == 12 and not (tmp_path / "out.jsonl").exists()
     assert progress["input"] == str(inp) and progress["checkpoint"] == str(ckpt) and len(progress["input_sha256"]) == 64
     assert progress["settings"] == {"format": "jsonl", "text_field": "text", "id_field": "id", "dtype": "float32",
-                                    "device": "cpu", "chunk_size": 6, "batch_size": 4, "batch_tokens": 16384}
+                                    "device": "cpu", "chunk_size": 6, "batch_size": 4, "batch_tokens": 16384,
+                                    "stride": 32}
     with open(tmp_path / "out.jsonl.partial", "ab") as f:
         f.write(b'{"id": "r12", "logprob": -3')  # what a kill between write and commit leaves
     summary, _ = run(ckpt, engine, tmp_path, inp, resume=True, **settings)
@@ -230,6 +250,7 @@ def test_resume_after_an_interrupt_and_a_half_written_chunk_is_exact(ckpt, engin
     (["--chunk-size", "7"], "chunk_size: 6 in the run, 7 now"),
     (["--batch-size", "2"], "batch_size"),
     (["--text-field", "body"], "text_field"),
+    (["--stride", "8"], "stride: 32 in the run, 8 now"),  # the default stride is written as the number
     ("input", "input:"),
 ])
 def test_resume_with_other_settings_or_input_is_refused(ckpt, engine, tmp_path, monkeypatch, capsys, change, needle):

@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,9 +33,10 @@ from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner, TorchRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
+from moeserve.runtime.windows import check_stride, consecutive_batches, default_stride, rolling_windows
 from moeserve.tokenizer import Tokenizer, load_checkpoint_tokenizer
 
-__all__ = ["Completion", "Engine", "EngineError", "ExpertLoad", "SamplingParams", "Score", "load_engine"]
+__all__ = ["Completion", "Engine", "EngineError", "ExpertLoad", "RowScore", "SamplingParams", "Score", "load_engine"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -95,18 +96,28 @@ class ExpertLoad:
         return out.cpu()
 
 
+class RowScore(NamedTuple):
+    """What `Engine.score_ids` gives per row of token ids."""
+
+    logprob: float  # sum of log p(token | tokens before it in its window)
+    n_tokens: int  # tokens scored: all but the first
+    windows: int  # forward windows it took: 1 within the context, more for a longer row (windows.py)
+
+
 @dataclass
 class Score:
     logprob: float  # natural log-probability of the text's tokens, each given those before it
     n_tokens: int  # tokens scored (the <bos> that conditions the first is not one of them)
     bits_per_byte: float  # -logprob / ln 2 / UTF-8 bytes of the text
+    windows: int = 1  # context windows a text longer than the context was scored in
 
     @classmethod
-    def of(cls, logprob: float, n_tokens: int, text: str) -> "Score":
-        return cls(logprob, n_tokens, -logprob / math.log(2) / len(text.encode("utf-8")))
+    def of(cls, row: RowScore, text: str) -> "Score":
+        return cls(row.logprob, row.n_tokens, -row.logprob / math.log(2) / len(text.encode("utf-8")), row.windows)
 
     def as_dict(self) -> dict:
-        return {"logprob": self.logprob, "n_tokens": self.n_tokens, "bits_per_byte": self.bits_per_byte}
+        return {"logprob": self.logprob, "n_tokens": self.n_tokens, "bits_per_byte": self.bits_per_byte,
+                "windows": self.windows}
 
 
 # on_token(row, token_id, text, logprob): as each new token of each row is chosen, with the text it settles
@@ -217,7 +228,8 @@ class Engine:
             raise EngineError(f"{self.name} has no tokenizer (no tokenizer.json); pass token ids instead of text")
         return self.tokenizer
 
-    def encode(self, text: str, what: str = "text") -> list[int]:
+    def encode(self, text: str, what: str = "text", *, any_length: bool = False) -> list[int]:
+        """<bos> + the text's ids; longer than the context is an error unless `any_length` (scoring)."""
         if not isinstance(text, str):
             raise EngineError(f"{what} must be a string, got {type(text).__name__}")
         if not text:
@@ -227,7 +239,7 @@ class Engine:
         except UnicodeEncodeError as e:
             raise EngineError(f"{what} is not valid Unicode ({e.reason} at character {e.start})") from e
         ids = self.text_tokenizer().encode(text, bos=True)
-        if len(ids) > self.cfg.max_seq_len:
+        if len(ids) > self.cfg.max_seq_len and not any_length:
             raise EngineError(f"{what} is {len(ids)} tokens; the model's context is {self.cfg.max_seq_len}")
         return ids
 
@@ -312,12 +324,37 @@ class Engine:
 
     # ---- scoring ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def score_ids(self, rows: list[list[int]]) -> list[tuple[float, int]]:
-        """(sum of log p(token | tokens before), tokens scored) per row; the first token only conditions."""
+    def score_ids(self, rows: list[list[int]], stride: int | None = None,
+                  max_batch_tokens: int = 16384) -> list[RowScore]:
+        """Per row, the sum of log p(token | tokens before) over every token but the first, which only
+        conditions. A row longer than the context is scored in rolling windows `stride` tokens apart
+        (windows.py; default half the context). Rows within the context run as one batch, as given;
+        the windows of longer rows in consecutive batches of at most `max_batch_tokens` padded tokens."""
         if not rows:
             return []
-        logp, mask = self._token_logp(rows)
-        return [(float(lp), len(r) - 1) for lp, r in zip((logp * mask).sum(-1).tolist(), rows)]
+        C = self.cfg.max_seq_len
+        if stride is not None:
+            try:
+                check_stride(stride, C)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+        if all(len(r) <= C for r in rows):
+            logp, mask = self._token_logp(rows)
+            return [RowScore(float(lp), len(r) - 1, 1) for lp, r in zip((logp * mask).sum(-1).tolist(), rows)]
+        stride = default_stride(C) if stride is None else stride
+        windows = [(i, row[a:b], k) for i, row in enumerate(rows) for a, b, k in rolling_windows(len(row), C, stride)]
+        sums, counts = [0.0] * len(rows), [0] * len(rows)
+        for batch in consecutive_batches([len(ids) for _, ids, _ in windows], max_batch_tokens):
+            group = windows[batch.start:batch.stop]
+            logp, _ = self._token_logp([ids for _, ids, _ in group])
+            # window w scores positions [len - 1 - scored, len - 1) of its log-probabilities
+            end = torch.tensor([len(ids) - 1 for _, ids, _ in group], device=logp.device)[:, None]
+            first = end - torch.tensor([k for *_, k in group], device=logp.device)[:, None]
+            pos = torch.arange(logp.shape[1], device=logp.device)
+            for (i, _, _), lp in zip(group, (logp * ((pos >= first) & (pos < end))).sum(-1).tolist()):
+                sums[i] += lp
+                counts[i] += 1
+        return [RowScore(s, len(r) - 1, w) for s, r, w in zip(sums, rows, counts)]
 
     @torch.inference_mode()
     def token_logprobs_ids(self, rows: list[list[int]]) -> list[list[float]]:
@@ -336,10 +373,10 @@ class Engine:
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         return logp, mask[:, 1:]
 
-    def score(self, texts: list[str]) -> list[Score]:
-        """Per text: log-probability, tokens scored, bits per UTF-8 byte."""
-        rows = [self.encode(t, f"text {i}") for i, t in enumerate(texts)]
-        return [Score.of(lp, n, t) for (lp, n), t in zip(self.score_ids(rows), texts)]
+    def score(self, texts: list[str], stride: int | None = None) -> list[Score]:
+        """Per text: log-probability, tokens scored, bits per UTF-8 byte, windows (any length: see score_ids)."""
+        rows = [self.encode(t, f"text {i}", any_length=True) for i, t in enumerate(texts)]
+        return [Score.of(row, t) for row, t in zip(self.score_ids(rows, stride), texts)]
 
     # ---- classification and routes -------------------------------------------------------------
     @torch.inference_mode()

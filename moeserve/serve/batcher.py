@@ -49,6 +49,7 @@ class Job:
     kind: Kind
     rows: list[list[int]]  # token ids per prompt / text, <bos> first
     params: list[SamplingParams] | None = None  # per row, for "complete"
+    stride: int | None = None  # "score": rolling windows over rows longer than the context (None: the default)
     # (row of this job, token id, text, log-probability record or None), on the model thread
     on_token: Callable[[int, int, str, TokenLogprob | None], None] | None = None
     deadline: float = math.inf  # time.monotonic() past which the job is dropped
@@ -212,7 +213,12 @@ class Batcher:
 
             results = self.engine.complete_ids(rows, params, on_token, cancel)
         elif kind == "score":
-            results = self.engine.score_ids(rows)
+            results = [None] * len(rows)
+            for stride in {job.stride for job in jobs}:  # jobs of one stride per engine call
+                mine = [r for r, (job, _) in enumerate(owners) if job.stride == stride]
+                scores = self.engine.score_ids([rows[r] for r in mine], stride, self.cfg.max_batch_tokens)
+                for r, score in zip(mine, scores):
+                    results[r] = score
         else:
             results = self.engine.classify_ids(rows)
         if self.metrics:

@@ -150,6 +150,13 @@ class TextsRequest(BaseModel):
     input: str | list[str] = Field(description="a text or a list of texts")
 
 
+class ScoreRequest(TextsRequest):
+    """POST /v1/score: a text longer than the model's context is scored in rolling windows."""
+
+    stride: int | None = Field(None, ge=1, description="for a text longer than the context: tokens each window "
+                               "scores past the last (default half the context; less than the context)")
+
+
 # ---- responses -----------------------------------------------------------------------------------
 class Usage(BaseModel):
     prompt_tokens: int
@@ -224,6 +231,7 @@ class ScoreItem(BaseModel):
     n_tokens: int = Field(description="tokens scored (the <bos> that conditions the first is not one)")
     perplexity: float
     bits_per_byte: float
+    windows: int = Field(description="context windows the text was scored in: 1 unless it is longer than the context")
 
 
 class ScoreResponse(BaseModel):

@@ -21,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.serve.batcher import Closed, DeadlineExceeded, Job
+from moeserve.runtime.windows import check_stride
 from moeserve.serve.protocol import (ApiError, ClassifyItem, ClassifyResponse, ModelCard, ModelList, ScoreItem,
-                                     ScoreResponse, TextsRequest, Usage)
+                                     ScoreRequest, ScoreResponse, TextsRequest, Usage)
 from moeserve.serve.state import ServeConfig, ServerState
 
 log = logging.getLogger("moeserve.serve")
@@ -54,7 +55,8 @@ def _check_unicode(text: str, field: str) -> None:
                        f"U+{ord(text[e.start]):04X} at character {e.start}", param=field) from None
 
 
-def _encode(engine: Engine, item: str | list[int], field: str, max_len: int) -> list[int]:
+def _encode(engine: Engine, item: str | list[int], field: str, max_len: int | None) -> list[int]:
+    """<bos> + the item's ids (a text, or ids as given), checked; at most `max_len` tokens unless None."""
     if isinstance(item, str):
         if not item:
             raise ApiError("invalid_value", f"{field} is empty", param=field)
@@ -68,7 +70,7 @@ def _encode(engine: Engine, item: str | list[int], field: str, max_len: int) -> 
             raise ApiError("invalid_value", f"{field} has no token ids", param=field)
         if any(t < 0 or t >= V for t in ids):
             raise ApiError("invalid_value", f"{field} has a token id outside [0, {V})", param=field, limit=V - 1)
-    if len(ids) > max_len:
+    if max_len is not None and len(ids) > max_len:
         raise ApiError("invalid_value", f"{field} is {len(ids)} tokens; at most {max_len} fit this model's context "
                        f"of {engine.cfg.max_seq_len}", param=field, limit=max_len)
     return ids
@@ -141,7 +143,8 @@ async def models(request: Request) -> ModelList:
                                      router=c.router, n_experts=c.n_experts, top_k=c.top_k)])
 
 
-async def _texts_job(req: TextsRequest, request: Request, kind: str) -> tuple[list[str], list[list[int]], list]:
+async def _texts_job(req: TextsRequest | ScoreRequest, request: Request,
+                     kind: str) -> tuple[list[str], list[list[int]], list]:
     state = _state(request)
     cfg, engine = state.cfg, state.require_ready()
     state.check_model(req.model)
@@ -150,21 +153,29 @@ async def _texts_job(req: TextsRequest, request: Request, kind: str) -> tuple[li
         raise ApiError("invalid_value", f"{state.name} is a {engine.cfg.task} model; /v1/{kind} needs a "
                        f"{wanted} model", param="model")
     texts = _inputs(req.input, "input", cfg)
-    rows = [_encode(engine, t, "input", engine.cfg.max_seq_len) for t in texts]
+    stride = getattr(req, "stride", None)
+    if stride is not None:
+        try:
+            check_stride(stride, engine.cfg.max_seq_len)
+        except ValueError as e:
+            raise ApiError("invalid_value", str(e), param="stride", limit=engine.cfg.max_seq_len - 1) from None
+    # a text longer than the context is scored in windows; classified, it would be cut, so it is refused
+    max_len = None if kind == "score" else engine.cfg.max_seq_len
+    rows = [_encode(engine, t, "input", max_len) for t in texts]
     if kind == "score" and any(len(r) < 2 for r in rows):
         raise ApiError("invalid_value", "an input has no token to score after <bos>", param="input")
-    job = Job(kind, rows, deadline=time.monotonic() + cfg.request_timeout_s)
+    job = Job(kind, rows, stride=stride, deadline=time.monotonic() + cfg.request_timeout_s)
     state.submit(job)
     return texts, rows, await _wait(job, request, cfg.request_timeout_s)
 
 
 @router.post("/v1/score", response_model=ScoreResponse,
           summary="log-probability, perplexity and bits per byte of each text under the model")
-async def score(req: TextsRequest, request: Request) -> ScoreResponse:
+async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
     texts, rows, results = await _texts_job(req, request, "score")
     data = [ScoreItem(index=i, logprob=lp, n_tokens=n, perplexity=math.exp(min(-lp / n, 709.0)),
-                      bits_per_byte=-lp / math.log(2) / len(t.encode("utf-8")))
-            for i, ((lp, n), t) in enumerate(zip(results, texts))]
+                      bits_per_byte=-lp / math.log(2) / len(t.encode("utf-8")), windows=w)
+            for i, ((lp, n, w), t) in enumerate(zip(results, texts))]
     used = sum(len(r) for r in rows)
     return ScoreResponse(model=_state(request).name, data=data, usage=Usage(prompt_tokens=used, total_tokens=used))
 

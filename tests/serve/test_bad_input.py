@@ -233,8 +233,10 @@ CASES = [
     bad("score-input-empty", SCORE, score(input=""), "input"),
     bad("score-input-empty-list", SCORE, score(input=[]), "input"),
     bad("score-input-list-with-empty", SCORE, score(input=["a", ""]), "input"),
-    bad("score-input-over-context", SCORE, score(input="x" * 200), "input", CTX),
-    bad("score-input-one-token-over", SCORE, score(input="x" * CTX), "input", CTX),  # <bos> + 64 bytes
+    bad("score-stride-zero", SCORE, score(input="x" * 200, stride=0), "stride", 1),
+    bad("score-stride-the-context", SCORE, score(input="x" * 200, stride=CTX), "stride", CTX - 1),
+    bad("score-stride-string", SCORE, score(stride="8"), "stride"),
+    bad("score-stride-float", SCORE, score(stride=2.5), "stride"),
     bad("score-33-inputs", SCORE, score(input=["a"] * (MAX_INPUTS + 1)), "input", MAX_INPUTS),
     bad("score-input-lone-surrogate", SCORE, raw(score(input=...), input='"a\\udc00b"'), "input"),
     # ---- chat -------------------------------------------------------------------------------------
@@ -446,10 +448,10 @@ def test_edge_values_are_served(live, body: bytes):
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_score_input_filling_the_context_is_served(live):
-    r = live.post(SCORE, {"model": "tiny", "input": "x" * (CTX - 1)})  # <bos> + 63 bytes = 64 tokens
+def test_score_input_filling_the_context_or_past_it_is_served(live):
+    r = live.post(SCORE, {"model": "tiny", "input": ["x" * (CTX - 1), "x" * CTX]})  # <bos> + 63 bytes = 64 tokens
     assert r.status_code == 200, r.text
-    assert r.json()["data"][0]["n_tokens"] == CTX - 1
+    assert [(d["n_tokens"], d["windows"]) for d in r.json()["data"]] == [(CTX - 1, 1), (CTX, 2)]
 
 
 def test_valid_token_is_accepted(guarded):

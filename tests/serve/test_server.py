@@ -361,12 +361,15 @@ def test_classifier_serves_classify_only(tmp_path):
     assert (wrong_score.status_code, wrong_score.json()["error"]["param"]) == (422, "model")
 
 
-def test_score_matches_engine(live, ref):
-    texts = ["import sys", "héllo ✓"]
-    r = live.post("/v1/score", {"model": "tiny", "input": texts}).json()
-    for item, want in zip(r["data"], ref.score(texts)):
+@pytest.mark.parametrize("stride", [None, 8])
+def test_score_matches_engine(live, ref, stride):
+    texts = ["import sys", "héllo ✓", "def f(x):\n    return x\n" * 12]  # the last: 277 tokens, context 64
+    body = {"model": "tiny", "input": texts, **({"stride": stride} if stride else {})}
+    r = live.post("/v1/score", body).json()
+    want_windows = [1, 1, 1 + -(-(277 - 64) // (stride or 32))]
+    for item, want, windows in zip(r["data"], ref.score(texts, stride), want_windows):
         assert item["logprob"] == pytest.approx(want.logprob, abs=1e-4)
-        assert item["n_tokens"] == want.n_tokens
+        assert item["n_tokens"] == want.n_tokens and item["windows"] == want.windows == windows
         assert item["bits_per_byte"] == pytest.approx(want.bits_per_byte, abs=1e-5)
         assert item["perplexity"] == pytest.approx(float(torch.exp(torch.tensor(-want.logprob / want.n_tokens))),
                                                    rel=1e-4)
