@@ -89,7 +89,17 @@ def cmd_score(args: argparse.Namespace) -> int:
         batch_tokens=args.batch_tokens, stride=args.stride, chunk_size=args.chunk_size, resume=args.resume,
         overwrite=args.overwrite, progress=not args.quiet,
     )
-    summary = score_file(args.checkpoint, cfg, log=lambda msg: print(f"moeserve score: {msg}", file=sys.stderr))
+    def log(msg: str) -> None:
+        print(f"moeserve score: {msg}", file=sys.stderr)
+
+    if args.ray:
+        from moeserve.scoring_ray import score_file_ray  # ray is an optional dependency
+
+        summary = score_file_ray(args.checkpoint, cfg, args.workers, log=log)
+    elif args.workers is not None:
+        raise ValueError("--workers is for a Ray run: pass --ray too")
+    else:
+        summary = score_file(args.checkpoint, cfg, log=log)
     if summary.already_complete:
         print(f"moeserve score: {summary.output} is already complete ({summary.records} records); nothing to do",
               file=sys.stderr)
@@ -370,6 +380,10 @@ def _add_score(sub) -> None:
                        "(refused if the input or settings differ)")
     again.add_argument("--overwrite", action="store_true",
                        help="start again even if OUTPUT or OUTPUT.partial exists (OUTPUT is replaced at the end)")
+    s.add_argument("--ray", action="store_true", help="score on Ray Data workers: the cluster at $RAY_ADDRESS, "
+                   "else a local Ray; the same output, line for line (needs pip install -e '.[ray]')")
+    s.add_argument("--workers", type=int, default=None, metavar="N", help="with --ray: scoring actors, each "
+                   "loading the model once (default: one per GPU of the cluster, else one per CPU)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_score)
 

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from tqdm import tqdm
 
@@ -80,6 +80,11 @@ class ScoreConfig:
             raise ValueError("resume and overwrite both set: --resume continues a run, --overwrite starts again")
 
     @property
+    def batching(self) -> "Batching":
+        return Batching(self.resolved_format, self.text_field, self.id_field, self.batch_size, self.batch_tokens,
+                        self.stride)
+
+    @property
     def resolved_format(self) -> str:
         if self.format != "auto":
             return self.format
@@ -92,6 +97,45 @@ class ScoreConfig:
     @property
     def progress_file(self) -> Path:
         return self.output.with_name(self.output.name + ".progress.json")
+
+
+@dataclass(frozen=True)
+class Batching:
+    """What scoring a chunk needs of the config: the same in this process and on a Ray worker."""
+
+    format: str  # resolved: jsonl or text
+    text_field: str
+    id_field: str
+    batch_size: int
+    batch_tokens: int
+    stride: int | None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a run checks and records of the model it scores with (a Ray run asks a worker for them)."""
+
+    name: str  # the checkpoint, as the progress file records it
+    path: Path | None
+    dtype: str
+    device: str  # cpu or cuda
+    task: str
+    has_tokenizer: bool
+    context: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> "ModelFacts":
+        return cls(str(engine.path) if engine.path is not None else engine.name, engine.path,
+                   str(engine.dtype).removeprefix("torch."), engine.device.type, engine.cfg.task,
+                   engine.tokenizer is not None, engine.cfg.max_seq_len)
+
+    def check(self, stride: int | None) -> None:
+        if self.task != "lm":
+            raise ValueError(f"{self.name} is a '{self.task}' model; scoring needs a language model")
+        if not self.has_tokenizer:
+            raise ValueError(f"{self.name} has no tokenizer (no tokenizer.json); cannot score text")
+        if stride is not None:
+            check_stride(stride, self.context)
 
 
 @dataclass
@@ -166,9 +210,9 @@ def _parse(body: bytes, line: int, end: int, fmt: str, text_field: str, id_field
     return Record(line, rid, text, None, end)
 
 
-def read_records(path: Path, fmt: str, text_field: str = "text", id_field: str = "id", *,
-                 start: int = 0, line: int = 0) -> Iterator[Record]:
-    """The records of `path` from byte offset `start` (just past line `line`); blank lines are not records."""
+def _lines(path: Path, start: int = 0, line: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset just past it, its bytes without the line ending) of each non-blank line of
+    `path` from byte offset `start` (just past line `line`); a UTF-8 byte-order mark on line 1 is not text."""
     with open(path, "rb") as f:
         f.seek(start)
         end = start
@@ -177,16 +221,41 @@ def read_records(path: Path, fmt: str, text_field: str = "text", id_field: str =
             end += len(raw)
             body = raw[:-1] if raw.endswith(b"\n") else raw
             body = body[:-1] if body.endswith(b"\r") else body
-            if line == 1 and body.startswith(_BOM):  # a UTF-8 byte-order mark is not text
+            if line == 1 and body.startswith(_BOM):
                 body = body[3:]
             if body.strip():
-                yield _parse(body, line, end, fmt, text_field, id_field)
+                yield line, end, body
 
 
-def _chunks(records: Iterable[Record], n: int) -> Iterator[list[Record]]:
-    it = iter(records)
-    while chunk := list(islice(it, n)):
-        yield chunk
+def read_records(path: Path, fmt: str, text_field: str = "text", id_field: str = "id", *,
+                 start: int = 0, line: int = 0) -> Iterator[Record]:
+    """The records of `path` from byte offset `start` (just past line `line`); blank lines are not records."""
+    for n, end, body in _lines(path, start, line):
+        yield _parse(body, n, end, fmt, text_field, id_field)
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Where a chunk of records lies in the input: what a worker needs to read it on its own."""
+
+    start: int  # byte offset of its first line
+    line: int  # line number just before it
+    records: int
+    end: int  # byte offset just past its last record
+    last_line: int  # line number of its last record
+
+
+def chunk_spans(path: Path, chunk_size: int, start: int = 0, line: int = 0) -> Iterator[ChunkSpan]:
+    """The input from `start` cut into chunks of `chunk_size` records, as `score_file` cuts it, without
+    parsing a line."""
+    n, first, before = 0, start, line
+    for ln, end, _ in _lines(path, start, line):
+        n += 1
+        if n == chunk_size:
+            yield ChunkSpan(first, before, n, end, ln)
+            n, first, before = 0, end, ln
+    if n:
+        yield ChunkSpan(first, before, n, end, ln)
 
 
 # ---- batching and scoring ----------------------------------------------------------------------
@@ -206,7 +275,7 @@ def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -> 
     return batches
 
 
-def score_chunk(engine: Engine, chunk: list[Record], cfg: ScoreConfig) -> list[dict]:
+def score_chunk(engine: Engine, chunk: list[Record], b: Batching) -> list[dict]:
     """One output object per record, in the chunk's order."""
     out: list[dict | None] = [None] * len(chunk)
     rows: list[list[int]] = []
@@ -215,7 +284,7 @@ def score_chunk(engine: Engine, chunk: list[Record], cfg: ScoreConfig) -> list[d
         if r.error is not None:
             out[j] = {"id": r.id, "error": r.error}
             continue
-        what = f"line {r.line}" if cfg.resolved_format == "text" else f"line {r.line}: field {cfg.text_field!r}"
+        what = f"line {r.line}" if b.format == "text" else f"line {r.line}: field {b.text_field!r}"
         try:
             rows.append(engine.encode(r.text, what, any_length=True))
         except EngineError as e:
@@ -223,12 +292,23 @@ def score_chunk(engine: Engine, chunk: list[Record], cfg: ScoreConfig) -> list[d
             continue
         where.append(j)
     C = engine.cfg.max_seq_len  # a longer row runs as windows of C tokens, which score_ids batches itself
-    for batch in plan_batches([min(len(row), C) for row in rows], cfg.batch_size, cfg.batch_tokens):
-        scores = engine.score_ids([rows[k] for k in batch], cfg.stride, max_batch_tokens=cfg.batch_tokens)
+    for batch in plan_batches([min(len(row), C) for row in rows], b.batch_size, b.batch_tokens):
+        scores = engine.score_ids([rows[k] for k in batch], b.stride, max_batch_tokens=b.batch_tokens)
         for k, row in zip(batch, scores):
             r = chunk[where[k]]
             out[where[k]] = {"id": r.id, **Score.of(row, r.text).as_dict()}
     return out  # type: ignore[return-value]
+
+
+def score_span(engine: Engine, path: Path, span: ChunkSpan, b: Batching) -> tuple[bytes, int]:
+    """(the output lines, how many are errors) of the chunk `span` of the input at `path`."""
+    chunk = list(islice(read_records(path, b.format, b.text_field, b.id_field, start=span.start, line=span.line),
+                        span.records))
+    if len(chunk) != span.records or chunk[-1].end != span.end:
+        raise ValueError(f"{path}: changed while it was being scored (records {span.line + 1}.. are not where "
+                         f"they were)")
+    results = score_chunk(engine, chunk, b)
+    return b"".join(json.dumps(r).encode("ascii") + b"\n" for r in results), sum("error" in r for r in results)
 
 
 # ---- progress file -----------------------------------------------------------------------------
@@ -258,18 +338,18 @@ def _checkpoint_fingerprint(path: Path | None) -> str | None:
     return h.hexdigest()
 
 
-def _identity(cfg: ScoreConfig, info: InputInfo, engine: Engine) -> dict:
+def _identity(cfg: ScoreConfig, info: InputInfo, model: ModelFacts) -> dict:
     """Everything a resume must match, with the paths for the messages."""
     return {
         "version": PROGRESS_VERSION,
         "input": str(cfg.input.absolute()), "input_sha256": info.sha256, "input_size": info.size,
         "records_total": info.records,
-        "checkpoint": str(engine.path) if engine.path is not None else engine.name,
-        "checkpoint_sha256": _checkpoint_fingerprint(engine.path),
+        "checkpoint": model.name,
+        "checkpoint_sha256": _checkpoint_fingerprint(model.path),
         "settings": {"format": cfg.resolved_format, "text_field": cfg.text_field, "id_field": cfg.id_field,
-                     "dtype": str(engine.dtype).removeprefix("torch."), "device": engine.device.type,
+                     "dtype": model.dtype, "device": model.device,
                      "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens,
-                     "stride": cfg.stride or default_stride(engine.cfg.max_seq_len)},
+                     "stride": cfg.stride or default_stride(model.context)},
     }
 
 
@@ -318,23 +398,38 @@ def _check_paths(cfg: ScoreConfig, info: InputInfo) -> ScoreSummary | None:
     return None
 
 
+class Scorer(Protocol):
+    """Scores chunks somewhere else (scoring_ray.py), and says with what model."""
+
+    model: ModelFacts
+
+    def score_spans(self, spans: Iterable[ChunkSpan]) -> Iterator[tuple[ChunkSpan, bytes, int]]:
+        """(span, its output lines, how many are errors) per span, in the order given."""
+
+
 def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine: Engine | None = None,
+               scorer: Callable[[], Scorer] | None = None,
                log: Callable[[str], None] = lambda msg: None) -> ScoreSummary:
     """Score every record of cfg.input into cfg.output (see the module docstring). `engine`, when given,
-    is used instead of loading `checkpoint`."""
+    is used instead of loading `checkpoint`; `scorer`, when given, is made once the paths are checked and
+    scores the chunks instead of this process (scoring_ray.py)."""
     info = scan_input(cfg.input)
     if (done := _check_paths(cfg, info)) is not None:
         return done
-    if engine is None:
-        engine = load_engine(checkpoint, cfg.backend, dtype=cfg.dtype, device=cfg.device)
-    if engine.cfg.task != "lm":
-        raise ValueError(f"{engine.path or engine.name} is a '{engine.cfg.task}' model; scoring needs a language model")
-    if engine.tokenizer is None:
-        raise ValueError(f"{engine.path or engine.name} has no tokenizer (no tokenizer.json); cannot score text")
-    if cfg.stride is not None:
-        check_stride(cfg.stride, engine.cfg.max_seq_len)
+    if scorer is not None:
+        remote = scorer()
+        model, score_spans = remote.model, remote.score_spans
+    else:
+        if engine is None:
+            engine = load_engine(checkpoint, cfg.backend, dtype=cfg.dtype, device=cfg.device)
+        model = ModelFacts.of(engine)
 
-    identity = _identity(cfg, info, engine)
+        def score_spans(spans: Iterable[ChunkSpan]) -> Iterator[tuple[ChunkSpan, bytes, int]]:
+            b = cfg.batching
+            return ((span, *score_span(engine, cfg.input, span, b)) for span in spans)
+    model.check(cfg.stride)
+
+    identity = _identity(cfg, info, model)
     state = {"records_done": 0, "bytes_written": 0, "input_offset": 0, "input_line": 0, "scored": 0, "errors": 0}
     resuming = cfg.resume and cfg.progress_file.exists()
     if resuming:
@@ -366,22 +461,18 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
             f.truncate(state["bytes_written"])  # drops the half-written chunk a kill left
             os.fsync(f.fileno())
             f.seek(state["bytes_written"])
-        records = read_records(cfg.input, cfg.resolved_format, cfg.text_field, cfg.id_field,
-                               start=state["input_offset"], line=state["input_line"])
-        for chunk in _chunks(records, cfg.chunk_size):
-            results = score_chunk(engine, chunk, cfg)
-            data = b"".join(json.dumps(r).encode("ascii") + b"\n" for r in results)
+        spans = chunk_spans(cfg.input, cfg.chunk_size, state["input_offset"], state["input_line"])
+        for span, data, n_err in score_spans(spans):  # in input order
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-            n_err = sum("error" in r for r in results)
-            state["records_done"] += len(chunk)
+            state["records_done"] += span.records
             state["bytes_written"] += len(data)
-            state["input_offset"], state["input_line"] = chunk[-1].end, chunk[-1].line
-            state["scored"] += len(chunk) - n_err
+            state["input_offset"], state["input_line"] = span.end, span.last_line
+            state["scored"] += span.records - n_err
             state["errors"] += n_err
             commit()
-            bar.update(len(chunk))
+            bar.update(span.records)
     os.replace(cfg.partial, cfg.output)
     fsync_path(cfg.output.parent)
     cfg.progress_file.unlink()
