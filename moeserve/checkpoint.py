@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -217,17 +217,20 @@ def _verify(path: Path, manifest: dict) -> dict[str, str]:
     return actual
 
 
-def _load_tensors(file: Path, names: list[str], device: str, shapes_only: bool = False) -> dict[str, Any]:
-    """`names` (all when []) from one safetensors file; shapes_only reads only the header (describe)."""
+def _load_tensors(file: Path, names: list[str], device: str, shapes_only: bool = False,
+                  keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """`names` (all when []) from one safetensors file, those `keep` accepts where given; shapes_only reads
+    only the header (describe)."""
     try:
         with safe_open(str(file), framework="pt", device=device) as f:
             keys = set(f.keys())
             for name in names:
                 if name not in keys:
                     raise CheckpointError(f"{file}: tensor {name!r} missing (the index maps it to this file)")
+            wanted = [k for k in names or f.keys() if keep is None or keep(k)]
             if shapes_only:
-                return {k: tuple(f.get_slice(k).get_shape()) for k in names or f.keys()}
-            return {k: f.get_tensor(k) for k in names or f.keys()}
+                return {k: tuple(f.get_slice(k).get_shape()) for k in wanted}
+            return {k: f.get_tensor(k) for k in wanted}
     except SafetensorError as e:
         raise CheckpointError(f"{file}: not a valid safetensors file, truncated or corrupt ({e})") from e
 
@@ -349,7 +352,7 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: str | os.PathLike, *, device: str = "cpu", verify: bool = True, load_train_state: bool = False,
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | None = None, keep: Callable[[str], bool] | None = None
 ) -> LoadedCheckpoint:
     """Load a checkpoint directory, verifying every sha256 first (`verify=False` skips only hashing).
 
@@ -362,11 +365,16 @@ def load_checkpoint(
     optimizer.load_state_dict moves moments to their parameters' device itself. Absent: None.
     A Hugging Face Mixtral directory has no hashes to verify and no training state; its tensors come
     back under the Transformer's names, and its manifest is {"format": "hf-mixtral"}.
+    `keep(name)`: load only the tensors it accepts (the dense part of a model whose experts are served
+    by shards: `load_expert_slice`); a moeserve checkpoint only.
     """
     path = Path(path)
     _check_dir(path)
     config, foreign = _read_config(path)
     if foreign is not None:
+        if keep is not None:
+            raise CheckpointError(f"{path}: a Hugging Face directory loads whole; sharded experts need a moeserve "
+                                  f"checkpoint (moeserve import or save_checkpoint it first)")
         state = _foreign_state(path, config, device, dtype=dtype)
         return LoadedCheckpoint(path, config, state, {"format": foreign}, None, None)
     files = _weight_map(path)
@@ -374,11 +382,48 @@ def load_checkpoint(
     if verify:
         _verify(path, manifest)
     state = {k: _as_dtype(t, dtype) for name, names in files.items()
-             for k, t in _load_tensors(path / name, names, device).items()}
+             for k, t in _load_tensors(path / name, names, device, keep=keep).items()}
     ts_file, meta_file = path / TRAIN_STATE_FILE, path / TRAIN_META_FILE
     train_state = _load_tensors(ts_file, [], "cpu") if load_train_state and ts_file.exists() else None
     train_meta = _read_json(meta_file) if load_train_state and meta_file.exists() else None
     return LoadedCheckpoint(path, config, state, manifest, train_state, train_meta)
+
+
+def read_config(path: str | os.PathLike) -> MoEConfig:
+    """A checkpoint directory's config (moeserve's or a Hugging Face one), without touching the weights."""
+    path = Path(path)
+    _check_dir(path)
+    return _read_config(path)[0]
+
+
+def is_expert_weight(name: str) -> bool:
+    """A stacked [E, ...] expert tensor of an MoE layer (what expert shards hold)."""
+    return ".ffn.experts." in name
+
+
+def load_expert_slice(path: str | os.PathLike, start: int, stop: int, *, dtype: torch.dtype | None = None
+                      ) -> tuple[MoEConfig, dict[str, torch.Tensor]]:
+    """(config, the expert tensors of every MoE layer, rows [start, stop) of their expert axis only), read
+    with safetensors' slices: a shard process never reads, maps or holds another shard's experts. The
+    hashes are not checked here (that reads every byte); the ingress that loads the rest checks them."""
+    path = Path(path)
+    _check_dir(path)
+    config, foreign = _read_config(path)
+    if foreign is not None:
+        raise CheckpointError(f"{path}: a Hugging Face directory has no stacked experts to slice; sharded experts "
+                              f"need a moeserve checkpoint")
+    if not 0 <= start < stop <= config.n_experts:
+        raise CheckpointError(f"experts [{start}, {stop}): expected a range within the model's {config.n_experts}")
+    out: dict[str, torch.Tensor] = {}
+    for name, names in _weight_map(path).items():
+        try:
+            with safe_open(str(path / name), framework="pt", device="cpu") as f:
+                for k in names or f.keys():
+                    if is_expert_weight(k):
+                        out[k] = _as_dtype(f.get_slice(k)[start:stop], dtype)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path / name}: not a valid safetensors file, truncated or corrupt ({e})") from e
+    return config, out
 
 
 def is_hashed(path: str | os.PathLike) -> bool:

@@ -134,9 +134,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from moeserve.training.default_model import DEFAULT_MODEL_NAME
 
         path, cfg.model_name = _default_checkpoint(args.quiet), cfg.model_name or DEFAULT_MODEL_NAME
+    if args.ray or args.print_config:
+        return _serve_ray(args, path, cfg)
     return serve(path, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
                  calibration=_calibration(args), compile=args.compile, verify=args.checkpoint is not None,
                  access_log=not args.no_access_log, log_level=args.log_level)
+
+
+def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
+    try:
+        from moeserve.serve import ray_app
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray Serve: pip install -e '.[ray]' ({e})") from None
+    if path.suffix == ".onnx" or args.backend == "onnx":
+        raise ValueError("--ray serves a checkpoint directory on torch, not an ONNX export")
+    opts = ray_app.RayServeOptions(expert_shards=args.expert_shards, shard_replicas=args.shard_replicas,
+                                   cpus_per_shard=args.cpus_per_shard, gpus_per_shard=args.gpus_per_shard,
+                                   ingress_gpus=args.ingress_gpus)
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # auto is resolved per device; shards share one
+    device = "cuda" if args.ingress_gpus else "cpu"
+    if args.print_config:
+        import yaml  # a dependency of ray
+
+        print(yaml.safe_dump(ray_app.deploy_config(path, cfg, opts, dtype=dtype, device=device), sort_keys=False),
+              end="")
+        return 0
+    return ray_app.run(path, cfg, opts, dtype=dtype, device=device)
 
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
@@ -296,6 +319,20 @@ def _add_serve(sub) -> None:
     sv.add_argument("--request-timeout", type=float, default=60.0, metavar="S",
                     help="seconds from arrival to answer; past it, 504 and the work is dropped (default: 60)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="413 past this (default: 1 MiB)")
+    ray = sv.add_argument_group("Ray Serve (pip install -e '.[ray]')")
+    ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application whose experts live in "
+                     "shard deployments (the cluster at $RAY_ADDRESS, else a local Ray)")
+    ray.add_argument("--expert-shards", type=int, default=2, metavar="S",
+                     help="shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (default: 2)")
+    ray.add_argument("--shard-replicas", type=int, default=1, metavar="R", help="replicas per shard (default: 1)")
+    ray.add_argument("--cpus-per-shard", type=float, default=1.0, metavar="N", help="CPUs per shard replica "
+                     "(default: 1)")
+    ray.add_argument("--gpus-per-shard", type=float, default=0.0, metavar="N",
+                     help="GPUs per shard replica; fractional shares a GPU between shards (default: 0, CPU actors)")
+    ray.add_argument("--ingress-gpus", type=float, default=0.0, metavar="N",
+                     help="GPUs for the ingress (the dense layers and the step engine) (default: 0)")
+    ray.add_argument("--print-config", action="store_true",
+                     help="print a Ray Serve config file for `serve deploy` on a cluster, and exit")
     sv.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
                     help="408 when a request's body stalls this long (default: 10)")
     sv.add_argument("--max-inputs", type=int, default=32, metavar="N",

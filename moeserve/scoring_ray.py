@@ -19,28 +19,17 @@ machines, put them where every node sees the same path (shared storage).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from moeserve.ray_cluster import connect
 from moeserve.runtime.engine import load_engine
 from moeserve.scoring import Batching, ChunkSpan, ModelFacts, ScoreConfig, ScoreSummary, score_file, score_span
 
 _SPAN_FIELDS = [f.name for f in dataclasses.fields(ChunkSpan)]
-
-
-def connect():
-    """The running Ray: the one this process already joined, RAY_ADDRESS's cluster, or a new local one."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ValueError("--ray needs Ray: pip install -e '.[ray]' (ray[serve,data])") from e
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, configure_logging=True)
-    return ray
 
 
 class ChunkScorer:

@@ -28,7 +28,7 @@ from moeserve.runtime.calibration import DispatchPlan, ExpertShape, plan_for, re
 from moeserve.runtime.compiled import COMPILE_MODES, CompileError, model_uncompilable, resolve_compile
 from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
 from moeserve.runtime.loading import load_model, verifying
-from moeserve.runtime.model import ModelOutput, Transformer
+from moeserve.runtime.model import ExpertsFactory, ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner, TorchRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob
@@ -176,15 +176,16 @@ class Engine:
     @classmethod
     def load(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
              *, verify: bool = True, plan: DispatchPlan | None = None, calibration: str | None = None,
-             compile: str = "off") -> "Engine":
-        """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`."""
+             compile: str = "off", experts_factory: ExpertsFactory | None = None) -> "Engine":
+        """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`; with
+        `experts_factory`, without its experts, which the factory's modules compute (loading.load_model)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         resolve_mode(calibration)  # bad modes are named before the weights are read
         if compile not in COMPILE_MODES:
             raise EngineError(f"compile mode {compile!r}: expected one of {', '.join(COMPILE_MODES)}")
         with verifying(path, verify):
-            model, ckpt = load_model(path, device=dev, dtype=dt, verify=False)
+            model, ckpt = load_model(path, device=dev, dtype=dt, verify=False, experts_factory=experts_factory)
             tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
             return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,
                        calibration=calibration, compile=compile)

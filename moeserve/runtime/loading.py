@@ -15,9 +15,10 @@ from typing import Iterator
 import torch
 
 from moeserve.checkpoint import (
-    INDEX_FILE, WEIGHTS_FILE, CheckpointError, LoadedCheckpoint, is_hashed, load_checkpoint, verify_checkpoint,
+    INDEX_FILE, WEIGHTS_FILE, CheckpointError, LoadedCheckpoint, is_expert_weight, is_hashed, load_checkpoint,
+    verify_checkpoint,
 )
-from moeserve.runtime.model import Transformer
+from moeserve.runtime.model import ExpertsFactory, Transformer
 
 __all__ = ["load_into", "load_model", "verifying"]
 
@@ -43,16 +44,19 @@ def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint, *, assign: bool = 
 
 
 def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = torch.float32, verify: bool = True) -> tuple[Transformer, LoadedCheckpoint]:
+               dtype: torch.dtype | None = torch.float32, verify: bool = True,
+               experts_factory: ExpertsFactory | None = None) -> tuple[Transformer, LoadedCheckpoint]:
     """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model, in
-    `dtype` (None: as stored) on `device`.
+    `dtype` (None: as stored) on `device`. With `experts_factory`, each MoE layer's experts are the
+    factory's (remote shards: serve/ray_app.py) and the checkpoint's expert tensors are not read.
 
     The model takes the checkpoint's tensors as its weights: on a CPU, in the stored dtype, they are
     the memory-mapped file itself (checkpoint.load_checkpoint), so loading reads no byte it does not
     need and holds no second copy; converted or moved, each tensor is copied once."""
-    ckpt = load_checkpoint(path, device=str(device), verify=verify, dtype=dtype)
+    keep = (lambda name: not is_expert_weight(name)) if experts_factory is not None else None
+    ckpt = load_checkpoint(path, device=str(device), verify=verify, dtype=dtype, keep=keep)
     stored = next((t.dtype for t in ckpt.state_dict.values() if t.is_floating_point()), torch.float32)
-    model = Transformer.empty(ckpt.config, device, dtype or stored)
+    model = Transformer.empty(ckpt.config, device, dtype or stored, experts_factory)
     load_into(model, ckpt, assign=True)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a tensor neither in the checkpoint nor computed by Transformer.empty: a bug here, not the user's

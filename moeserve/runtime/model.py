@@ -215,13 +215,13 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     @classmethod
-    def empty(cls, cfg: MoEConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-              ) -> "Transformer":
+    def empty(cls, cfg: MoEConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              experts_factory: ExpertsFactory | None = None) -> "Transformer":
         """A model whose weights a checkpoint will assign (loading.py): they are neither allocated nor
         initialised here (for a 2.6 GB Mixtral the random initialisation alone took 8 s, all of it then
         overwritten); only the RoPE tables, which no checkpoint holds, are computed."""
         with torch.device("meta"), _SkipInit():
-            model = cls(cfg)
+            model = cls(cfg, experts_factory)
         model.rope_cos, model.rope_sin = model.rope_cos.to(device, dtype), model.rope_sin.to(device, dtype)
         return model
 

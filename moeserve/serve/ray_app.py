@@ -1,0 +1,270 @@
+"""`moeserve serve CKPT --ray --expert-shards S`: the server as a Ray Serve application whose experts
+live in other processes.
+
+    HTTP -> Ray Serve proxy -> Ingress replica: the same FastAPI app (create_app), the step engine,
+            and the dense model (embeddings, attention, norms, routers, heads)
+         -> per MoE layer and forward pass: dispatch (experts.py) -> one call per shard, all at once
+            -> ExpertShardServer s: experts [s*E/S, (s+1)*E/S) of every MoE layer -> combine
+
+A shard loads only its experts' rows of each stacked expert tensor (checkpoint.load_expert_slice, with
+safetensors' slices) and the ingress loads everything else (load_model with an experts factory), so no
+process holds all the experts. A shard is called as `shard(x_ND, counts) -> y_ND` on its own
+experts' rows (runtime/expert_shards.py), the same seam that the in-process shards are tested through;
+every router (softmax, sigmoid, xmoe, vq mixed and discrete) reaches the experts through it.
+
+The model runs on its own thread in the ingress replica (serve/state.py), so its blocking waits on
+the shards' answers never block the replica's event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from ray import serve
+from torch import Tensor
+
+from moeserve.checkpoint import load_expert_slice, read_config
+from moeserve.ray_cluster import connect
+from moeserve.runtime.engine import DTYPES, Engine, resolve_device, resolve_dtype
+from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts
+from moeserve.serve.app import create_app
+from moeserve.serve.batcher import BatchConfig
+from moeserve.serve.state import ServeConfig
+
+
+def shard_ranges(n_experts: int, n_shards: int) -> list[range]:
+    """Shard s holds experts [s*E/S, (s+1)*E/S): as even as they divide, each a contiguous range (a slice)."""
+    if not 1 <= n_shards <= n_experts:
+        raise ValueError(f"--expert-shards {n_shards}: expected 1..{n_experts} (the model's experts)")
+    return [range(n_experts * s // n_shards, n_experts * (s + 1) // n_shards) for s in range(n_shards)]
+
+
+# ---- the wire: tensors as numpy arrays (Ray passes them without pickling their data) ------------------
+def to_wire(t: Tensor) -> np.ndarray:
+    """A CPU array; bf16, which numpy lacks, travels as its int16 bits."""
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def from_wire(a: np.ndarray, dtype: torch.dtype) -> Tensor:
+    """A tensor over the array, no copy. Arrays from Ray's object store are read-only: torch warns that
+    writing would be undefined, and nothing here writes to its inputs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+@serve.deployment(name="experts")
+class ExpertShardServer:
+    """Experts `start..stop-1` of every MoE layer of a checkpoint, computed for the ingress."""
+
+    def __init__(self, checkpoint: str, start: int, stop: int, dtype: str = "float32"):
+        import ray
+
+        self.dtype = DTYPES[dtype]
+        # a GPU where Ray gave this replica one (--gpus-per-shard), else the CPU
+        self.device = torch.device("cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu")
+        cfg, tensors = load_expert_slice(checkpoint, start, stop, dtype=self.dtype)
+        ids = list(range(start, stop))
+        w = {k: t.to(self.device) for k, t in tensors.items()}
+        self.layers = {i: ExpertShard(ids, w[f"layers.{i}.ffn.experts.w1"], w[f"layers.{i}.ffn.experts.w2"],
+                                      w.get(f"layers.{i}.ffn.experts.w3"))
+                       for i in cfg.moe_layer_ids}
+
+    def forward(self, layer: int, x: np.ndarray, counts: list[int]) -> np.ndarray:
+        with torch.inference_mode():
+            return to_wire(self.layers[layer](from_wire(x, self.dtype).to(self.device), counts))
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for shard in self.layers.values() for p in shard.parameters())
+
+    def check_health(self) -> None:
+        if not self.layers:
+            raise RuntimeError("no expert weights loaded")
+
+
+class RemoteExperts(ShardedExperts):
+    """One MoE layer's experts on shard deployments: each shard gets only its experts' rows, all shards
+    are asked at once, and the answers are combined here with the gates."""
+
+    def __init__(self, layer_id: int, n_experts: int, handles: list, ranges: list[range], dtype: torch.dtype):
+        super().__init__(n_experts, handles, [list(r) for r in ranges])
+        self.layer_id, self.handles, self.wire_dtype = layer_id, handles, dtype
+
+    def run_shards(self, inputs: list[tuple[Tensor, list[int]]]) -> list[Tensor]:
+        calls = [h.forward.remote(self.layer_id, to_wire(x), counts) for h, (x, counts) in zip(self.handles, inputs)]
+        return [from_wire(c.result(), self.wire_dtype).to(x.device) for c, (x, _) in zip(calls, inputs)]
+
+
+@serve.ingress()
+class Ingress:
+    """The FastAPI app of the single-process server, with a model whose experts are the shards."""
+
+    def __init__(self, checkpoint: str, shards: list, serve_cfg: ServeConfig, dtype: str, device: str):
+        self.checkpoint, self.shards, self.serve_cfg = checkpoint, shards, serve_cfg
+        self.dtype, self.device = dtype, device
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self._load, self.serve_cfg)
+
+    def _load(self) -> Engine:
+        cfg = read_config(self.checkpoint)
+        ranges = shard_ranges(cfg.n_experts, len(self.shards))
+        dt = resolve_dtype(self.dtype, resolve_device(self.device))
+
+        def experts(layer_id: int) -> RemoteExperts:
+            return RemoteExperts(layer_id, cfg.n_experts, self.shards, ranges, dt)
+
+        # an experts module with no weights of its own lays out nothing: the dispatch plan is not measured
+        self.engine = Engine.load(self.checkpoint, dtype=self.dtype, device=self.device, experts_factory=experts,
+                                  calibration="off", compile="off")
+        return self.engine
+
+    def parameter_count(self) -> int:
+        """The weights this replica holds (the dense part: no expert's)."""
+        return sum(p.numel() for p in self.engine.model.parameters())
+
+
+@dataclasses.dataclass
+class RayServeOptions:
+    expert_shards: int = 2  # S: shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer
+    shard_replicas: int = 1  # R per shard: with R >= 2 a call goes to a live replica while one is replaced
+    cpus_per_shard: float = 1.0
+    gpus_per_shard: float = 0.0  # fractional: several shards share a GPU
+    ingress_cpus: float = 1.0
+    ingress_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("expert_shards", "shard_replicas"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
+        for name in ("cpus_per_shard", "gpus_per_shard", "ingress_cpus", "ingress_gpus"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} = {v!r}: expected a number >= 0")
+
+
+APP_NAME = "moeserve"
+
+
+def build_app(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOptions, *, dtype: str = "float32",
+              device: str = "cpu"):
+    """The bound application: S shard deployments and the ingress that holds their handles."""
+    checkpoint = str(Path(checkpoint).absolute())
+    cfg = read_config(checkpoint)
+    ranges = shard_ranges(cfg.n_experts, opts.expert_shards)
+    # one dtype for the ingress and every shard, resolved here: the rows cross the wire in it
+    dtype = str(resolve_dtype(dtype, torch.device("cuda" if opts.ingress_gpus else "cpu"))).removeprefix("torch.")
+    shards = [ExpertShardServer.options(name=f"experts-{s}", num_replicas=opts.shard_replicas,
+                                        ray_actor_options={"num_cpus": opts.cpus_per_shard,
+                                                           "num_gpus": opts.gpus_per_shard})
+              .bind(checkpoint, r.start, r.stop, dtype)
+              for s, r in enumerate(ranges)]
+    ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": opts.ingress_cpus,
+                                                                             "num_gpus": opts.ingress_gpus})
+    return ingress.bind(checkpoint, shards, serve_cfg, dtype, device)
+
+
+def app_builder(args: dict):
+    """The application from a Ray Serve config's `args` (what `--print-config` writes), for `serve deploy`."""
+    serve_args = dict(args.get("serve") or {})
+    batch = BatchConfig(**serve_args.pop("batch", {}))
+    if serve_args.get("chat_template"):
+        serve_args["chat_template"] = Path(serve_args["chat_template"])
+    return build_app(args["checkpoint"], ServeConfig(**serve_args, batch=batch),
+                     RayServeOptions(**(args.get("options") or {})), dtype=args.get("dtype", "float32"),
+                     device=args.get("device", "cpu"))
+
+
+def deploy_config(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOptions, *, dtype: str,
+                  device: str) -> dict:
+    """A Ray Serve config file (`serve deploy`'s schema) for this application on a cluster: one entry per
+    deployment, so replicas and resources can be edited there. The API key is not written: give the
+    ingress $MOESERVE_API_KEY through its runtime_env."""
+    checkpoint = str(Path(checkpoint).absolute())
+    cfg = read_config(checkpoint)
+    served = dataclasses.asdict(serve_cfg)
+    served.update(api_key=None, chat_template=str(serve_cfg.chat_template) if serve_cfg.chat_template else None)
+    shards = [{"name": f"experts-{s}", "num_replicas": opts.shard_replicas,
+               "ray_actor_options": {"num_cpus": opts.cpus_per_shard, "num_gpus": opts.gpus_per_shard}}
+              for s in range(len(shard_ranges(cfg.n_experts, opts.expert_shards)))]
+    ingress = {"name": "ingress", "num_replicas": 1,
+               "ray_actor_options": {"num_cpus": opts.ingress_cpus, "num_gpus": opts.ingress_gpus}}
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": serve_cfg.host, "port": serve_cfg.port},
+        "applications": [{
+            "name": APP_NAME, "route_prefix": "/", "import_path": "moeserve.serve.ray_app:app_builder",
+            "args": {"checkpoint": checkpoint, "dtype": dtype, "device": device,
+                     "options": dataclasses.asdict(opts), "serve": served},
+            "deployments": [ingress, *shards],
+        }],
+    }
+
+
+def run(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOptions, *, dtype: str = "float32",
+        device: str = "cpu", ready_timeout_s: float = 600.0) -> int:
+    """`moeserve serve --ray`: deploy on the cluster ($RAY_ADDRESS, else a local Ray), say when it is ready,
+    and serve until SIGTERM or Ctrl-C; then delete the application. 1 if the model failed to load."""
+    ray = connect()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
+        serve.run(build_app(checkpoint, serve_cfg, opts, dtype=dtype, device=device), name=APP_NAME,
+                  route_prefix="/", blocking=False)
+        host = "127.0.0.1" if serve_cfg.host in ("0.0.0.0", "::") else serve_cfg.host
+        url, deadline = f"http://{host}:{serve_cfg.port}", time.monotonic() + ready_timeout_s
+        while not stop.wait(0.5):
+            status = _readiness(url)
+            if status == "ready":
+                print(f"moeserve: {serve_cfg.model_name or Path(checkpoint).name} is ready on {url} (Ray Serve, "
+                      f"{opts.expert_shards} expert shard(s) x {opts.shard_replicas} replica(s))", file=sys.stderr)
+                break
+            if status == "failed" or time.monotonic() > deadline:
+                print(f"moeserve serve: error: the model did not load ({status}); see the replica logs "
+                      f"(ray logs, or /tmp/ray/session_latest/logs)", file=sys.stderr)
+                return 1
+        stop.wait()
+        return 0
+    finally:
+        # deleting the application drains its replicas (each app's lifespan lets requests in flight finish);
+        # bounded, for a Ray whose processes the same signal already stopped (Ctrl-C reaches the process group)
+        deleting = threading.Thread(target=_delete_app, daemon=True)
+        deleting.start()
+        deleting.join(serve_cfg.shutdown_timeout_s + 15)
+        ray.shutdown()
+
+
+def _delete_app() -> None:
+    with contextlib.suppress(Exception):
+        serve.delete(APP_NAME)
+
+
+def _readiness(url: str) -> str:
+    """/readyz's status: ready, loading, failed; starting while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+            return json.loads(r.read()).get("status", "starting")
+    except urllib.error.HTTPError as e:  # 503: loading, failed or draining
+        with contextlib.suppress(ValueError):
+            return json.loads(e.read()).get("status", "starting")
+        return "starting"
+    except (OSError, ValueError):
+        return "starting"

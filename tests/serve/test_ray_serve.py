@@ -1,0 +1,184 @@
+"""The Ray Serve application (`moeserve serve --ray --expert-shards S`) on a real local Ray, started once
+for the module: over HTTP with the openai client its answers equal the single-process engine's (fp32,
+1e-5) for S = 1, 2, 4 and the softmax, xmoe and vq (mixed and discrete) routers; each shard holds only
+its slice of the experts and the ingress none; bad input gets the single-process server's 4xx answers."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.model import Transformer
+from moeserve.serve.state import ServeConfig
+
+from . import test_bad_input as bad_input
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+yaml = pytest.importorskip("yaml")
+
+from moeserve.serve.ray_app import RayServeOptions, build_app, shard_ranges  # noqa: E402  (needs ray)
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["def f(x):", "import os\n", "class A:"]
+TEXTS = ["hello world", "def g():\n    return 1\n" * 8]  # the second is past the context of 64: 3 windows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url():
+    port = free_port()
+    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def checkpoint(root: Path, router: str, **kw) -> Path:
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router=router, **kw))  # context 64, byte tokenizer, 2 MoE layers of 4 experts
+    if router == "vq":  # codes from real activations, so tokens spread over several experts
+        with torch.no_grad():
+            for layer in model.moe_layers:
+                layer.quantizer.codebook.normal_()
+                layer.quantizer.initialized.fill_(True)
+    return save_checkpoint(root / f"{router}-{kw.get('vq_mode', '')}", model.cfg, model.state_dict())
+
+
+def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = None, app=None) -> None:
+    opts = RayServeOptions(expert_shards=shards, cpus_per_shard=0.1, ingress_cpus=0.1)
+    app = app or build_app(ckpt, serve_cfg or ServeConfig(model_name="tiny"), opts)
+    serve.run(app, name="moeserve", route_prefix="/", blocking=False)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the sharded application did not become ready"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("router, vq_mode, shards", [
+    ("softmax", None, 1), ("softmax", None, 2), ("softmax", None, 4), ("xmoe", None, 2),
+    ("vq", "mixed", 2), ("vq", "discrete", 4),
+])
+def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, vq_mode, shards):
+    ckpt = checkpoint(tmp_path, router, **({"vq_mode": vq_mode} if vq_mode else {}))
+    deploy(url, ckpt, shards)
+    ref = Engine.load(ckpt, dtype="float32", device="cpu")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    greedy = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0)
+    want = ref.generate(PROMPTS, max_new_tokens=12)
+    assert [c.text for c in sorted(greedy.choices, key=lambda c: c.index)] == want
+    seeded = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=0.9, top_p=0.95,
+                                       seed=7)
+    want = ref.complete([PROMPTS[0]], [SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=7)])
+    assert seeded.choices[0].text == want[0].text
+
+    scores = httpx.post(f"{url}/v1/score", json={"model": "tiny", "input": TEXTS}, timeout=60).json()["data"]
+    for got, w in zip(scores, ref.score(TEXTS)):
+        assert got["logprob"] == pytest.approx(w.logprob, abs=1e-5 * max(1.0, abs(w.logprob)))
+        assert (got["n_tokens"], got["windows"]) == (w.n_tokens, w.windows)
+
+    # no process holds all the experts: each shard its slice, the ingress none
+    cfg = ref.cfg
+    per_expert = sum(p[0].numel() for p in ref.model.moe_layers[0].experts.parameters())
+    for s, r in enumerate(shard_ranges(cfg.n_experts, shards)):
+        held = serve.get_deployment_handle(f"experts-{s}", app_name="moeserve").parameter_count.remote().result()
+        assert held == len(r) * per_expert * len(cfg.moe_layer_ids)
+    dense = serve.get_deployment_handle("ingress", app_name="moeserve").parameter_count.remote().result()
+    assert dense == sum(p.numel() for p in ref.model.parameters()) - cfg.n_experts * per_expert * len(cfg.moe_layer_ids)
+
+
+def test_expert_shard_ranges():
+    assert shard_ranges(8, 3) == [range(0, 2), range(2, 5), range(5, 8)]
+    assert shard_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(ValueError, match="--expert-shards 5: expected 1..4"):
+        shard_ranges(4, 5)
+    with pytest.raises(ValueError, match="shard_replicas = 0"):
+        RayServeOptions(shard_replicas=0)
+    with pytest.raises(ValueError, match="gpus_per_shard = -0.5"):
+        RayServeOptions(gpus_per_shard=-0.5)
+
+
+def test_printed_config_is_a_serve_deploy_file_whose_builder_serves(url, tmp_path):
+    """`--print-config` writes what `serve deploy` accepts, and its import_path builds from its args an
+    application that serves (deployed here from those args, as `serve deploy` would)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    ckpt = checkpoint(tmp_path, "xmoe")
+    r = subprocess.run([sys.executable, "-m", "moeserve.cli", "serve", str(ckpt), "--print-config", "--expert-shards",
+                        "2", "--gpus-per-shard", "0.5", "--model-name", "tiny"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    config = yaml.safe_load(r.stdout)
+    schema = ServeDeploySchema.model_validate(config)
+    app = config["applications"][0]
+    assert [d.name for d in schema.applications[0].deployments] == ["ingress", "experts-0", "experts-1"]
+    assert app["deployments"][1]["ray_actor_options"]["num_gpus"] == 0.5
+    module, name = app["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), name)
+    args = {**app["args"], "options": {**app["args"]["options"], "gpus_per_shard": 0.0, "cpus_per_shard": 0.1,
+                                       "ingress_cpus": 0.1}}  # this machine has no GPU
+    deploy(url, ckpt, 2, app=builder(args))
+    got = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8,
+                                                     "temperature": 0}, timeout=60).json()
+    ref = Engine.load(ckpt, dtype="float32", device="cpu")
+    assert got["choices"][0]["text"] == ref.generate([PROMPTS[0]], max_new_tokens=8)[0]
+
+
+# ---- bad input: the single-process server's matrix (test_bad_input.py) through Ray Serve ------------
+@pytest.fixture(scope="module")
+def sharded_tiny(url, tiny_ckpt, tiny_chat_template):
+    deploy(url, tiny_ckpt, 2, ServeConfig(model_name="tiny", chat_template=tiny_chat_template))
+    return types.SimpleNamespace(url=url)
+
+
+@pytest.mark.parametrize("case", [c for c in bad_input.CASES if c.values[0].server == "live"])
+def test_bad_input_gets_the_same_answers(sharded_tiny, case):
+    bad_input.assert_answer(bad_input.send(sharded_tiny, case), case)
+
+
+def test_cli_serves_until_sigterm(tmp_path):
+    """`moeserve serve CKPT --ray`: its own Ray, ready, serving, and gone at SIGTERM with exit status 0."""
+    ckpt, port = checkpoint(tmp_path, "softmax"), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "serve", str(ckpt), "--ray", "--expert-shards", "2",
+                             "--cpus-per-shard", "0.1", "--port", str(port), "--model-name", "tiny"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "is ready on" not in (line := proc.stderr.readline()):
+            assert line or proc.poll() is None, f"exited {proc.returncode} before it was ready"
+            assert time.monotonic() < deadline, "not ready in 180 s"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4,
+                                                                       "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
