@@ -150,7 +150,7 @@ def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
         raise ValueError("--ray serves a checkpoint directory on torch, not an ONNX export")
     opts = ray_app.RayServeOptions(expert_shards=args.expert_shards, shard_replicas=args.shard_replicas,
                                    cpus_per_shard=args.cpus_per_shard, gpus_per_shard=args.gpus_per_shard,
-                                   ingress_gpus=args.ingress_gpus)
+                                   ingress_gpus=args.ingress_gpus, shard_timeout_s=args.shard_timeout)
     dtype = "float32" if args.dtype == "auto" else args.dtype  # auto is resolved per device; shards share one
     device = "cuda" if args.ingress_gpus else "cpu"
     if args.print_config:
@@ -331,6 +331,9 @@ def _add_serve(sub) -> None:
                      help="GPUs per shard replica; fractional shares a GPU between shards (default: 0, CPU actors)")
     ray.add_argument("--ingress-gpus", type=float, default=0.0, metavar="N",
                      help="GPUs for the ingress (the dense layers and the step engine) (default: 0)")
+    ray.add_argument("--shard-timeout", type=float, default=10.0, metavar="S",
+                     help="an expert exchange unanswered this long fails its requests with 503: a shard whose "
+                     "replicas are all gone until Serve replaces one (default: 10)")
     ray.add_argument("--print-config", action="store_true",
                      help="print a Ray Serve config file for `serve deploy` on a cluster, and exit")
     sv.add_argument("--body-timeout", type=float, default=10.0, metavar="S",

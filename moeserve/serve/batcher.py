@@ -44,6 +44,11 @@ class DeadlineExceeded(Exception):
     pass
 
 
+class Unavailable(Exception):
+    """A part the model needs (an expert shard on Ray: serve/ray_app.py) is not answering; the request can
+    be retried once it is back."""
+
+
 @dataclass(eq=False)
 class Job:
     kind: Kind
@@ -168,7 +173,7 @@ class Batcher:
         try:
             self._run(live)
         except Exception as e:  # one bad request must not fail the others: run each alone
-            if len(live) == 1:
+            if len(live) == 1 or isinstance(e, Unavailable):  # (unless no request can run now)
                 self._fail(live[0], e)
             else:
                 for job in live:
@@ -192,7 +197,9 @@ class Batcher:
 
     @staticmethod
     def _fail(job: Job, e: Exception) -> None:
-        if not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
+        if isinstance(e, Unavailable):
+            log.warning("a %s request failed: %s", job.kind, e)
+        elif not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
             log.error("a %s request failed", job.kind, exc_info=e)
         if not job.future.done():
             job.future.set_exception(e)

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from torch import Tensor
 
 from moeserve.checkpoint import load_expert_slice, read_config
@@ -41,7 +42,7 @@ from moeserve.ray_cluster import connect
 from moeserve.runtime.engine import DTYPES, Engine, resolve_device, resolve_dtype
 from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts
 from moeserve.serve.app import create_app
-from moeserve.serve.batcher import BatchConfig
+from moeserve.serve.batcher import BatchConfig, Unavailable
 from moeserve.serve.state import ServeConfig
 
 
@@ -85,38 +86,69 @@ class ExpertShardServer:
                                       w.get(f"layers.{i}.ffn.experts.w3"))
                        for i in cfg.moe_layer_ids}
 
+        self.last_error: str | None = None
+
     def forward(self, layer: int, x: np.ndarray, counts: list[int]) -> np.ndarray:
-        with torch.inference_mode():
-            return to_wire(self.layers[layer](from_wire(x, self.dtype).to(self.device), counts))
+        try:
+            with torch.inference_mode():
+                y = to_wire(self.layers[layer](from_wire(x, self.dtype).to(self.device), counts))
+        except Exception as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            raise
+        self.last_error = None
+        return y
 
     def parameter_count(self) -> int:
         return sum(p.numel() for shard in self.layers.values() for p in shard.parameters())
 
     def check_health(self) -> None:
+        """Serve replaces a replica whose check fails: no weights, or its last exchange failed."""
         if not self.layers:
             raise RuntimeError("no expert weights loaded")
+        if self.last_error is not None:
+            raise RuntimeError(f"the last exchange failed ({self.last_error})")
 
 
 class RemoteExperts(ShardedExperts):
     """One MoE layer's experts on shard deployments: each shard gets only its experts' rows, all shards
     are asked at once, and the answers are combined here with the gates."""
 
-    def __init__(self, layer_id: int, n_experts: int, handles: list, ranges: list[range], dtype: torch.dtype):
+    def __init__(self, layer_id: int, n_experts: int, handles: list, ranges: list[range], dtype: torch.dtype,
+                 timeout_s: float = 10.0):
         super().__init__(n_experts, handles, [list(r) for r in ranges])
-        self.layer_id, self.handles, self.wire_dtype = layer_id, handles, dtype
+        self.layer_id, self.handles, self.wire_dtype, self.timeout_s = layer_id, handles, dtype, timeout_s
 
     def run_shards(self, inputs: list[tuple[Tensor, list[int]]]) -> list[Tensor]:
-        calls = [h.forward.remote(self.layer_id, to_wire(x), counts) for h, (x, counts) in zip(self.handles, inputs)]
-        return [from_wire(c.result(), self.wire_dtype).to(x.device) for c, (x, _) in zip(calls, inputs)]
+        """Every shard asked at once; a call whose replica died is sent again (Serve routes it to a live
+        replica, or waits for the replacement) until `timeout_s` from the first try, then Unavailable."""
+        deadline = time.monotonic() + self.timeout_s
+        wires = [to_wire(x) for x, _ in inputs]
+        calls = [h.forward.remote(self.layer_id, w, counts) for h, w, (_, counts) in zip(self.handles, wires, inputs)]
+        out = []
+        for s, (call, w, (x, counts)) in enumerate(zip(calls, wires, inputs)):
+            while True:
+                try:
+                    y = call.result(timeout_s=max(0.0, deadline - time.monotonic()))
+                    break
+                except (RayActorError, ActorUnavailableError) as e:  # the replica died with the call
+                    if time.monotonic() >= deadline:
+                        raise Unavailable(f"expert shard {s} is not answering ({type(e).__name__})") from None
+                    call = self.handles[s].forward.remote(self.layer_id, w, counts)
+                except TimeoutError:
+                    call.cancel()
+                    raise Unavailable(f"expert shard {s} did not answer within {self.timeout_s:g} s") from None
+            out.append(from_wire(y, self.wire_dtype).to(x.device))
+        return out
 
 
 @serve.ingress()
 class Ingress:
     """The FastAPI app of the single-process server, with a model whose experts are the shards."""
 
-    def __init__(self, checkpoint: str, shards: list, serve_cfg: ServeConfig, dtype: str, device: str):
+    def __init__(self, checkpoint: str, shards: list, serve_cfg: ServeConfig, dtype: str, device: str,
+                 shard_timeout_s: float = 10.0):
         self.checkpoint, self.shards, self.serve_cfg = checkpoint, shards, serve_cfg
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.shard_timeout_s = dtype, device, shard_timeout_s
 
     def __serve_build_asgi_app__(self):
         return create_app(self._load, self.serve_cfg)
@@ -127,7 +159,7 @@ class Ingress:
         dt = resolve_dtype(self.dtype, resolve_device(self.device))
 
         def experts(layer_id: int) -> RemoteExperts:
-            return RemoteExperts(layer_id, cfg.n_experts, self.shards, ranges, dt)
+            return RemoteExperts(layer_id, cfg.n_experts, self.shards, ranges, dt, self.shard_timeout_s)
 
         # an experts module with no weights of its own lays out nothing: the dispatch plan is not measured
         self.engine = Engine.load(self.checkpoint, dtype=self.dtype, device=self.device, experts_factory=experts,
@@ -147,12 +179,15 @@ class RayServeOptions:
     gpus_per_shard: float = 0.0  # fractional: several shards share a GPU
     ingress_cpus: float = 1.0
     ingress_gpus: float = 0.0
+    shard_timeout_s: float = 10.0  # an exchange unanswered this long: 503 (a replica gone and not yet replaced)
 
     def __post_init__(self) -> None:
         for name in ("expert_shards", "shard_replicas"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
+        if not (isinstance(self.shard_timeout_s, (int, float)) and self.shard_timeout_s > 0):
+            raise ValueError(f"shard_timeout_s = {self.shard_timeout_s!r}: expected a number > 0")
         for name in ("cpus_per_shard", "gpus_per_shard", "ingress_cpus", "ingress_gpus"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
@@ -177,7 +212,7 @@ def build_app(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOpti
               for s, r in enumerate(ranges)]
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": opts.ingress_cpus,
                                                                              "num_gpus": opts.ingress_gpus})
-    return ingress.bind(checkpoint, shards, serve_cfg, dtype, device)
+    return ingress.bind(checkpoint, shards, serve_cfg, dtype, device, opts.shard_timeout_s)
 
 
 def app_builder(args: dict):

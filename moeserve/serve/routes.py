@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeserve.runtime.engine import Engine, EngineError
-from moeserve.serve.batcher import Closed, DeadlineExceeded, Job
+from moeserve.serve.batcher import Closed, DeadlineExceeded, Job, Unavailable
 from moeserve.runtime.windows import check_stride
 from moeserve.serve.protocol import (ApiError, ClassifyItem, ClassifyResponse, ModelCard, ModelList, ScoreItem,
                                      ScoreRequest, ScoreResponse, TextsRequest, Usage)
@@ -87,6 +87,8 @@ def _result_error(e: BaseException) -> ApiError:
         return ApiError("deadline_exceeded", str(e))
     if isinstance(e, Closed):
         return ApiError("shutting_down", str(e))
+    if isinstance(e, Unavailable):
+        return ApiError("unavailable", str(e), headers={"Retry-After": "1"})
     if isinstance(e, EngineError):
         return ApiError("invalid_value", str(e))
     log.error("request failed", exc_info=e)

@@ -65,8 +65,8 @@ def checkpoint(root: Path, router: str, **kw) -> Path:
     return save_checkpoint(root / f"{router}-{kw.get('vq_mode', '')}", model.cfg, model.state_dict())
 
 
-def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = None, app=None) -> None:
-    opts = RayServeOptions(expert_shards=shards, cpus_per_shard=0.1, ingress_cpus=0.1)
+def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = None, app=None, **options) -> None:
+    opts = RayServeOptions(expert_shards=shards, cpus_per_shard=0.1, ingress_cpus=0.1, **options)
     app = app or build_app(ckpt, serve_cfg or ServeConfig(model_name="tiny"), opts)
     serve.run(app, name="moeserve", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 120
@@ -81,7 +81,7 @@ def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = No
 
 
 @pytest.mark.parametrize("router, vq_mode, shards", [
-    ("softmax", None, 1), ("softmax", None, 2), ("softmax", None, 4), ("xmoe", None, 2),
+    ("softmax", None, 1), ("softmax", None, 4), ("xmoe", None, 2),
     ("vq", "mixed", 2), ("vq", "discrete", 4),
 ])
 def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, vq_mode, shards):
@@ -182,3 +182,49 @@ def test_cli_serves_until_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- faults --------------------------------------------------------------------------------------
+def kill_a_replica(deployment: str) -> int:
+    """Kill one replica of `deployment` as a crash would (Serve's own fault-tolerance recipe); how many it had."""
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"]]
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    return len(replicas)
+
+
+def complete(url: str, prompt: str = "def f(x):") -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                                                     "temperature": 0}, timeout=60)
+
+
+def test_a_killed_shard_replica_with_a_second_one_fails_no_request(url, tmp_path):
+    ckpt = checkpoint(tmp_path, "softmax")
+    deploy(url, ckpt, 2, shard_replicas=2)
+    want = Engine.load(ckpt, dtype="float32", device="cpu").generate(["def f(x):"], max_new_tokens=16)[0]
+    answers, killed = [], 0
+    for i in range(24):
+        if i == 4:
+            killed = kill_a_replica("experts-0")
+        answers.append(complete(url))
+    assert killed == 2
+    assert [r.status_code for r in answers] == [200] * 24, [r.text for r in answers if r.status_code != 200]
+    assert {r.json()["choices"][0]["text"] for r in answers} == {want}
+
+
+def test_with_one_replica_requests_fail_fast_with_503_until_it_is_replaced(url, tmp_path):
+    deploy(url, checkpoint(tmp_path, "softmax"), 2, ServeConfig(model_name="tiny", request_timeout_s=20),
+           shard_timeout_s=2.0)
+    assert complete(url).status_code == 200
+    assert kill_a_replica("experts-1") == 1
+    killed_at, seen = time.monotonic(), []
+    while time.monotonic() - killed_at < 60:
+        t = time.monotonic()
+        r = complete(url)
+        seen.append((round(t - killed_at, 1), r.status_code, round(time.monotonic() - t, 1)))
+        if r.status_code == 200:
+            break
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], r.headers.get("retry-after")) == (503, "unavailable", "1"), r.text
+        assert time.monotonic() - t < 2.0 + 3.0, seen  # the shard timeout and a little, never the 20 s deadline
+    assert seen[-1][1] == 200 and seen[-1][0] < 30, seen  # whole again within 30 s of the kill
+    assert any(status == 503 for _, status, _ in seen), seen  # the outage was seen, and answered fast
