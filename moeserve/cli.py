@@ -325,8 +325,8 @@ def _add_serve(sub) -> None:
     ray.add_argument("--expert-shards", type=int, default=2, metavar="S",
                      help="shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (default: 2)")
     ray.add_argument("--shard-replicas", type=int, default=1, metavar="R", help="replicas per shard (default: 1)")
-    ray.add_argument("--cpus-per-shard", type=float, default=1.0, metavar="N", help="CPUs per shard replica "
-                     "(default: 1)")
+    ray.add_argument("--cpus-per-shard", type=float, default=None, metavar="N", help="CPUs per shard replica "
+                     "(default: 1, or what the ingress's CPU leaves, shared, where the cluster has fewer)")
     ray.add_argument("--gpus-per-shard", type=float, default=0.0, metavar="N",
                      help="GPUs per shard replica; fractional shares a GPU between shards (default: 0, CPU actors)")
     ray.add_argument("--ingress-gpus", type=float, default=0.0, metavar="N",

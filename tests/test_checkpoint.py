@@ -17,7 +17,9 @@ from moeserve import checkpoint as ckpt
 from moeserve.checkpoint import (
     CheckpointError,
     describe,
+    is_expert_weight,
     load_checkpoint,
+    load_expert_slice,
     parameter_counts,
     save_checkpoint,
     verify_checkpoint,
@@ -102,6 +104,25 @@ def test_sharded_round_trip(tmp_path: Path) -> None:
     loaded = load_checkpoint(out)
     assert_same(state, loaded.state_dict)
     assert set(verify_checkpoint(out)) == set(shards) | {"model.safetensors.index.json"}
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 300_000])  # one file, and experts over several
+def test_expert_slices_and_the_dense_rest(tmp_path: Path, max_shard_bytes) -> None:
+    """What a Ray expert shard and its ingress load: rows [start, stop) of each stacked expert tensor, in
+    the asked dtype; everything but the experts."""
+    state = make_state()
+    kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    out = save_checkpoint(tmp_path / "ckpt", make_config(), state, **kw)
+    cfg, part = load_expert_slice(out, 1, 3, dtype=torch.bfloat16)
+    assert cfg.n_experts == 4 and sorted(part) == sorted(k for k in state if is_expert_weight(k))
+    for k, t in part.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, state[k][1:3].to(torch.bfloat16)), k
+    dense = load_checkpoint(out, keep=lambda k: not is_expert_weight(k)).state_dict
+    assert_same({k: v for k, v in state.items() if not is_expert_weight(k)}, dense)
+    for start, stop in ((0, 0), (3, 2), (0, 5), (-1, 2)):
+        with pytest.raises(CheckpointError, match=rf"experts \[{start}, {stop}\): expected a range within the "
+                                                  r"model's 4"):
+            load_expert_slice(out, start, stop)
 
 
 def test_tied_and_non_contiguous_tensors_are_saved(tmp_path: Path) -> None:

@@ -86,6 +86,20 @@ def add_bench(sub, calibrate_help: str) -> None:
     _report_files(bo)
     bo.add_argument("--quiet", action="store_true", help="no progress lines")
     bo.set_defaults(func=_main("moeserve.bench.onnx"))
+    bs = bsub.add_parser("shards", help="one MoE layer's expert exchange with Ray shards vs in process",
+                         description="Deploy a layer's experts as Ray Serve shard deployments (and as plain Ray "
+                         "actors) and time one MoE layer's exchange (dispatch, one call per shard, combine) at "
+                         "each token count against the same layer in this process, with what it is made of: the "
+                         "slowest shard's compute and the conversion to arrays. Needs pip install -e '.[ray]'.")
+    bs.add_argument("--shards", type=int, default=2, metavar="S", help="expert shards (default: 2)")
+    bs.add_argument("--tokens", type=int, nargs="+", default=[1, 32], metavar="T",
+                    help="tokens routed through the layer per call (default: 1 32)")
+    bs.add_argument("--calls", type=int, default=200, metavar="N", help="timed calls per path (default: 200)")
+    bs.add_argument("--model", default="small", choices=sorted(PRESETS), help="the layer's sizes (default: small, "
+                    "the built-in model's)")
+    _report_files(bs)
+    bs.add_argument("--quiet", action="store_true", help="no progress lines")
+    bs.set_defaults(func=_main("moeserve.bench.shards"))
     bh = bsub.add_parser("http", help="the HTTP server under load: continuous vs batch vs batch size 1, a mixed "
                          "workload, HTTP overhead, 429s, n choices and logprobs",
                          description="Start `moeserve serve` subprocesses (one at a time) and measure: throughput "

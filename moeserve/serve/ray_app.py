@@ -175,7 +175,7 @@ class Ingress:
 class RayServeOptions:
     expert_shards: int = 2  # S: shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer
     shard_replicas: int = 1  # R per shard: with R >= 2 a call goes to a live replica while one is replaced
-    cpus_per_shard: float = 1.0
+    cpus_per_shard: float | None = None  # None: 1, or the CPUs the ingress leaves divided among the replicas
     gpus_per_shard: float = 0.0  # fractional: several shards share a GPU
     ingress_cpus: float = 1.0
     ingress_gpus: float = 0.0
@@ -190,8 +190,31 @@ class RayServeOptions:
             raise ValueError(f"shard_timeout_s = {self.shard_timeout_s!r}: expected a number > 0")
         for name in ("cpus_per_shard", "gpus_per_shard", "ingress_cpus", "ingress_gpus"):
             v = getattr(self, name)
+            if v is None and name == "cpus_per_shard":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"{name} = {v!r}: expected a number >= 0")
+
+
+    def fitted(self, cluster_cpus: float) -> "RayServeOptions":
+        """cpus_per_shard resolved for a cluster of `cluster_cpus`: 1 each where they fit beside the ingress,
+        else the rest shared (at least 0.1), so that `--ray` runs on a 2-core machine as it is."""
+        if self.cpus_per_shard is not None:
+            return self
+        replicas = self.expert_shards * self.shard_replicas
+        share = (cluster_cpus - self.ingress_cpus) / replicas
+        return dataclasses.replace(self, cpus_per_shard=1.0 if share >= 1 else max(0.1, math.floor(share * 10) / 10))
+
+    def check_fits(self, cpus: float, gpus: float) -> None:
+        """A ValueError naming the flags, where Ray could never schedule the replicas (they would wait forever)."""
+        replicas = self.expert_shards * self.shard_replicas
+        need_cpus = self.ingress_cpus + replicas * (self.cpus_per_shard or 0)
+        need_gpus = self.ingress_gpus + replicas * self.gpus_per_shard
+        if need_cpus > cpus + 1e-9 or need_gpus > gpus + 1e-9:
+            raise ValueError(f"the application needs {need_cpus:g} CPUs and {need_gpus:g} GPUs ({self.expert_shards} "
+                             f"shards x {self.shard_replicas} replicas at --cpus-per-shard {self.cpus_per_shard:g} "
+                             f"--gpus-per-shard {self.gpus_per_shard:g}, and the ingress); the cluster has {cpus:g} "
+                             f"CPUs and {gpus:g} GPUs")
 
 
 APP_NAME = "moeserve"
@@ -203,6 +226,7 @@ def build_app(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOpti
     checkpoint = str(Path(checkpoint).absolute())
     cfg = read_config(checkpoint)
     ranges = shard_ranges(cfg.n_experts, opts.expert_shards)
+    opts = opts.fitted(math.inf)  # unset: one CPU each (run() fits them to the cluster first)
     # one dtype for the ingress and every shard, resolved here: the rows cross the wire in it
     dtype = str(resolve_dtype(dtype, torch.device("cuda" if opts.ingress_gpus else "cpu"))).removeprefix("torch.")
     shards = [ExpertShardServer.options(name=f"experts-{s}", num_replicas=opts.shard_replicas,
@@ -233,6 +257,7 @@ def deploy_config(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServe
     ingress $MOESERVE_API_KEY through its runtime_env."""
     checkpoint = str(Path(checkpoint).absolute())
     cfg = read_config(checkpoint)
+    opts = opts.fitted(math.inf)  # unset: one CPU each, for a cluster planned around the file
     served = dataclasses.asdict(serve_cfg)
     served.update(api_key=None, chat_template=str(serve_cfg.chat_template) if serve_cfg.chat_template else None)
     shards = [{"name": f"experts-{s}", "num_replicas": opts.shard_replicas,
@@ -257,6 +282,13 @@ def run(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOptions, *
     """`moeserve serve --ray`: deploy on the cluster ($RAY_ADDRESS, else a local Ray), say when it is ready,
     and serve until SIGTERM or Ctrl-C; then delete the application. 1 if the model failed to load."""
     ray = connect()
+    resources = ray.cluster_resources()
+    opts = opts.fitted(resources.get("CPU", 0))
+    try:
+        opts.check_fits(resources.get("CPU", 0), resources.get("GPU", 0))
+    except ValueError:
+        ray.shutdown()
+        raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

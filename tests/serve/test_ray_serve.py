@@ -124,6 +124,19 @@ def test_expert_shard_ranges():
         RayServeOptions(gpus_per_shard=-0.5)
 
 
+def test_shard_cpus_fit_the_cluster():
+    assert RayServeOptions(expert_shards=2).fitted(2).cpus_per_shard == 0.5  # a 2-core machine: the ingress has 1
+    assert RayServeOptions(expert_shards=2).fitted(16).cpus_per_shard == 1.0
+    assert RayServeOptions(expert_shards=4, shard_replicas=2).fitted(2).cpus_per_shard == 0.1  # 1/8, at least 0.1
+    assert RayServeOptions(expert_shards=2, cpus_per_shard=2.0).fitted(2).cpus_per_shard == 2.0  # asked: kept
+    RayServeOptions(expert_shards=2).fitted(2).check_fits(2, 0)
+    with pytest.raises(ValueError, match=r"needs 3 CPUs and 0 GPUs \(2 shards x 1 replicas at --cpus-per-shard 1 "
+                                         r"--gpus-per-shard 0, and the ingress\); the cluster has 2 CPUs and 0 GPUs"):
+        RayServeOptions(expert_shards=2, cpus_per_shard=1.0).check_fits(2, 0)
+    with pytest.raises(ValueError, match="needs 1 CPUs and 1 GPUs"):
+        RayServeOptions(expert_shards=2, cpus_per_shard=0.0, gpus_per_shard=0.5).check_fits(4, 0)
+
+
 def test_printed_config_is_a_serve_deploy_file_whose_builder_serves(url, tmp_path):
     """`--print-config` writes what `serve deploy` accepts, and its import_path builds from its args an
     application that serves (deployed here from those args, as `serve deploy` would)."""
