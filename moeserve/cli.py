@@ -150,7 +150,8 @@ def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
         raise ValueError("--ray serves a checkpoint directory on torch, not an ONNX export")
     opts = ray_app.RayServeOptions(expert_shards=args.expert_shards, shard_replicas=args.shard_replicas,
                                    cpus_per_shard=args.cpus_per_shard, gpus_per_shard=args.gpus_per_shard,
-                                   ingress_gpus=args.ingress_gpus, shard_timeout_s=args.shard_timeout)
+                                   ingress_gpus=args.ingress_gpus, shard_timeout_s=args.shard_timeout,
+                                   exchange=args.exchange)
     dtype = "float32" if args.dtype == "auto" else args.dtype  # auto is resolved per device; shards share one
     device = "cuda" if args.ingress_gpus else "cpu"
     if args.print_config:
@@ -324,13 +325,18 @@ def _add_serve(sub) -> None:
                      "shard deployments (the cluster at $RAY_ADDRESS, else a local Ray)")
     ray.add_argument("--expert-shards", type=int, default=2, metavar="S",
                      help="shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (default: 2)")
-    ray.add_argument("--shard-replicas", type=int, default=1, metavar="R", help="replicas per shard (default: 1)")
+    ray.add_argument("--shard-replicas", type=int, default=1, metavar="R",
+                     help="replicas per shard, with --exchange handles (default: 1)")
     ray.add_argument("--cpus-per-shard", type=float, default=None, metavar="N", help="CPUs per shard replica "
                      "(default: 1, or what the ingress's CPU leaves, shared, where the cluster has fewer)")
     ray.add_argument("--gpus-per-shard", type=float, default=0.0, metavar="N",
                      help="GPUs per shard replica; fractional shares a GPU between shards (default: 0, CPU actors)")
     ray.add_argument("--ingress-gpus", type=float, default=0.0, metavar="N",
                      help="GPUs for the ingress (the dense layers and the step engine) (default: 0)")
+    ray.add_argument("--exchange", default="compiled", choices=("compiled", "handles"),
+                     help="compiled: the shards are actors of the ingress behind one Ray Compiled Graph (about 1 ms "
+                     "per layer); handles: Serve deployments called through handles (about 20 ms), with replicas "
+                     "(default: compiled)")
     ray.add_argument("--shard-timeout", type=float, default=10.0, metavar="S",
                      help="an expert exchange unanswered this long fails its requests with 503: a shard whose "
                      "replicas are all gone until Serve replaces one (default: 10)")

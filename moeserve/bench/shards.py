@@ -5,8 +5,9 @@ Per token count T, over the same routed inputs:
   in process      ShardedExperts.split: dispatch -> each shard's experts -> combine, no Ray (the baseline)
   serve handles   RemoteExperts over Ray Serve deployment handles, as the ingress calls them
   ray actors      the same shards as plain Ray actors (actor.method.remote + ray.get), without Serve's router
-  compiled graph  those actors behind one Ray Compiled Graph (ray.dag, experimental_compile): channels set up
-                  once, no task submission per call
+  compiled graph  the shards as the ingress runs them by default (ray_app.CompiledExchange): actors behind one
+                  Ray Compiled Graph (ray.dag, experimental_compile), channels set up once
+Each remote path is timed on a Ray of its own, as each is deployed.
 and what an exchange is made of: the compute of the slowest shard (timed in process), and turning the
 rows into arrays and back (`to_wire` / `from_wire`), so that transport = exchange - compute - wire.
 """
@@ -29,6 +30,10 @@ from moeserve.runtime.experts import dispatch
 from moeserve.runtime.model import Transformer
 
 
+PATHS = ["in process", "serve handles", "ray actors", "ray compiled graph", "compute, slowest shard",
+         "to/from arrays, both ways"]
+
+
 def _timed(call, calls: int) -> list[float]:
     """Milliseconds of each of `calls` calls, after 5 untimed."""
     for _ in range(5):
@@ -48,77 +53,98 @@ def _row(path: str, tokens: int, ms: list[float], base: float | None) -> dict:
 
 
 def bench_shards(n_shards: int, tokens: list[int], calls: int, model: str = "small", log=lambda msg: None) -> dict:
+    torch.manual_seed(0)
+    # one torch thread here, as in an ingress replica of one CPU: a second thread's OpenMP spin-wait after each op
+    # would take a core from the shards on a small machine (measured: a compiled graph's exchange 5-10x slower)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _bench(n_shards, tokens, calls, model, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dict:
     import ray
     from ray import serve
 
-    from moeserve.serve.ray_app import ExpertShardServer, RemoteExperts, from_wire, shard_ranges, to_wire
+    from moeserve.serve.ray_app import (CompiledExchange, ExpertShardServer, RemoteExperts, from_wire, shard_ranges,
+                                        to_wire)
 
-    torch.manual_seed(0)
     cfg = preset(model)
     net = Transformer(cfg)
     layer = net.moe_layers[0]
     ranges = shard_ranges(cfg.n_experts, n_shards)
     local = ShardedExperts.split(layer.experts, n_shards)
-    rows = []
+    cases = []  # per token count: (T, the layer's arguments, the routed rows per shard)
+    for T in tokens:
+        x = torch.randn(T, cfg.d_model)
+        with torch.inference_mode():
+            routing = layer.router(x)
+        args = (x, routing.expert_ids, routing.gates, routing.keep)
+        d = dispatch(x, routing.expert_ids, routing.gates, cfg.n_experts, routing.keep)
+        blocks = d.blocks()
+        cases.append((T, args, [(torch.cat([blocks[e] for e in r]), [d.counts[e] for e in r]) for r in ranges]))
+    ms: dict[tuple[str, int], list[float]] = {}
+
+    def measure(name: str, module) -> None:
+        """`module` gives the in-process layer's output (checked first), then its timings per token count."""
+        with torch.inference_mode():
+            for T, args, _ in cases:
+                torch.testing.assert_close(module(*args), local(*args), atol=1e-5, rtol=1e-5)
+                log(f"timing {name}, {T} token(s), {calls} calls")
+                ms[name, T] = _timed(lambda: module(*args), calls)
+
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = save_checkpoint(Path(tmp) / "model", cfg, net.state_dict())
-        ray.init(num_cpus=max(2, n_shards + 1), include_dashboard=False, log_to_driver=False)
-        try:
-            log(f"deploying {n_shards} expert shards on Ray Serve")
+        ckpt = str(save_checkpoint(Path(tmp) / "model", cfg, net.state_dict()))
+        layer_id = cfg.moe_layer_ids[0]
+        measure("in process", local)
+        with torch.inference_mode():
+            for T, _, inputs in cases:
+                compute = [_timed(lambda s=s, i=i: s(*i), calls) for s, i in zip(local.shards, inputs)]
+                ms["compute, slowest shard", T] = [max(c) for c in zip(*compute)]
+                # rows out and as many back: each shard's input converted twice
+                ms["to/from arrays, both ways", T] = _timed(
+                    lambda: [from_wire(to_wire(x), torch.float32) for x, _ in inputs for _ in "ab"], calls)
+
+        def serve_handles():
             handles = [serve.run(ExpertShardServer.options(name=f"experts-{s}", ray_actor_options={"num_cpus": 0.1})
-                                 .bind(str(ckpt), r.start, r.stop, "float32"), name=f"bench-experts-{s}",
+                                 .bind(ckpt, r.start, r.stop, "float32"), name=f"bench-experts-{s}",
                                  route_prefix=None) for s, r in enumerate(ranges)]
+            return RemoteExperts(layer_id, cfg.n_experts, handles, ranges, torch.float32, 60)
+
+        def ray_actors():
             actor = ray.remote(num_cpus=0.1)(ExpertShardServer.func_or_class)
-            actors = [actor.remote(str(ckpt), r.start, r.stop, "float32") for r in ranges]
-            remote = RemoteExperts(cfg.moe_layer_ids[0], cfg.n_experts, handles, ranges, torch.float32, timeout_s=60)
-            layer_id = cfg.moe_layer_ids[0]
+            actors = [actor.remote(ckpt, r.start, r.stop, "float32") for r in ranges]
 
             def via_actors(inputs):
                 refs = [a.forward.remote(layer_id, to_wire(x), c) for a, (x, c) in zip(actors, inputs)]
                 return [from_wire(y, torch.float32) for y in ray.get(refs)]
 
-            by_actors = RemoteExperts(layer_id, cfg.n_experts, actors, ranges, torch.float32)
-            by_actors.run_shards = via_actors
-            from ray.dag import InputNode, MultiOutputNode
+            module = RemoteExperts(layer_id, cfg.n_experts, actors, ranges, torch.float32)
+            module.run_shards = via_actors
+            return module
 
-            with InputNode() as inp:  # one compiled graph: (x, counts) per shard in, each shard's rows out
-                graph = MultiOutputNode([a.forward.bind(layer_id, inp[2 * s], inp[2 * s + 1])
-                                         for s, a in enumerate(actors)]).experimental_compile()
+        def compiled_graph():  # what the ingress runs by default
+            exchange = CompiledExchange(ckpt, ranges, "float32", 0.1, 0.0, timeout_s=60)
+            return RemoteExperts(layer_id, cfg.n_experts, exchange, ranges, torch.float32)
 
-            def via_graph(inputs):
-                flat = [v for x, c in inputs for v in (to_wire(x), c)]
-                return [from_wire(y, torch.float32) for y in ray.get(graph.execute(*flat))]
-
-            by_graph = RemoteExperts(layer_id, cfg.n_experts, actors, ranges, torch.float32)
-            by_graph.run_shards = via_graph
-            for T in tokens:
-                x = torch.randn(T, cfg.d_model)
-                with torch.inference_mode():
-                    routing = layer.router(x)
-                    args = (x, routing.expert_ids, routing.gates, routing.keep)
-                    want = local(*args)
-                    for module in (remote, by_actors, by_graph):
-                        torch.testing.assert_close(module(*args), want, atol=1e-5, rtol=1e-5)  # same answer
-                    log(f"timing {T} token(s), {calls} calls per path")
-                    base = _timed(lambda: local(*args), calls)
-                    b50 = statistics.median(base)
-                    rows.append(_row("in process", T, base, b50))
-                    rows.append(_row("serve handles", T, _timed(lambda: remote(*args), calls), b50))
-                    rows.append(_row("ray actors", T, _timed(lambda: by_actors(*args), calls), b50))
-                    rows.append(_row("ray compiled graph", T, _timed(lambda: by_graph(*args), calls), b50))
-                    d = dispatch(x, routing.expert_ids, routing.gates, cfg.n_experts, routing.keep)
-                    blocks = d.blocks()
-                    inputs = [(torch.cat([blocks[e] for e in r]), [d.counts[e] for e in r]) for r in ranges]
-                    compute = [_timed(lambda s=s, i=i: s(*i), calls) for s, i in zip(local.shards, inputs)]
-                    rows.append(_row("compute, slowest shard", T, [max(c) for c in zip(*compute)], b50))
-                    # rows out and the same number back: each shard's input converted twice
-                    wire = _timed(lambda: [from_wire(to_wire(x_), torch.float32) for x_, _ in inputs for _ in "ab"],
-                                  calls)
-                    rows.append(_row("to/from arrays, both ways", T, wire, b50))
-            graph.teardown()
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+        for name, make in (("serve handles", serve_handles), ("ray actors", ray_actors),
+                           ("ray compiled graph", compiled_graph)):
+            ray.init(num_cpus=max(2, n_shards + 1), include_dashboard=False, log_to_driver=False)
+            try:  # each path on a Ray of its own: nothing of another path's left running beside it
+                log(f"setting up {name}")
+                module = make()
+                measure(name, module)
+                if isinstance(module.handles, CompiledExchange):
+                    module.handles.teardown()
+            finally:
+                serve.shutdown()
+                ray.shutdown()
+    rows = []
+    for T in tokens:
+        base = statistics.median(ms["in process", T])
+        rows += [_row(path, T, ms[path, T], base) for path in PATHS]
     return {"model": model, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_experts": cfg.n_experts,
             "top_k": cfg.top_k, "shards": n_shards, "calls": calls, "ray": ray.__version__, "results": rows}
 
