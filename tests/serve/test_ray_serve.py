@@ -131,7 +131,7 @@ def test_expert_shard_ranges():
 def test_shard_cpus_fit_the_cluster():
     assert RayServeOptions(expert_shards=2).fitted(2).cpus_per_shard == 0.5  # a 2-core machine: the ingress has 1
     assert RayServeOptions(expert_shards=2).fitted(16).cpus_per_shard == 1.0
-    assert RayServeOptions(expert_shards=4, shard_replicas=2).fitted(2).cpus_per_shard == 0.1  # 1/8, at least 0.1
+    assert RayServeOptions(expert_shards=4, shard_replicas=2, exchange="handles").fitted(2).cpus_per_shard == 0.1
     assert RayServeOptions(expert_shards=2, cpus_per_shard=2.0).fitted(2).cpus_per_shard == 2.0  # asked: kept
     RayServeOptions(expert_shards=2).fitted(2).check_fits(2, 0)
     with pytest.raises(ValueError, match=r"needs 3 CPUs and 0 GPUs \(2 shards x 1 replicas at --cpus-per-shard 1 "
