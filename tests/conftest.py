@@ -20,3 +20,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def wait_for_ray_to_exit(timeout_s: float = 30.0) -> None:
+    """After ray.shutdown(): wait until this machine's Ray processes (raylet, GCS, workers) are gone, so that
+    their teardown does not take the CPU from the timing-sensitive tests that run next."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = False
+        for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if b"raylet" in cmd or b"gcs_server" in cmd or cmd.startswith(b"ray::"):
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.2)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from .conftest import wait_for_ray_to_exit
 from moeserve.checkpoint import save_checkpoint
 from moeserve.cli import main
 from moeserve.config import preset
@@ -28,6 +29,7 @@ def local_ray():
     ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    wait_for_ray_to_exit()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 
+from ..conftest import wait_for_ray_to_exit
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.engine import Engine, SamplingParams
@@ -52,6 +53,7 @@ def url():
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    wait_for_ray_to_exit()
 
 
 def checkpoint(root: Path, router: str, **kw) -> Path:
