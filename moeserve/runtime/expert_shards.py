@@ -22,6 +22,12 @@ from moeserve.runtime.experts import Dispatch, Experts, combine, compute, dispat
 ShardCall = Callable[[Tensor, list[int]], Tensor]  # shard(x_ND of its experts, rows per expert) -> y_ND
 
 
+def contiguous_ranges(n_experts: int, n_shards: int) -> list[range]:
+    """Shard s gets experts [s*E/S, (s+1)*E/S): as even as they divide, each a contiguous range (a slice of
+    the stacked expert tensors)."""
+    return [range(n_experts * s // n_shards, n_experts * (s + 1) // n_shards) for s in range(n_shards)]
+
+
 class ExpertShard(nn.Module):
     """Some of a layer's experts (global ids `expert_ids`), stacked [E_local, out, in] as in Experts."""
 
@@ -70,7 +76,7 @@ class ShardedExperts(nn.Module):
         E = experts.n_experts
         if not 1 <= n_shards <= E:
             raise ValueError(f"n_shards = {n_shards}: expected 1..{E} (the layer's experts)")
-        ranges = [list(range(E * s // n_shards, E * (s + 1) // n_shards)) for s in range(n_shards)]
+        ranges = [list(r) for r in contiguous_ranges(E, n_shards)]
         return cls(E, [ExpertShard.of(experts, ids) for ids in ranges], ranges)
 
     def prepare_inference(self, **kwargs) -> None:

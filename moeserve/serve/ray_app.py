@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from torch import Tensor
@@ -40,17 +41,17 @@ from torch import Tensor
 from moeserve.checkpoint import load_expert_slice, read_config
 from moeserve.ray_cluster import connect
 from moeserve.runtime.engine import DTYPES, Engine, resolve_device, resolve_dtype
-from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts
+from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges
 from moeserve.serve.app import create_app
 from moeserve.serve.batcher import BatchConfig, Unavailable
 from moeserve.serve.state import ServeConfig
 
 
 def shard_ranges(n_experts: int, n_shards: int) -> list[range]:
-    """Shard s holds experts [s*E/S, (s+1)*E/S): as even as they divide, each a contiguous range (a slice)."""
+    """Shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (expert_shards.contiguous_ranges)."""
     if not 1 <= n_shards <= n_experts:
         raise ValueError(f"--expert-shards {n_shards}: expected 1..{n_experts} (the model's experts)")
-    return [range(n_experts * s // n_shards, n_experts * (s + 1) // n_shards) for s in range(n_shards)]
+    return contiguous_ranges(n_experts, n_shards)
 
 
 # ---- the wire: tensors as numpy arrays (Ray passes them without pickling their data) ------------------
@@ -74,8 +75,6 @@ class ExpertShardServer:
     """Experts `start..stop-1` of every MoE layer of a checkpoint, computed for the ingress."""
 
     def __init__(self, checkpoint: str, start: int, stop: int, dtype: str = "float32"):
-        import ray
-
         self.dtype = DTYPES[dtype]
         # a GPU where Ray gave this replica one (--gpus-per-shard), else the CPU
         self.device = torch.device("cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu")
@@ -117,8 +116,6 @@ class CompiledExchange:
     restarted by Ray, and the graph is compiled again at the next exchange once it is back."""
 
     def __init__(self, checkpoint: str, ranges: list[range], dtype: str, cpus: float, gpus: float, timeout_s: float):
-        import ray
-
         actor = ray.remote(ExpertShardServer.func_or_class)
         self.actors = [actor.options(name=f"{APP_NAME}-experts-{s}", namespace=APP_NAME, num_cpus=cpus, num_gpus=gpus,
                                      max_restarts=-1, max_task_retries=0)
@@ -135,8 +132,6 @@ class CompiledExchange:
                                           for s, a in enumerate(self.actors)]).experimental_compile()
 
     def __call__(self, layer: int, inputs: list[tuple[Tensor, list[int]]]) -> list[np.ndarray]:
-        import ray
-
         flat = [v for x, counts in inputs for v in (to_wire(x), counts)]
         try:
             if self.graph is None:
@@ -148,8 +143,6 @@ class CompiledExchange:
             raise Unavailable(f"an expert shard is not answering ({type(e).__name__})") from None
 
     def parameter_counts(self) -> list[int]:
-        import ray
-
         return ray.get([a.parameter_count.remote() for a in self.actors])
 
     def teardown(self) -> None:
