@@ -119,7 +119,7 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
 
             def via_actors(inputs):
                 refs = [a.forward.remote(layer_id, to_wire(x), c) for a, (x, c) in zip(actors, inputs)]
-                return [from_wire(y, torch.float32) for y in ray.get(refs)]
+                return [from_wire(y, torch.float32) for y, _ in ray.get(refs)]
 
             module = RemoteExperts(layer_id, cfg.n_experts, actors, ranges, torch.float32)
             module.run_shards = via_actors

@@ -35,10 +35,11 @@ log = logging.getLogger("moeserve.serve")
 OBJECT_FIELDS = {"stream_options": set(StreamOptions.model_fields)}  # request fields whose value is an object
 
 
-def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = None) -> FastAPI:
+def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = None,
+               metrics: Metrics | None = None) -> FastAPI:
     """An app serving `source`: a loaded Engine, or a function that loads one (run after start-up)."""
     cfg = cfg or ServeConfig()
-    metrics = Metrics()
+    metrics = metrics or Metrics()
     state = ServerState(cfg, metrics)
 
     @asynccontextmanager

@@ -22,6 +22,7 @@ from moeserve.runtime.engine import ExpertLoad
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+EXCHANGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 # Per-expert series above this many (layers x experts) are off unless asked for: a model with
 # thousands of experts would otherwise swamp the scraper.
 MAX_AUTO_EXPERT_SERIES = 4096
@@ -64,34 +65,70 @@ class ExpertLoadCollector(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """The server's instruments. With `twins` (serve/ray_metrics.py), each one is also recorded into a twin
+    made by `twins(kind, name, documentation, labels, buckets)`, such as Ray's metrics under Ray Serve, where
+    replicas are scraped through Ray's metrics export rather than one by one."""
+
+    def __init__(self, twins: Callable[..., object] | None = None) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)
-        self.request_seconds = Histogram("moeserve_request_duration_seconds", "Request latency, received to last "
-                                         "byte sent (streams included)", ["endpoint", "status"],
-                                         buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("moeserve_requests", "Requests answered", ["endpoint", "status"], registry=r)
-        self.rejected = Counter("moeserve_requests_rejected", "Requests refused, by reason", ["reason"], registry=r)
-        self.queue_depth = Gauge("moeserve_queue_depth", "Requests waiting for a batch", registry=r)
-        self.queue_seconds = Histogram("moeserve_queue_wait_seconds", "Time from arrival to the start of the "
-                                       "request's batch", buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("moeserve_batch_size", "Rows (prompts or texts) per model batch", ["kind"],
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.batch_seconds = Histogram("moeserve_batch_duration_seconds", "Model time per batch", ["kind"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("moeserve_time_to_first_token_seconds", "Arrival to the first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt (and scored / classified) tokens processed",
-                                     registry=r)
-        self.generation_tokens = Counter("moeserve_generation_tokens", "Tokens generated", registry=r)
-        self.ready = Gauge("moeserve_ready", "1 once the model is loaded and warmed up", registry=r)
+        self.twins = twins
+        self.collectors: list[Collector] = []  # scrape-time series (expert load), besides the process's own
+        ProcessCollector(registry=self.registry)
+        self.request_seconds = self._make(Histogram, "moeserve_request_duration_seconds", "Request latency, received "
+                                          "to last byte sent (streams included)", ["endpoint", "status"],
+                                          buckets=LATENCY_BUCKETS)
+        self.requests = self._make(Counter, "moeserve_requests", "Requests answered", ["endpoint", "status"])
+        self.rejected = self._make(Counter, "moeserve_requests_rejected", "Requests refused, by reason", ["reason"])
+        self.queue_depth = self._make(Gauge, "moeserve_queue_depth", "Requests waiting for a batch")
+        self.queue_seconds = self._make(Histogram, "moeserve_queue_wait_seconds", "Time from arrival to the start "
+                                        "of the request's batch", buckets=LATENCY_BUCKETS)
+        self.batch_size = self._make(Histogram, "moeserve_batch_size", "Rows (prompts or texts) per model batch",
+                                     ["kind"], buckets=BATCH_BUCKETS)
+        self.batch_seconds = self._make(Histogram, "moeserve_batch_duration_seconds", "Model time per batch",
+                                        ["kind"], buckets=LATENCY_BUCKETS)
+        self.ttft = self._make(Histogram, "moeserve_time_to_first_token_seconds", "Arrival to the first generated "
+                               "token", buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = self._make(Counter, "moeserve_prompt_tokens", "Prompt (and scored / classified) "
+                                        "tokens processed")
+        self.generation_tokens = self._make(Counter, "moeserve_generation_tokens", "Tokens generated")
+        self.ready = self._make(Gauge, "moeserve_ready", "1 once the model is loaded and warmed up")
+
+    def _make(self, kind: type, name: str, documentation: str, labels: tuple[str, ...] | list[str] = (), **kw):
+        local = kind(name, documentation, labels, registry=self.registry, **kw)
+        if self.twins is None:
+            return local
+        return Tee(local, self.twins(kind.__name__.lower(), name, documentation, tuple(labels), kw.get("buckets")),
+                   tuple(labels))
+
+    def watch_shards(self, n_shards: int) -> None:
+        """The exchange with remote expert shards (serve/ray_app.py), per shard."""
+        self.shard_exchange_seconds = self._make(
+            Histogram, "moeserve_shard_exchange_seconds", "Per MoE layer and forward pass, from sending the shard "
+            "its routed rows to having its answer (under a compiled graph every shard's answer is read at once)",
+            ["shard"], buckets=EXCHANGE_BUCKETS)
+        self.shard_compute_seconds = self._make(
+            Histogram, "moeserve_shard_compute_seconds", "The shard's own time computing its experts' rows, per "
+            "exchange (the rest of the exchange is transport)", ["shard"], buckets=EXCHANGE_BUCKETS)
+        self.shard_routed_tokens = self._make(
+            Counter, "moeserve_shard_routed_tokens", "Rows sent to each expert shard, the warm-up's included (a "
+            "token counts once per expert of the shard that it is routed to)", ["shard"])
+        # every shard's series exists from the start, at 0; looked up once (an exchange is per layer and step)
+        self._per_shard = [tuple(m.labels(str(s)) for m in (self.shard_exchange_seconds, self.shard_compute_seconds,
+                                                              self.shard_routed_tokens)) for s in range(n_shards)]
+
+    def observe_exchange(self, exchange_s: list[float], compute_s: list[float], rows: list[int]) -> None:
+        for (wall_h, busy_h, rows_c), wall, busy, n in zip(self._per_shard, exchange_s, compute_s, rows):
+            wall_h.observe(wall)
+            busy_h.observe(busy)
+            rows_c.inc(n)
 
     def watch_experts(self, load: Callable[[], ExpertLoad | None], layer_ids: list[int], n_experts: int,
                       per_expert: bool | None) -> None:
         if per_expert is None:
             per_expert = len(layer_ids) * n_experts <= MAX_AUTO_EXPERT_SERIES
-        self.registry.register(ExpertLoadCollector(load, layer_ids, per_expert))
+        collector = ExpertLoadCollector(load, layer_ids, per_expert)
+        self.registry.register(collector)
+        self.collectors.append(collector)
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.request_seconds.labels(endpoint, str(status)).observe(seconds)
@@ -101,3 +138,36 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Tee:
+    """A prometheus_client instrument and its twin (a Ray metric), recorded together: `.labels(...)`,
+    `.observe`, `.inc`, `.set` as on the instrument. A gauge's value or function is kept (`value`, `function`)
+    for whoever keeps the twin to push again: a twin is pushed to, not scraped, and Ray drops a gauge's series
+    that is not set again for a while."""
+
+    def __init__(self, local, twin, labels: tuple[str, ...] = (), tags: dict[str, str] | None = None):
+        self.local, self.twin, self.label_names, self.tags = local, twin, labels, tags or {}
+        self.function: Callable[[], float] | None = None
+        self.value: float | None = None  # the last set, of an unlabelled gauge
+
+    def labels(self, *values) -> "Tee":
+        return Tee(self.local.labels(*values), self.twin, (), dict(zip(self.label_names, map(str, values))))
+
+    def observe(self, value: float) -> None:
+        self.local.observe(value)
+        self.twin.observe(float(value), tags=self.tags)
+
+    def inc(self, amount: float = 1) -> None:
+        self.local.inc(amount)
+        if amount > 0:  # a Ray counter refuses 0
+            self.twin.inc(float(amount), tags=self.tags)
+
+    def set(self, value: float) -> None:
+        self.local.set(value)
+        self.value = float(value)
+        self.twin.set(self.value, tags=self.tags)
+
+    def set_function(self, f: Callable[[], float]) -> None:
+        self.local.set_function(f)
+        self.function = f

@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -43,7 +44,9 @@ from moeserve.ray_cluster import connect
 from moeserve.runtime.engine import DTYPES, Engine, resolve_device, resolve_dtype
 from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges
 from moeserve.serve.app import create_app
+from moeserve.serve import ray_metrics
 from moeserve.serve.batcher import BatchConfig, Unavailable
+from moeserve.serve.metrics import Metrics
 from moeserve.serve.state import ServeConfig
 
 
@@ -87,7 +90,9 @@ class ExpertShardServer:
 
         self.last_error: str | None = None
 
-    def forward(self, layer: int, x: np.ndarray, counts: list[int]) -> np.ndarray:
+    def forward(self, layer: int, x: np.ndarray, counts: list[int]) -> tuple[np.ndarray, float]:
+        """The rows of this shard's experts, and the seconds it took to compute them (for the metrics)."""
+        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 y = to_wire(self.layers[layer](from_wire(x, self.dtype).to(self.device), counts))
@@ -95,7 +100,7 @@ class ExpertShardServer:
             self.last_error = f"{type(e).__name__}: {e}"
             raise
         self.last_error = None
-        return y
+        return y, time.perf_counter() - t0
 
     def parameter_count(self) -> int:
         return sum(p.numel() for shard in self.layers.values() for p in shard.parameters())
@@ -131,7 +136,7 @@ class CompiledExchange:
             self.graph = MultiOutputNode([a.forward.bind(inp[0], inp[1 + 2 * s], inp[2 + 2 * s])
                                           for s, a in enumerate(self.actors)]).experimental_compile()
 
-    def __call__(self, layer: int, inputs: list[tuple[Tensor, list[int]]]) -> list[np.ndarray]:
+    def __call__(self, layer: int, inputs: list[tuple[Tensor, list[int]]]) -> list[tuple[np.ndarray, float]]:
         flat = [v for x, counts in inputs for v in (to_wire(x), counts)]
         try:
             if self.graph is None:
@@ -152,25 +157,38 @@ class CompiledExchange:
                 graph.teardown()
 
 
+ExchangeObserver = Callable[[list[float], list[float], list[int]], None]  # (wall s, compute s, rows) per shard
+
+
 class RemoteExperts(ShardedExperts):
     """One MoE layer's experts on shard deployments: each shard gets only its experts' rows, all shards
-    are asked at once, and the answers are combined here with the gates."""
+    are asked at once, and the answers are combined here with the gates. `observe` hears of every exchange
+    (Metrics.observe_exchange)."""
 
     def __init__(self, layer_id: int, n_experts: int, handles: "list | CompiledExchange", ranges: list[range],
-                 dtype: torch.dtype, timeout_s: float = 10.0):
+                 dtype: torch.dtype, timeout_s: float = 10.0, observe: ExchangeObserver | None = None):
         super().__init__(n_experts, [None] * len(ranges), [list(r) for r in ranges])
         self.layer_id, self.handles, self.wire_dtype, self.timeout_s = layer_id, handles, dtype, timeout_s
+        self.observe = observe
 
     def run_shards(self, inputs: list[tuple[Tensor, list[int]]]) -> list[Tensor]:
+        t0 = time.perf_counter()
+        if isinstance(self.handles, CompiledExchange):  # every answer is read at once
+            answers = self.handles(self.layer_id, inputs)
+            walls = [time.perf_counter() - t0] * len(answers)
+        else:
+            answers, walls = self._through_handles(inputs, t0)
+        if self.observe is not None:
+            self.observe(walls, [seconds for _, seconds in answers], [sum(counts) for _, counts in inputs])
+        return [from_wire(y, self.wire_dtype).to(x.device) for (y, _), (x, _) in zip(answers, inputs)]
+
+    def _through_handles(self, inputs: list[tuple[Tensor, list[int]]], t0: float) -> tuple[list, list[float]]:
         """Every shard asked at once; a call whose replica died is sent again (Serve routes it to a live
         replica, or waits for the replacement) until `timeout_s` from the first try, then Unavailable."""
-        if isinstance(self.handles, CompiledExchange):
-            return [from_wire(y, self.wire_dtype).to(x.device)
-                    for y, (x, _) in zip(self.handles(self.layer_id, inputs), inputs)]
         deadline = time.monotonic() + self.timeout_s
         wires = [to_wire(x) for x, _ in inputs]
         calls = [h.forward.remote(self.layer_id, w, counts) for h, w, (_, counts) in zip(self.handles, wires, inputs)]
-        out = []
+        out, walls = [], []
         for s, (call, w, (x, counts)) in enumerate(zip(calls, wires, inputs)):
             while True:
                 try:
@@ -183,8 +201,9 @@ class RemoteExperts(ShardedExperts):
                 except TimeoutError:
                     call.cancel()
                     raise Unavailable(f"expert shard {s} did not answer within {self.timeout_s:g} s") from None
-            out.append(from_wire(y, self.wire_dtype).to(x.device))
-        return out
+            out.append(y)
+            walls.append(time.perf_counter() - t0)
+        return out, walls
 
 
 @serve.ingress()
@@ -200,7 +219,10 @@ class Ingress:
         self.exchange: CompiledExchange | None = None
 
     def __serve_build_asgi_app__(self):
-        return create_app(self._load, self.serve_cfg)
+        # the series go to Ray's metrics too: one scrape of Ray's export sees every replica (ray_metrics.py)
+        self.metrics = Metrics(twins=ray_metrics.twin)
+        self.copier = ray_metrics.ScrapeTimeCopier(self.metrics).start()
+        return create_app(self._load, self.serve_cfg, self.metrics)
 
     def _load(self) -> Engine:
         cfg = read_config(self.checkpoint)
@@ -212,9 +234,11 @@ class Ingress:
                                                       shards.gpus_per_shard, self.shard_timeout_s)
         else:
             ranges = shard_ranges(cfg.n_experts, len(shards))
+        self.metrics.watch_shards(len(ranges))
 
         def experts(layer_id: int) -> RemoteExperts:
-            return RemoteExperts(layer_id, cfg.n_experts, shards, ranges, dt, self.shard_timeout_s)
+            return RemoteExperts(layer_id, cfg.n_experts, shards, ranges, dt, self.shard_timeout_s,
+                                 observe=self.metrics.observe_exchange)
 
         # an experts module with no weights of its own lays out nothing: the dispatch plan is not measured
         self.engine = Engine.load(self.checkpoint, dtype=self.dtype, device=self.device, experts_factory=experts,
@@ -230,6 +254,8 @@ class Ingress:
         return self.exchange.parameter_counts()
 
     def __del__(self):
+        if getattr(self, "copier", None) is not None:
+            self.copier.stop()
         if self.exchange is not None:
             self.exchange.teardown()
 

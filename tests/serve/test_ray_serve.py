@@ -17,9 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..conftest import wait_for_ray_to_exit
-from moeserve.checkpoint import save_checkpoint
+from moeserve.checkpoint import read_config, save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.model import Transformer
@@ -48,7 +49,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def url():
     port = free_port()
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 500})  # Ray's export within a second of a change
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -67,10 +69,11 @@ def checkpoint(root: Path, router: str, **kw) -> Path:
     return save_checkpoint(root / f"{router}-{kw.get('vq_mode', '')}", model.cfg, model.state_dict())
 
 
-def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = None, app=None, **options) -> None:
+def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = None, app=None, name="moeserve",
+           **options) -> None:
     opts = RayServeOptions(expert_shards=shards, cpus_per_shard=0.1, ingress_cpus=0.1, **options)
     app = app or build_app(ckpt, serve_cfg or ServeConfig(model_name="tiny"), opts)
-    serve.run(app, name="moeserve", route_prefix="/", blocking=False)
+    serve.run(app, name=name, route_prefix="/", blocking=False)
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -117,6 +120,86 @@ def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, 
     assert held == [len(r) * per_expert * len(cfg.moe_layer_ids) for r in shard_ranges(cfg.n_experts, shards)]
     dense = ingress.parameter_count.remote().result()
     assert dense == sum(p.numel() for p in ref.model.parameters()) - cfg.n_experts * per_expert * len(cfg.moe_layer_ids)
+
+
+def parse(text: str) -> dict[tuple, float]:
+    """Prometheus text, parsed by prometheus_client's parser: {(name, labels...): value}."""
+    return {(s.name, *sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def series(samples: dict[tuple, float], name: str, *keys: str, **match: str) -> dict[tuple, float]:
+    """`name`'s samples whose labels include `match`, by the values of `keys`."""
+    out = {}
+    for (n, *labels), v in samples.items():
+        labels = dict(labels)
+        if n == name and all(labels.get(k) == want for k, want in match.items()):
+            out[tuple(labels[k] for k in keys)] = v
+    return out
+
+
+def ray_export() -> dict[tuple, float]:
+    """What Prometheus scrapes from this Ray: every node's metrics agent (its MetricsExportPort)."""
+    out = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            addr = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            out.update(parse(httpx.get(addr, timeout=10).text))
+    return out
+
+
+def test_metrics_reach_the_ingress_and_rays_export(url, tmp_path):
+    """The ingress's /metrics has the single-process series plus each shard's exchange and routed rows, the
+    rows per shard adding up to the per-expert load; Ray's metrics export, which Prometheus scrapes, has the
+    same series under `ray_` with the same values once Ray has reported them."""
+    serve.delete("moeserve")  # an application of its own: Ray's export may still hold earlier replicas' series
+    try:
+        ckpt = checkpoint(tmp_path, "softmax")
+        deploy(url, ckpt, 2, name="metrics")
+        before = parse(httpx.get(f"{url}/metrics", timeout=10).text)  # the warm-up's exchanges are counted
+        for prompt in PROMPTS:
+            assert complete(url, prompt).status_code == 200
+        assert httpx.post(f"{url}/v1/score", json={"model": "tiny", "input": TEXTS}, timeout=60).status_code == 200
+        own = parse(httpx.get(f"{url}/metrics", timeout=10).text)
+        answered = series(own, "moeserve_requests_total", "endpoint", status="200")
+        assert (answered[("/v1/completions",)], answered[("/v1/score",)]) == (3.0, 1.0)
+
+        load = series(own, "moeserve_expert_routed_tokens_total", "layer", "expert")  # since the warm-up
+        rows = {k: v - series(before, "moeserve_shard_routed_tokens_total", "shard")[k]
+                for k, v in series(own, "moeserve_shard_routed_tokens_total", "shard").items()}
+        ranges = shard_ranges(read_config(ckpt).n_experts, 2)
+        assert rows == {(str(s),): sum(v for (_, e), v in load.items() if int(e) in r) for s, r in enumerate(ranges)}
+        assert all(v > 0 for v in rows.values())
+        exchanges = series(own, "moeserve_shard_exchange_seconds_count", "shard")
+        assert exchanges == series(own, "moeserve_shard_compute_seconds_count", "shard") and min(exchanges.values()) > 0
+        assert len(set(exchanges.values())) == 1  # every exchange asks every shard
+        for s in ("0", "1"):  # an exchange is its shard's compute plus transport
+            wall = series(own, "moeserve_shard_exchange_seconds_sum", "shard")[s,]
+            assert 0 < series(own, "moeserve_shard_compute_seconds_sum", "shard")[s,] < wall
+
+        wanted = {  # Ray's name -> (the ingress's name, label keys)
+            "ray_moeserve_requests_total": ("moeserve_requests_total", ("endpoint", "status")),
+            "ray_moeserve_expert_routed_tokens_total": ("moeserve_expert_routed_tokens_total", ("layer", "expert")),
+            "ray_moeserve_shard_routed_tokens_total": ("moeserve_shard_routed_tokens_total", ("shard",)),
+            "ray_moeserve_shard_exchange_seconds_count": ("moeserve_shard_exchange_seconds_count", ("shard",)),
+            "ray_moeserve_time_to_first_token_seconds_count": ("moeserve_time_to_first_token_seconds_count", ()),
+            "ray_moeserve_ready": ("moeserve_ready", ()),
+        }
+        def view(samples: dict, name: str, keys: tuple, **match) -> dict:  # scrapes of /metrics count as they go
+            return {k: v for k, v in series(samples, name, *keys, **match).items() if "/metrics" not in k}
+
+        want = {name: view(own, mine, keys) for name, (mine, keys) in wanted.items()}
+        deadline, got = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            exported = ray_export()
+            got = {name: view(exported, name, keys, application="metrics", deployment="ingress")
+                   for name, (_, keys) in wanted.items()}
+            if got == want:
+                break
+            time.sleep(0.5)
+        assert got == want
+    finally:
+        serve.delete("metrics")
 
 
 def test_expert_shard_ranges():
