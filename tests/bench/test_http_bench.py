@@ -17,8 +17,8 @@ def test_bench_http_end_to_end(tmp_path, capsys):
     model = Transformer(preset("tiny", router="xmoe"))  # random weights, context 64, byte tokenizer
     ckpt = save_checkpoint(tmp_path / "tiny", model.cfg, model.state_dict())
     out = tmp_path / "bench.json"
-    rc = main(["bench", "http", "--checkpoint", str(ckpt), "--dtype", "float32", "--clients", "4", "--duration", "1.5",
-               "--warmup", "0.5", "--max-tokens", "4", "--long-tokens", "24", "--requests", "5", "--overload", "40", "--overload-queue", "8",
+    rc = main(["bench", "http", "--checkpoint", str(ckpt), "--dtype", "float32", "--clients", "4", "--duration", "0.8",
+               "--warmup", "0.3", "--max-tokens", "4", "--long-tokens", "24", "--requests", "5", "--overload", "40", "--overload-queue", "8",
                "--overload-tokens", "16", "--choice-rounds", "2", "--quiet", "--json", str(out),
                "--plot", str(tmp_path / "http.png")])
     assert rc == 0

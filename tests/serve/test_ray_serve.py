@@ -85,9 +85,9 @@ def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = No
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("router, vq_mode, shards, exchange", [
-    ("softmax", None, 1, "compiled"), ("softmax", None, 4, "compiled"), ("xmoe", None, 2, "handles"),
-    ("vq", "mixed", 2, "compiled"), ("vq", "discrete", 4, "handles"),
+@pytest.mark.parametrize("router, vq_mode, shards, exchange", [  # S = 1, 2, 4; every router; both exchanges
+    ("softmax", None, 1, "compiled"), ("xmoe", None, 2, "handles"), ("vq", "mixed", 2, "compiled"),
+    ("vq", "discrete", 4, "handles"),
 ])
 def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, vq_mode, shards, exchange):
     ckpt = checkpoint(tmp_path, router, **({"vq_mode": vq_mode} if vq_mode else {}))
