@@ -333,9 +333,18 @@ def build_app(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOpti
                                   ray_actor_options={"num_cpus": opts.cpus_per_shard, "num_gpus": opts.gpus_per_shard})
         .bind(checkpoint, r.start, r.stop, dtype)
         for s, r in enumerate(ranges)]
-    ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": opts.ingress_cpus,
-                                                                             "num_gpus": opts.ingress_gpus})
+    ingress = serve.deployment(Ingress, name="ingress", max_ongoing_requests=ingress_max_ongoing(serve_cfg),
+                               ray_actor_options={"num_cpus": opts.ingress_cpus, "num_gpus": opts.ingress_gpus})
     return ingress.bind(checkpoint, shards, serve_cfg, dtype, device, opts.shard_timeout_s)
+
+
+def ingress_max_ongoing(serve_cfg: ServeConfig) -> int:
+    """Requests Serve lets into the ingress replica at once: all that its own queue, its running batch or cache
+    slots, and probes can hold. Serve's default (5) kept all but 5 requests waiting in Ray's proxy: 2.6
+    requests/s at 32 clients with 4 of the 8 cache slots used, 10 s of TTFT spent before the app saw the
+    request, and no 429 from the app's queue bound, ever."""
+    b = serve_cfg.batch
+    return b.max_queue + max(serve_cfg.kv_slots, b.max_batch_size) + 32
 
 
 def app_builder(args: dict):
@@ -363,7 +372,7 @@ def deploy_config(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServe
         {"name": f"experts-{s}", "num_replicas": opts.shard_replicas,
          "ray_actor_options": {"num_cpus": opts.cpus_per_shard, "num_gpus": opts.gpus_per_shard}}
         for s in range(len(shard_ranges(cfg.n_experts, opts.expert_shards)))]
-    ingress = {"name": "ingress", "num_replicas": 1,
+    ingress = {"name": "ingress", "num_replicas": 1, "max_ongoing_requests": ingress_max_ongoing(serve_cfg),
                "ray_actor_options": {"num_cpus": opts.ingress_cpus, "num_gpus": opts.ingress_gpus}}
     return {
         "proxy_location": "EveryNode",
