@@ -3,8 +3,8 @@ and leave at any step (continuous batching).
 
 A step (1) drops cancelled sequences, (2) admits waiting sequences into free slots and prefills
 them, at most `prefill_chunk` prompt tokens per step while others are decoding (a long prompt is
-written over several steps, so running streams keep flowing), and (3) decodes one token for every
-running sequence in one model call. A sequence leaves the step it ends (end-of-sequence, its token
+written over several steps, so running streams keep flowing), prompts of equal length in one model
+call, and (3) decodes one token for every running sequence in one model call. A sequence leaves the step it ends (end-of-sequence, its token
 budget, a stop string, cancellation) and its slot is free for the next step. When a prompt's prefill
 ends, waiting sequences with the same prompt (a request's n choices) start from a copy of its cache
 rows instead of prefilling it again.
@@ -166,33 +166,67 @@ class StepEngine:
     def _prefill(self, ended: list[Sequence]) -> None:
         budget = self.prefill_chunk if self.running else math.inf  # nothing to keep flowing: no need to chunk
         while budget > 0:
+            self._admit(budget)
             if not self.prefilling:
-                if not self.waiting or not self._free:
-                    return
-                seq = self.waiting.popleft()
-                seq.slot = heapq.heappop(self._free)
-                self.prefilling.append(seq)
-            seq = self.prefilling[0]
-            scored = seq.params.prompt_logprobs is not None  # logits at every position, so chunks stay bounded
-            n = int(min(budget, len(seq.prompt) - seq.prefilled, self.prefill_chunk if scored else math.inf))
-            ids = torch.tensor(seq.prompt[seq.prefilled:seq.prefilled + n], device=self.runner.device)
-            out = self.runner.prefill(self.cache, seq.slot, ids, seq.prefilled, all_logits=scored)
+                return
+            group, n = self._prefill_group(budget)
+            slots, starts = [s.slot for s in group], [s.prefilled for s in group]
+            ids = torch.tensor([s.prompt[s.prefilled:s.prefilled + n] for s in group], device=self.runner.device)
+            scored = group[0].params.prompt_logprobs is not None  # then alone: logits at every position
+            if len(group) == 1:
+                out = self.runner.prefill(self.cache, slots[0], ids[0], starts[0], all_logits=scored)
+            else:
+                out = self.runner.prefill_rows(self.cache, slots, ids, starts)
             self._account(out.aux)
             if scored:
-                self._score_prompt(seq, out.logits[0, -n:])
-            seq.prefilled += n
-            budget -= n
-            if seq.prefilled == len(seq.prompt):
-                self.prefilling.pop(0)
-                group = [seq, *self._forks(seq)]
-                for s in group:
-                    if s.budget == 0:  # scored, nothing to generate
-                        self._finish(s, "length", ended)
+                self._score_prompt(group[0], out.logits[0, -n:])
+            budget -= n * len(group)
+            for b, seq in enumerate(group):
+                seq.prefilled += n
+                if seq.prefilled < len(seq.prompt):
+                    continue
+                self.prefilling.remove(seq)
+                forked = [seq, *self._forks(seq)]
+                for f in forked:
+                    if f.budget == 0:  # scored, nothing to generate
+                        self._finish(f, "length", ended)
                     else:
-                        self.running.append(s)
-                live = [s for s in group if not s.done]
+                        self.running.append(f)
+                live = [f for f in forked if not f.done]
                 if live:
-                    self._choose(live, out.logits[:, -1].expand(len(live), -1), ended)
+                    self._choose(live, out.logits[b:b + 1, -1].expand(len(live), -1), ended)
+
+    def _admit(self, budget: float) -> None:
+        """Waiting sequences take free slots, in arrival order, while this step's prompt budget has room for
+        them; one with the prompt of a sequence being prefilled waits to start from its copy (`_forks`)."""
+        pending = sum(len(s.prompt) - s.prefilled for s in self.prefilling)
+        for seq in list(self.waiting):
+            if not self._free or pending >= budget:
+                return
+            if self.share_prefill and any(p.prompt == seq.prompt for p in self.prefilling):
+                continue
+            self.waiting.remove(seq)
+            seq.slot = heapq.heappop(self._free)
+            self.prefilling.append(seq)
+            pending += len(seq.prompt)
+
+    def _prefill_group(self, budget: float) -> tuple[list[Sequence], int]:
+        """The first prefilling sequence's next chunk of n tokens, and the others whose whole remaining prompt
+        is n tokens too, within the budget: one model call for them all (each row exactly the call it would
+        have had alone, so a prompt's cache does not depend on its company). Rows that ask for prompt
+        log-probabilities, or a runner that cannot write several slots at once, go alone."""
+        head = self.prefilling[0]
+        scored = head.params.prompt_logprobs is not None
+        n = int(min(budget, len(head.prompt) - head.prefilled, self.prefill_chunk if scored else math.inf))
+        group = [head]
+        if scored or not hasattr(self.runner, "prefill_rows"):
+            return group, n
+        for seq in self.prefilling[1:]:
+            if (len(group) + 1) * n > budget:
+                break
+            if seq.params.prompt_logprobs is None and len(seq.prompt) - seq.prefilled == n:
+                group.append(seq)
+        return group, n
 
     def _score_prompt(self, seq: Sequence, logits_NV: Tensor) -> None:
         """The prompt tokens that the rows of this chunk predict (the first token has no prediction)."""

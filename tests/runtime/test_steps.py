@@ -152,3 +152,53 @@ def test_onnx_runner_gives_the_torch_runners_tokens(tmp_path):
         steps.run([scored])
         terms = engine.token_logprobs_ids([engine.encode(PROMPTS[1])])[0]
         assert [lp.logprob for lp in scored.prompt_logprobs[1:]] == pytest.approx(terms, abs=1e-4), kv
+
+
+class CallLog:
+    """The engine's runner, with its prefill calls written down: (method, rows, tokens per row)."""
+
+    def __init__(self, runner):
+        self.runner, self.calls = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def prefill(self, cache, slot, ids_S, start, all_logits=False):
+        self.calls.append(("prefill", 1, ids_S.shape[0]))
+        return self.runner.prefill(cache, slot, ids_S, start, all_logits)
+
+    def prefill_rows(self, cache, slots, ids_BS, starts):
+        self.calls.append(("prefill_rows", *ids_BS.shape))
+        return self.runner.prefill_rows(cache, slots, ids_BS, starts)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_prompts_of_equal_length_are_prefilled_in_one_call_with_their_own_tokens(engine, kind):
+    """Equal-length prompts share one model call (within the step's prompt budget while others run); each
+    gets the tokens it gets alone."""
+    prompts = ["def alpha(x):", "class Beta(A)", "import gamma.", "x = 1"]  # bytes: 13, 13, 13 and 5
+    ids = [engine.encode(p) for p in prompts]
+    assert len(ids[0]) == len(ids[1]) == len(ids[2]) != len(ids[3])
+    params = [GREEDY if kind == "greedy" else sampled(i) for i in range(4)]
+    want = [alone(engine, p, sp) for p, sp in zip(prompts, params)]
+
+    steps = engine.step_engine(slots=4)
+    steps.runner = log = CallLog(steps.runner)
+    seqs = [Sequence(i, sp) for i, sp in zip(ids, params)]
+    steps.run(seqs)
+    assert [s.out for s in seqs] == want
+    L = len(ids[0])
+    assert log.calls == [("prefill_rows", 3, L), ("prefill", 1, len(ids[3]))]
+
+    # while a sequence runs, the budget of 2 prompts per step splits the three: two rows, then one
+    steps = engine.step_engine(slots=4, prefill_chunk=2 * L)
+    steps.runner = log = CallLog(steps.runner)
+    first = Sequence(ids[3], params[3])
+    steps.add(first)
+    steps.step()
+    seqs = [Sequence(i, sp) for i, sp in zip(ids[:3], params)]
+    for s in seqs:
+        steps.add(s)
+    steps.run([])
+    assert [s.out for s in [*seqs, first]] == want[:3] + [want[3]]
+    assert log.calls == [("prefill", 1, len(ids[3])), ("prefill_rows", 2, L), ("prefill", 1, L)]
