@@ -202,6 +202,22 @@ def test_metrics_reach_the_ingress_and_rays_export(url, tmp_path):
         serve.delete("metrics")
 
 
+def test_serve_lets_the_ingress_fill_its_cache_slots(url, tmp_path):
+    """Serve lets in every request the app can hold, so 16 concurrent requests share steps of up to 16 rows
+    (Serve's default of 5 requests per replica kept the others waiting in Ray's proxy: never more than 5 rows
+    a step, and the app's queue bound never reached)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    deploy(url, checkpoint(tmp_path, "softmax"), 1, ServeConfig(model_name="tiny", kv_slots=16))
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=120), range(16)))
+    assert [r.status_code for r in answers] == [200] * 16
+    steps = series(parse(httpx.get(f"{url}/metrics", timeout=10).text), "moeserve_batch_size_bucket", "le",
+                   kind="complete")
+    assert steps[("+Inf",)] - steps[("8.0",)] >= 10, steps  # steps of more than 8 rows
+
+
 def test_expert_shard_ranges():
     assert shard_ranges(8, 3) == [range(0, 2), range(2, 5), range(5, 8)]
     assert shard_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
@@ -241,6 +257,7 @@ def test_printed_config_is_a_serve_deploy_file_whose_builder_serves(url, tmp_pat
     app = config["applications"][0]
     assert [d.name for d in schema.applications[0].deployments] == ["ingress", "experts-0", "experts-1"]
     assert app["deployments"][1]["ray_actor_options"]["num_gpus"] == 0.5
+    assert app["deployments"][0]["max_ongoing_requests"] == 256 + 32 + 32  # queue, batch rows, probes
     module, name = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), name)
     args = {**app["args"], "options": {**app["args"]["options"], "gpus_per_shard": 0.0, "cpus_per_shard": 0.1,
