@@ -333,9 +333,10 @@ def _add_serve(sub) -> None:
                      help="GPUs per shard replica; fractional shares a GPU between shards (default: 0, CPU actors)")
     ray.add_argument("--ingress-gpus", type=float, default=0.0, metavar="N",
                      help="GPUs for the ingress (the dense layers and the step engine) (default: 0)")
-    ray.add_argument("--exchange", default="compiled", choices=("compiled", "handles"),
-                     help="compiled: the shards are actors of the ingress behind one Ray Compiled Graph (about 1 ms "
-                     "per layer); handles: Serve deployments called through handles (about 20 ms), with replicas "
+    ray.add_argument("--exchange", default="compiled", choices=("compiled", "actors", "handles"),
+                     help="compiled: the shards are actors of the ingress behind one Ray Compiled Graph (the fastest "
+                     "exchange, but each shard spins a core while it waits); actors: the same actors called plainly "
+                     "(idle shards cost nothing); handles: Serve deployments called through handles, with replicas "
                      "(default: compiled)")
     ray.add_argument("--shard-timeout", type=float, default=10.0, metavar="S",
                      help="an expert exchange unanswered this long fails its requests with 503: a shard whose "

@@ -4,9 +4,9 @@
 Per token count T, over the same routed inputs:
   in process      ShardedExperts.split: dispatch -> each shard's experts -> combine, no Ray (the baseline)
   serve handles   RemoteExperts over Ray Serve deployment handles, as the ingress calls them
-  ray actors      the same shards as plain Ray actors (actor.method.remote + ray.get), without Serve's router
-  compiled graph  the shards as the ingress runs them by default (ray_app.CompiledExchange): actors behind one
-                  Ray Compiled Graph (ray.dag, experimental_compile), channels set up once
+  ray actors      the ingress's shard actors called plainly (actor.method.remote + ray.get; --exchange actors)
+  compiled graph  the same actors behind one Ray Compiled Graph (ray.dag, experimental_compile), channels set
+                  up once (--exchange compiled, the default)
 Each remote path is timed on a Ray of its own, as each is deployed.
 and what an exchange is made of: the compute of the slowest shard (timed in process), and turning the
 rows into arrays and back (`to_wire` / `from_wire`), so that transport = exchange - compute - wire.
@@ -68,7 +68,7 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
     import ray
     from ray import serve
 
-    from moeserve.serve.ray_app import (CompiledExchange, ExpertShardServer, RemoteExperts, from_wire, shard_ranges,
+    from moeserve.serve.ray_app import (ShardActors, ExpertShardServer, RemoteExperts, from_wire, shard_ranges,
                                         to_wire)
 
     cfg = preset(model)
@@ -113,20 +113,12 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
                                  route_prefix=None) for s, r in enumerate(ranges)]
             return RemoteExperts(layer_id, cfg.n_experts, handles, ranges, torch.float32, 60)
 
-        def ray_actors():
-            actor = ray.remote(num_cpus=0.1)(ExpertShardServer.func_or_class)
-            actors = [actor.remote(ckpt, r.start, r.stop, "float32") for r in ranges]
-
-            def via_actors(inputs):
-                refs = [a.forward.remote(layer_id, to_wire(x), c) for a, (x, c) in zip(actors, inputs)]
-                return [from_wire(y, torch.float32) for y, _ in ray.get(refs)]
-
-            module = RemoteExperts(layer_id, cfg.n_experts, actors, ranges, torch.float32)
-            module.run_shards = via_actors
-            return module
+        def ray_actors():  # --exchange actors
+            return RemoteExperts(layer_id, cfg.n_experts, ShardActors(ckpt, ranges, "float32", 0.1, 0.0, timeout_s=60,
+                                                                      compiled=False), ranges, torch.float32)
 
         def compiled_graph():  # what the ingress runs by default
-            exchange = CompiledExchange(ckpt, ranges, "float32", 0.1, 0.0, timeout_s=60)
+            exchange = ShardActors(ckpt, ranges, "float32", 0.1, 0.0, timeout_s=60)
             return RemoteExperts(layer_id, cfg.n_experts, exchange, ranges, torch.float32)
 
         for name, make in (("serve handles", serve_handles), ("ray actors", ray_actors),
@@ -136,7 +128,7 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
                 log(f"setting up {name}")
                 module = make()
                 measure(name, module)
-                if isinstance(module.handles, CompiledExchange):
+                if isinstance(module.handles, ShardActors):
                     module.handles.teardown()
             finally:
                 serve.shutdown()

@@ -85,9 +85,9 @@ def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = No
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("router, vq_mode, shards, exchange", [  # S = 1, 2, 4; every router; both exchanges
-    ("softmax", None, 1, "compiled"), ("xmoe", None, 2, "handles"), ("vq", "mixed", 2, "compiled"),
-    ("vq", "discrete", 4, "handles"),
+@pytest.mark.parametrize("router, vq_mode, shards, exchange", [  # S = 1, 2, 4; every router; every exchange
+    ("softmax", None, 1, "compiled"), ("xmoe", None, 2, "handles"), ("vq", "mixed", 2, "actors"),
+    ("vq", "discrete", 4, "compiled"),
 ])
 def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, vq_mode, shards, exchange):
     ckpt = checkpoint(tmp_path, router, **({"vq_mode": vq_mode} if vq_mode else {}))
@@ -112,7 +112,7 @@ def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, 
     cfg = ref.cfg
     per_expert = sum(p[0].numel() for p in ref.model.moe_layers[0].experts.parameters())
     ingress = serve.get_deployment_handle("ingress", app_name="moeserve")
-    if exchange == "compiled":  # the shards are the ingress's actors
+    if exchange != "handles":  # the shards are the ingress's actors
         held = ingress.shard_parameter_counts.remote().result()
     else:
         held = [serve.get_deployment_handle(f"experts-{s}", app_name="moeserve").parameter_count.remote().result()
@@ -227,6 +227,11 @@ def test_expert_shard_ranges():
         RayServeOptions(shard_replicas=0)
     with pytest.raises(ValueError, match="gpus_per_shard = -0.5"):
         RayServeOptions(gpus_per_shard=-0.5)
+    for exchange in ("compiled", "actors"):
+        with pytest.raises(ValueError, match=f"needs --exchange handles: with {exchange}, the shards are single"):
+            RayServeOptions(shard_replicas=2, exchange=exchange)
+    with pytest.raises(ValueError, match="exchange = 'graph': expected one of compiled, actors, handles"):
+        RayServeOptions(exchange="graph")
 
 
 def test_shard_cpus_fit_the_cluster():
