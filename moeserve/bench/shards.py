@@ -68,7 +68,7 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
     import ray
     from ray import serve
 
-    from moeserve.serve.ray_app import (ShardActors, ExpertShardServer, RemoteExperts, from_wire, shard_ranges,
+    from moeserve.serve.ray_app import (ExpertShardServer, RemoteExperts, ShardActors, from_wire, shard_ranges,
                                         to_wire)
 
     cfg = preset(model)

@@ -104,7 +104,7 @@ class Metrics:
         """The exchange with remote expert shards (serve/ray_app.py), per shard."""
         self.shard_exchange_seconds = self._make(
             Histogram, "moeserve_shard_exchange_seconds", "Per MoE layer and forward pass, from sending the shard "
-            "its routed rows to having its answer (under a compiled graph every shard's answer is read at once)",
+            "its routed rows to having its answer (from the ingress's own shard actors every answer is read at once)",
             ["shard"], buckets=EXCHANGE_BUCKETS)
         self.shard_compute_seconds = self._make(
             Histogram, "moeserve_shard_compute_seconds", "The shard's own time computing its experts' rows, per "

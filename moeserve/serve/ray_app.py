@@ -144,8 +144,8 @@ class ShardActors:
     def __call__(self, layer: int, inputs: list[tuple[Tensor, list[int]]]) -> list[tuple[np.ndarray, float]]:
         try:
             if not self.compiled:
-                return ray.get([a.forward.remote(layer, to_wire(x), counts) for a, (x, counts) in zip(self.actors, inputs)],
-                               timeout=self.timeout_s)
+                calls = [a.forward.remote(layer, to_wire(x), counts) for a, (x, counts) in zip(self.actors, inputs)]
+                return ray.get(calls, timeout=self.timeout_s)
             flat = [v for x, counts in inputs for v in (to_wire(x), counts)]
             if self.graph is None:
                 ray.get([a.check_health.remote() for a in self.actors], timeout=self.timeout_s)
@@ -181,7 +181,7 @@ class RemoteExperts(ShardedExperts):
 
     def run_shards(self, inputs: list[tuple[Tensor, list[int]]]) -> list[Tensor]:
         t0 = time.perf_counter()
-        if isinstance(self.handles, ShardActors):  # every answer is read at once
+        if isinstance(self.handles, ShardActors):  # every answer is read at once (one ray.get)
             answers = self.handles(self.layer_id, inputs)
             walls = [time.perf_counter() - t0] * len(answers)
         else:
@@ -221,7 +221,7 @@ class Ingress:
     def __init__(self, checkpoint: str, shards: "list | RayServeOptions", serve_cfg: ServeConfig, dtype: str,
                  device: str, shard_timeout_s: float = 10.0):
         """`shards`: the shard deployments' handles (exchange "handles"), or the options the ingress makes
-        its shard actors with (exchange "compiled")."""
+        its shard actors with (exchanges "compiled" and "actors")."""
         self.checkpoint, self.shards, self.serve_cfg = checkpoint, shards, serve_cfg
         self.dtype, self.device, self.shard_timeout_s = dtype, device, shard_timeout_s
         self.exchange: ShardActors | None = None
@@ -259,7 +259,7 @@ class Ingress:
         return sum(p.numel() for p in self.engine.model.parameters())
 
     def shard_parameter_counts(self) -> list[int]:
-        """The weights each of this ingress's shard actors holds (exchange "compiled")."""
+        """The weights each of this ingress's shard actors holds (exchanges "compiled" and "actors")."""
         return self.exchange.parameter_counts()
 
     def __del__(self):
