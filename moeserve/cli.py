@@ -160,7 +160,8 @@ def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
         print(yaml.safe_dump(ray_app.deploy_config(path, cfg, opts, dtype=dtype, device=device), sort_keys=False),
               end="")
         return 0
-    return ray_app.run(path, cfg, opts, dtype=dtype, device=device)
+    return ray_app.run(path, cfg, opts, dtype=dtype, device=device, access_log=not args.no_access_log,
+                       log_level=args.log_level)
 
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:

@@ -397,9 +397,10 @@ def deploy_config(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServe
 
 
 def run(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOptions, *, dtype: str = "float32",
-        device: str = "cpu", ready_timeout_s: float = 600.0) -> int:
+        device: str = "cpu", ready_timeout_s: float = 600.0, access_log: bool = True, log_level: str = "info") -> int:
     """`moeserve serve --ray`: deploy on the cluster ($RAY_ADDRESS, else a local Ray), say when it is ready,
-    and serve until SIGTERM or Ctrl-C; then delete the application. 1 if the model failed to load."""
+    and serve until SIGTERM or Ctrl-C; then delete the application. 1 if the model failed to load.
+    `access_log`, `log_level`: the replicas' (Serve's logging config), as uvicorn's are in one process."""
     ray = connect()
     resources = ray.cluster_resources()
     opts = opts.fitted(resources.get("CPU", 0))
@@ -414,7 +415,8 @@ def run(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOptions, *
     try:
         serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
         serve.run(build_app(checkpoint, serve_cfg, opts, dtype=dtype, device=device), name=APP_NAME,
-                  route_prefix="/", blocking=False)
+                  route_prefix="/", blocking=False,
+                  logging_config={"log_level": log_level.upper(), "enable_access_log": access_log})
         host = "127.0.0.1" if serve_cfg.host in ("0.0.0.0", "::") else serve_cfg.host
         url, deadline = f"http://{host}:{serve_cfg.port}", time.monotonic() + ready_timeout_s
         while not stop.wait(0.5):

@@ -287,10 +287,12 @@ def test_bad_input_gets_the_same_answers(sharded_tiny, case):
 
 
 def test_cli_serves_until_sigterm(tmp_path):
-    """`moeserve serve CKPT --ray`: its own Ray, ready, serving, and gone at SIGTERM with exit status 0."""
+    """`moeserve serve CKPT --ray`: its own Ray, ready, serving, and gone at SIGTERM with exit status 0;
+    `--no-access-log` reaches the replicas (no line per request)."""
     ckpt, port = checkpoint(tmp_path, "softmax"), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "serve", str(ckpt), "--ray", "--expert-shards", "2",
-                             "--cpus-per-shard", "0.1", "--port", str(port), "--model-name", "tiny"],
+                             "--cpus-per-shard", "0.1", "--port", str(port), "--model-name", "tiny",
+                             "--no-access-log"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -302,6 +304,8 @@ def test_cli_serves_until_sigterm(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        rest = proc.stderr.read()
+        assert "Deleting app" in rest and "POST /v1/completions" not in rest, rest[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
