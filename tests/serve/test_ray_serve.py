@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from ..conftest import wait_for_ray_to_exit
 from moeserve.checkpoint import read_config, save_checkpoint
@@ -27,6 +26,7 @@ from moeserve.runtime.model import Transformer
 from moeserve.serve.state import ServeConfig
 
 from . import test_bad_input as bad_input
+from .test_server import parse
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 serve = pytest.importorskip("ray.serve")
@@ -120,12 +120,6 @@ def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, 
     assert held == [len(r) * per_expert * len(cfg.moe_layer_ids) for r in shard_ranges(cfg.n_experts, shards)]
     dense = ingress.parameter_count.remote().result()
     assert dense == sum(p.numel() for p in ref.model.parameters()) - cfg.n_experts * per_expert * len(cfg.moe_layer_ids)
-
-
-def parse(text: str) -> dict[tuple, float]:
-    """Prometheus text, parsed by prometheus_client's parser: {(name, labels...): value}."""
-    return {(s.name, *sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def series(samples: dict[tuple, float], name: str, *keys: str, **match: str) -> dict[tuple, float]:

@@ -77,14 +77,15 @@ def oai(live) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
 
 
+def parse(text: str) -> dict[tuple, float]:
+    """Prometheus text, parsed by prometheus_client's own parser: {(name, labels...): value}."""
+    return {(s.name, *sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def samples(live) -> dict[tuple, float]:
-    """Every sample of /metrics, parsed by prometheus_client's own parser: {(name, labels...): value}."""
-    text = live.client.get("/metrics").text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, *sorted(s.labels.items()))] = s.value
-    return out
+    """Every sample of the live server's /metrics (parse)."""
+    return parse(live.client.get("/metrics").text)
 
 
 def routed(live) -> torch.Tensor:
