@@ -8,6 +8,9 @@ Three choices decide an MoE model's speed on a CPU, and their best answers diffe
                              without AVX512 (device.onednn_bf16_available).
   gather_max                 up to how many tokens the gather path beats the grouped one (experts.py)
   grouped_mm                 for many tokens, one grouped_mm call or a loop over the experts
+  kernel_experts             plain expert weights run by a C GEMM written for decode's few rows
+                             (cpu_kernel.py), where it builds: 1.3-2x oneDNN's packed GEMMs at 2-16 rows
+                             on an AVX2 EPYC, a tie at one row, ~0.9x at prefill sizes
 
 `plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend
 on the values; each call reads other weights than the last, STREAM_BYTES) the first time a shape is
@@ -19,7 +22,8 @@ measured on a GPU yet.
 
 How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
 packed with a loop, packed for the gather path with grouped_mm beyond) is timed at token counts 1, 2, 4,
-..., 512 on the path it would take there (gather up to its own crossover, grouped beyond). The winner is
+..., 512 on the path it would take there (gather up to its own crossover, grouped beyond), and the
+C kernel where it builds. The winner is
 the configuration whose times are closest to the best measured time at every count (geometric mean of
 time / best), so that one fast at decode but slow at prefill cannot win on a sum that the largest count
 dominates. Within 2% of the winner, the simpler configuration (plain before packed, a loop before
@@ -47,11 +51,12 @@ import torch.nn.functional as F
 
 from moeserve.cache import cache_root
 from moeserve.config import MoEConfig
+from moeserve.runtime import cpu_kernel
 from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 2  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 3  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
@@ -76,6 +81,7 @@ CONFIGS: dict[str, tuple[str, str, bool, bool]] = {
     "plain": ("gather/plain", "grouped/plain", False, False),
     "plain + grouped_mm": ("gather/plain", "grouped_mm/plain", False, True),
     "packed": ("gather/packed", "grouped/packed", True, False),
+    "kernel": ("gather/kernel", "grouped/kernel", False, False),
     "packed + grouped_mm": ("gather/packed", "grouped_mm/plain", True, True),
 }
 
@@ -97,12 +103,15 @@ class DispatchPlan:
     source: str = "default"  # default (not measured), measured (now), cached (measured before, on this machine)
     reason: str = ""  # the measurements that decided, in words
     timings: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)  # ms per candidate per count
+    kernel_experts: bool = False  # expert weights plain, run by cpu_kernel.linear
+    kernel_dense: bool = False  # the other linear maps too (never with pack_dense)
 
     def describe(self) -> str:
         grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
-        return (f"experts {'packed' if self.pack_experts else 'plain'}, gather path up to {self.gather_max} "
+        layout = "packed" if self.pack_experts else "plain, C kernel" if self.kernel_experts else "plain"
+        return (f"experts {layout}, gather path up to {self.gather_max} "
                 f"token{'s' if self.gather_max != 1 else ''} then {grouped}; dense layers "
-                f"{'packed' if self.pack_dense else 'plain'} ({self.source})")
+                f"{'packed' if self.pack_dense else 'C kernel' if self.kernel_dense else 'plain'} ({self.source})")
 
 
 def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "not measured") -> DispatchPlan:
@@ -165,6 +174,7 @@ def plan_for(shape: ExpertShape | None, device: torch.device | str, dtype: torch
 def calibration_key(shape: ExpertShape, dtype: torch.dtype) -> dict:
     return {"version": VERSION, "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": _name(dtype),
+            "kernel": cpu_kernel.available(),
             "shape": asdict(shape)}
 
 
@@ -185,6 +195,10 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
         layouts["packed"] = fuse_expert_weights(w1, w2, w3, shape.act, pack=True)
     else:
         skipped["packed"] = f"oneDNN cannot pack {_name(dtype)} weights on this CPU"
+    if dtype == torch.float32 and cpu_kernel.available():
+        layouts["kernel"] = replace(layouts["plain"], kernel=True)  # the same plain tensors
+    else:
+        skipped["kernel"] = ("float32 only" if dtype != torch.float32 else cpu_kernel.unavailable_reason())
     del w1, w3  # a layer's experts are held at most three times over while measuring
     gmm = replace(layouts["plain"], grouped_mm=True)  # the same stacked tensors
     why_not_gmm = _fails(lambda: moe_grouped(*_routing(shape, 8, dtype, g), gmm))
@@ -225,18 +239,23 @@ def _routing(shape: ExpertShape, T: int, dtype: torch.dtype, g: torch.Generator)
 
 
 def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: float) -> dict[str, dict[int, float]]:
-    """A [D, D] projection (attention's shape) plain and packed, each call on the next of enough copies to
-    stream STREAM_BYTES from memory (the values do not change a GEMM's time)."""
-    if not onednn_packing_available("cpu", dtype):
-        return {}
+    """A [D, D] projection (attention's shape) plain, packed and on the C kernel (where each can run),
+    each call on the next of enough copies to stream STREAM_BYTES from memory (the values do not change
+    a GEMM's time)."""
     w = (torch.randn(D, D, generator=g) * D**-0.5).to(dtype)
     plain = [w.clone() for _ in range(max(1, min(256, STREAM_BYTES // (w.numel() * w.element_size()))))]
-    packed = [pack_weight(c) for c in plain]
-    out: dict[str, dict[int, float]] = {"linear/plain": {}, "linear/packed": {}}
+    layouts: dict[str, tuple[Callable, list[torch.Tensor]]] = {"linear/plain": (F.linear, plain)}
+    if onednn_packing_available("cpu", dtype):
+        layouts["linear/packed"] = (packed_linear, [pack_weight(c) for c in plain])
+    if dtype == torch.float32 and cpu_kernel.available():
+        layouts["linear/kernel"] = (cpu_kernel.linear, plain)
+    if len(layouts) == 1:
+        return {}
+    out: dict[str, dict[int, float]] = {n: {} for n in layouts}
     for T in DENSE_TOKENS:
         x = torch.randn(T, D, generator=g).to(dtype)
-        ms = _median_ms({"linear/plain": lambda ws=itertools.cycle(plain): F.linear(x, next(ws)),
-                         "linear/packed": lambda ws=itertools.cycle(packed): packed_linear(x, next(ws))}, min_time)
+        ms = _median_ms({n: lambda fn=fn, ws=itertools.cycle(ws): fn(x, next(ws)) for n, (fn, ws) in layouts.items()},
+                        min_time)
         for n, t in ms.items():
             out[n][T] = t
     return out
@@ -304,20 +323,24 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
     top = min(s for s, _ in scores.values())
     name = next(n for n, (s, _) in scores.items() if s <= top * TIE)
     _, _, pack_experts, grouped_mm = CONFIGS[name]
+    kernel_experts = name == "kernel"
     gather_max = scores[name][1]
 
-    pack_dense, dense_text = False, "dense layers plain (oneDNN cannot pack this dtype here)"
-    if "linear/packed" in timings:
-        ratio = _geomean_ratio(timings["linear/packed"], timings["linear/plain"])
-        pack_dense = ratio * TIE < 1
-        dense_text = f"dense layers {'packed' if pack_dense else 'plain'} (packed/plain time {ratio:.2f}x)"
+    dense, dense_text = "plain", "dense layers plain (neither packing nor the C kernel runs this dtype here)"
+    ratios = {n: _geomean_ratio(timings[f"linear/{n}"], timings["linear/plain"])
+              for n in ("packed", "kernel") if f"linear/{n}" in timings}
+    if ratios:
+        best = min(ratios.values())
+        dense = next((n for n, r in ratios.items() if r <= best * TIE and r * TIE < 1), "plain")  # packed first
+        dense_text = f"dense layers {dense} ({', '.join(f'{n}/plain time {r:.2f}x' for n, r in ratios.items())})"
     others = "; ".join(f"{n} {s:.2f}x" for n, (s, _) in scores.items() if n != name)
     crossover = _crossover_text(timings[CONFIGS[name][0]], timings[CONFIGS[name][1]], gather_max, counts)
     reason = (f"experts {name}: {scores[name][0]:.2f}x the best time per token count ({others or 'no other candidate'})"
               f"; {crossover}; {dense_text}")
     if skipped:
         reason += "; not candidates: " + "; ".join(f"{n}: {why}" for n, why in skipped.items())
-    return DispatchPlan(pack_dense, pack_experts, grouped_mm, gather_max, "measured", reason, timings)
+    return DispatchPlan(dense == "packed", pack_experts, grouped_mm, gather_max, "measured", reason, timings,
+                        kernel_experts=kernel_experts, kernel_dense=dense == "kernel")
 
 
 def _geomean_ratio(a: dict[int, float], b: dict[int, float]) -> float:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moeserve.runtime import cpu_kernel
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
 # Called as observer(expert, linear_map_name, inputs_NI) with the rows one linear map of one expert
@@ -149,6 +150,7 @@ class InferenceWeights:
     w13: list[Tensor]  # per expert [F, D] (gelu) or [2F, D] (swiglu: gate rows, then up rows)
     w2: list[Tensor]  # per expert [D, F]
     packed: bool = False  # w13 / w2 hold oneDNN-packed tensors
+    kernel: bool = False  # plain w13 / w2, run by cpu_kernel.linear (a GEMM written for few rows)
     grouped_mm: bool = False  # many-token path: one torch grouped_mm call instead of a loop over experts
     gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
     sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
@@ -160,7 +162,12 @@ class InferenceWeights:
         return len(self.w2)
 
     def ffn(self, e: int, x_ND: Tensor) -> Tensor:
-        linear = packed_linear if self.packed else F.linear
+        if self.packed:
+            linear = packed_linear
+        elif self.kernel:
+            linear = cpu_kernel.linear
+        else:
+            linear = F.linear
         return linear(self.activation(linear(x_ND, self.w13[e])), self.w2[e])
 
     def activation(self, h_NF: Tensor) -> Tensor:
@@ -182,9 +189,14 @@ def _halves_of_one(w1_EFD: Tensor, w3_EFD: Tensor) -> Tensor | None:
 
 
 def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: str, pack: bool,
-                        grouped_mm: bool = False, sync_free: bool = False) -> InferenceWeights:
-    """The weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`. A copy, unless
-    w1 and w3 already are the two halves of one [E, 2F, D] tensor (as a Mixtral import lays them out)."""
+                        grouped_mm: bool = False, sync_free: bool = False, kernel: bool = False) -> InferenceWeights:
+    """The weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`, else plain (and
+    run by the C kernel if `kernel`). A copy, unless w1 and w3 already are the
+    two halves of one [E, 2F, D] tensor (as a Mixtral import lays them out)."""
+    if pack and kernel:
+        raise ValueError("the CPU kernel runs on plain weights: pack or kernel, not both")
+    if kernel and not cpu_kernel.available():
+        raise cpu_kernel.KernelError(f"the CPU kernel is not available: {cpu_kernel.unavailable_reason()}")
     w13_EFD = w1_EFD if w3_EFD is None else _halves_of_one(w1_EFD.detach(), w3_EFD.detach())
     if w13_EFD is None:
         w13_EFD = torch.cat([w1_EFD, w3_EFD], dim=1)
@@ -194,7 +206,7 @@ def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, a
     else:
         w13, w2 = list(w13_EFD.unbind(0)), list(w2_EDF.unbind(0))
     keep_stacked = grouped_mm or sync_free or not pack
-    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, grouped_mm, sync_free=sync_free,
+    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, kernel, grouped_mm, sync_free=sync_free,
                             w13_EFD=w13_EFD if keep_stacked else None, w2_EFD=w2_EDF if keep_stacked else None)
 
 
@@ -278,14 +290,16 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def prepare_inference(self, pack: bool | None = None, grouped_mm: bool | None = None,
-                          gather_max: int | None = None, sync_free: bool | None = None) -> InferenceWeights:
+                          gather_max: int | None = None, sync_free: bool | None = None,
+                          kernel: bool = False) -> InferenceWeights:
         """Build the inference layout from the current weights (again after any weight change).
-        pack=None: oneDNN packing where available; grouped_mm=None and sync_free=None: on CUDA only."""
+        pack=None: oneDNN packing where available; grouped_mm=None and sync_free=None: on CUDA only;
+        kernel: plain weights run by the C kernel (cpu_kernel.py), where the calibration measured it faster."""
         dev, dtype = self.w1.device, self.w1.dtype
-        pack = onednn_packing_available(dev, dtype) if pack is None else pack
+        pack = (onednn_packing_available(dev, dtype) and not kernel) if pack is None else pack
         grouped_mm = (dev.type == "cuda") if grouped_mm is None else grouped_mm
         sync_free = (dev.type == "cuda") if sync_free is None else sync_free
-        self.inference = fuse_expert_weights(self.w1, self.w2, self.w3, self.act, pack, grouped_mm, sync_free)
+        self.inference = fuse_expert_weights(self.w1, self.w2, self.w3, self.act, pack, grouped_mm, sync_free, kernel)
         if gather_max is not None:
             self.inference.gather_max = gather_max
         return self.inference

@@ -22,7 +22,8 @@ from moeserve.config import MoEConfig
 from moeserve.runtime.calibration import DispatchPlan, default_plan
 from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.moe import MoEAux, MoELayer
-from moeserve.runtime.packing import pack_linears_, pack_weight, packed_linear, unpack_linears_
+from moeserve.runtime import cpu_kernel
+from moeserve.runtime.packing import kernel_linears_, pack_linears_, pack_weight, packed_linear, unpack_linears_
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 
@@ -209,6 +210,7 @@ class Transformer(nn.Module):
         elif not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_packed: Tensor | None = None  # tied LM head, packed by prepare_inference
+        self.head_kernel = False  # tied LM head run by cpu_kernel.linear (prepare_inference)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -261,14 +263,21 @@ class Transformer(nn.Module):
         w = self.tok_embeddings.weight
         plan = plan or default_plan(w.device, w.dtype)
         for layer in self.moe_layers:
-            layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max)
-        self.head_packed = None
+            layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
+                                    kernel=plan.kernel_experts)
+        self.head_packed, self.head_kernel = None, False
+        tied = self.cfg.task == "lm" and self.cfg.tie_embeddings
+        unpack_linears_(self)
         if plan.pack_dense:
             pack_linears_(self)
-            if self.cfg.task == "lm" and self.cfg.tie_embeddings:
+            if tied:
                 self.head_packed = pack_weight(w)
-        else:
-            unpack_linears_(self)
+        elif plan.kernel_dense:
+            if not cpu_kernel.available():
+                raise cpu_kernel.KernelError(f"the plan runs dense layers on the CPU kernel, which is not available "
+                                             f"here: {cpu_kernel.unavailable_reason()}")
+            kernel_linears_(self)
+            self.head_kernel = tied
         return plan
 
     # ---- forward --------------------------------------------------------------------------
@@ -308,6 +317,8 @@ class Transformer(nn.Module):
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
         if self.head_packed is not None and not torch.is_grad_enabled():
             return ModelOutput(packed_linear(x, self.head_packed), aux)
+        if self.head_kernel and not torch.is_grad_enabled() and x.dtype == torch.float32:
+            return ModelOutput(cpu_kernel.linear(x, self.tok_embeddings.weight), aux)
         if self.cfg.tie_embeddings:
             return ModelOutput(F.linear(x, self.tok_embeddings.weight), aux)
         return ModelOutput(self.output(x), aux)

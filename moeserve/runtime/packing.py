@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.runtime import device as device_caps
+from moeserve.runtime.cpu_kernel import KernelLinear
 
 
 class PackingError(ValueError):
@@ -64,17 +65,29 @@ class PackedLinear(nn.Module):
 
 
 def unpack_linears_(module: nn.Module) -> int:
-    """Put back a plain bias-free nn.Linear (the same weight Parameter) for every PackedLinear under
-    `module`; returns how many."""
+    """Put back a plain bias-free nn.Linear (the same weight Parameter) for every PackedLinear or
+    KernelLinear under `module`; returns how many."""
     n = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, PackedLinear):
+        if isinstance(child, (PackedLinear, KernelLinear)):
             linear = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=False, device="meta")
             linear.weight = child.weight
             setattr(module, name, linear)
             n += 1
         else:
             n += unpack_linears_(child)
+    return n
+
+
+def kernel_linears_(module: nn.Module) -> int:
+    """Replace every bias-free nn.Linear under `module` by a KernelLinear (cpu_kernel.py); returns how many."""
+    n = 0
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Linear and child.bias is None:
+            setattr(module, name, KernelLinear(child))
+            n += 1
+        else:
+            n += kernel_linears_(child)
     return n
 
 

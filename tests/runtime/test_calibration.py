@@ -95,7 +95,7 @@ def test_missing_candidates_are_named():
                   {"packed": "oneDNN cannot pack bfloat16 weights on this CPU"})
     assert not plan.pack_experts and not plan.pack_dense
     assert "not candidates: packed: oneDNN cannot pack bfloat16" in plan.reason
-    assert "dense layers plain (oneDNN cannot pack this dtype here)" in plan.reason
+    assert "dense layers plain (neither packing nor the C kernel runs this dtype here)" in plan.reason
 
 
 # ---- calibrate: measured here -------------------------------------------------------------------

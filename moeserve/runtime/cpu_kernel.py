@@ -1,0 +1,161 @@
+"""A C GEMM for expert weights on CPUs (kernels/linear.c), written for the few rows of decode.
+
+At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to eight rows (an expert's
+share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because
+their small-M paths read the weight in a way that does not reuse it across rows. The kernel reads each
+weight row once for all rows, so a serving step of 8 sequences, where each expert gets about 2 rows,
+reads its experts at about the speed of one row. At prefill sizes it blocks for the L2 cache and runs
+within ~10% of oneDNN's packed GEMM and ahead of MKL on the same plain weights (numbers in
+docs/benchmarks.md), so one plain copy of the weights serves both.
+
+The source ships with the package and is compiled on first use by the machine's C compiler ($CC, else
+`cc`) with -march=native, like inductor's CPU code: it fits whatever vector units this CPU has, so the
+built library is cached per CPU (model name and flags) and compiler. It links OpenMP, which resolves to
+the libgomp torch has already loaded (one thread pool, not two fighting for the cores), and it is called
+through ctypes, which lets go of the GIL for the call. `available()` is the capability probe: no
+compiler, no OpenMP, a non-CPU tensor or a dtype other than float32, or `MOESERVE_CPU_KERNEL=off`, and
+the callers keep torch's kernels; a library that builds but disagrees with F.linear on a test problem is
+not used either. Whether it is used where available is the calibration's call (calibration.py), made
+by timing it against the other layouts on this machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moeserve.cache import cache_root
+from moeserve.runtime.device import cpu_name
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "linear.c"
+ENV = "MOESERVE_CPU_KERNEL"  # "off": never build or use it
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+
+
+class KernelError(RuntimeError):
+    """The kernel was asked for where it is not available (the message says why)."""
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here, or None where it can."""
+    if os.environ.get(ENV, "").lower() == "off":
+        return f"${ENV}=off"
+    lib = _library()
+    return lib if isinstance(lib, str) else None
+
+
+def linear(x_NI: Tensor, w_OI: Tensor) -> Tensor:
+    """x @ w^T, float32 on the CPU, rows contiguous; the same numbers whatever rows share the call."""
+    lib = _library()
+    if isinstance(lib, str):
+        raise KernelError(f"the CPU kernel is not available: {lib}")
+    if x_NI.dtype != torch.float32 or w_OI.dtype != torch.float32 or x_NI.device.type != "cpu" or w_OI.device.type != "cpu":
+        raise KernelError(f"the CPU kernel takes float32 CPU tensors, not {x_NI.dtype} x {w_OI.dtype} "
+                          f"on {x_NI.device.type}")
+    if x_NI.stride(-1) != 1:
+        x_NI = x_NI.contiguous()
+    if w_OI.stride(-1) != 1:
+        raise KernelError("the CPU kernel needs a weight with contiguous rows")
+    lead = x_NI.shape[:-1]
+    x2 = x_NI.reshape(-1, x_NI.shape[-1])
+    (n, I), O = x2.shape, w_OI.shape[0]
+    if w_OI.shape[1] != I:
+        raise KernelError(f"shapes do not match: x [{n}, {I}] and w {list(w_OI.shape)}")
+    y = torch.empty(n, O, dtype=torch.float32)
+    if n and O:
+        lib.linear_nt(x2.data_ptr(), x2.stride(0), w_OI.data_ptr(), w_OI.stride(0), y.data_ptr(), O,
+                         n, O, I, torch.get_num_threads())
+    return y.view(*lead, O)
+
+
+class KernelLinear(nn.Module):
+    """A bias-free nn.Linear whose no-grad float32 forward runs on the kernel. `weight` is the original
+    Parameter (state_dict, training and export are unchanged)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return F.linear(x, self.weight)
+        return linear(x, self.weight)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The built and checked library, or why there is none (once per process)."""
+    if platform.system() == "Windows":
+        return "not built on Windows"
+    try:
+        path = _build()
+        lib = ctypes.CDLL(str(path))  # CDLL (not PyDLL): the GIL is released during each call
+    except (OSError, subprocess.SubprocessError, KernelError) as e:
+        log.info("CPU kernel not used: %s", e)
+        return str(e)
+    lib.linear_nt.restype = None
+    lib.linear_nt.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                 ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    return _self_check(lib)
+
+
+def _self_check(lib: ctypes.CDLL) -> ctypes.CDLL | str:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 37, generator=g), torch.randn(29, 37, generator=g)
+    y = torch.empty(5, 29)
+    lib.linear_nt(x.data_ptr(), 37, w.data_ptr(), 37, y.data_ptr(), 29, 5, 29, 37, 2)
+    err = (y - F.linear(x, w)).abs().max().item()
+    if not err < 1e-4:
+        return f"the built kernel disagrees with F.linear (max error {err:.3g}): not used"
+    return lib
+
+
+def _build() -> Path:
+    """Compile the source once per (source, compiler, CPU); later processes load the cached library."""
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise KernelError(f"no C compiler ({cc!r} not found; set $CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = "\n".join([SOURCE.read_text(), version, " ".join(FLAGS), cpu_name(), _cpu_flags()])
+    out = cache_root() / "kernels" / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise KernelError(f"{cc} could not build it: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        os.replace(built, out)  # atomic: a concurrent process sees no half-written library
+    log.info("built the CPU kernel: %s", out)
+    return out
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so that a cache shared between machines never loads a library
+    built for another CPU's instructions."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,94 @@
+/* y = x w^T, float32, for w [O, I] stored row by row (nn.Linear's layout, no repacking).
+
+   oneDNN and MKL stream a weight at memory speed for one row of x, but at two to eight rows (the rows
+   one expert receives in a decode step of several sequences) they fall to half of it: their small-M
+   GEMMs are not written for this. Here each thread walks its share of w's rows once, R at a time, and
+   dots each with all n rows of x (which stay in cache), so w is read once whatever n is, at close to
+   the speed of one row. Past 8 rows (prefill) the rows of x go 6 at a time over blocks of 48 rows of
+   w that stay in the L2 cache: w is still read from memory once.
+
+   Every output y[j, o] is the same sum in the same order (8-lane partial sums over i, the lanes added
+   left to right, then the tail) whatever n, R or the thread count is: a row's result does not depend
+   on which other rows share the call, so batching never changes a sequence's logits. */
+#include <omp.h>
+
+typedef float v8 __attribute__((vector_size(32), aligned(4))); /* unaligned loads: mmap'd weights */
+
+/* acc + w * x, rounded the same way at every call site: built with -ffp-contract=off, so that the
+   compiler never fuses a multiply-add in one loop and not in another. */
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+static inline v8 fma8(v8 w, v8 x, v8 acc) { return (v8)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc); }
+#else
+static inline v8 fma8(v8 w, v8 x, v8 acc) { return w * x + acc; }
+#endif
+
+static inline float finish(v8 acc, const float *w, const float *x, long i0, long I) {
+    float s = 0.0f;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    for (long i = i0; i < I; i++) s += w[i] * x[i];
+    return s;
+}
+
+/* Rows [o0, o1) of w against n = N rows of x, R rows of w at a time (N * R accumulators, kept near 12
+   of the 16 vector registers), the rest of the range one row at a time. */
+#define ROWS(N, R)                                                                                     \
+    static void rows_##N(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,        \
+                         long o0, long o1, long I) {                                                   \
+        const long iv = I / 8 * 8;                                                                     \
+        long o = o0;                                                                                   \
+        for (; o + R <= o1; o += R) {                                                                  \
+            v8 acc[R][N];                                                                              \
+            for (int r = 0; r < R; r++)                                                                \
+                for (int j = 0; j < N; j++) acc[r][j] = (v8){0};                                       \
+            for (long i = 0; i < iv; i += 8) {                                                         \
+                v8 wv[R];                                                                              \
+                for (int r = 0; r < R; r++) wv[r] = *(const v8 *)(w + (o + r) * ldw + i);              \
+                for (int j = 0; j < N; j++) {                                                          \
+                    v8 xv = *(const v8 *)(x + j * ldx + i);                                            \
+                    for (int r = 0; r < R; r++) acc[r][j] = fma8(wv[r], xv, acc[r][j]);                               \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < R; r++)                                                                \
+                for (int j = 0; j < N; j++)                                                            \
+                    y[j * ldy + o + r] = finish(acc[r][j], w + (o + r) * ldw, x + j * ldx, iv, I);     \
+        }                                                                                              \
+        for (; o < o1; o++) {                                                                          \
+            v8 acc[N];                                                                                 \
+            for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
+            for (long i = 0; i < iv; i += 8) {                                                         \
+                v8 wv = *(const v8 *)(w + o * ldw + i);                                                \
+                for (int j = 0; j < N; j++) acc[j] = fma8(wv, *(const v8 *)(x + j * ldx + i), acc[j]);            \
+            }                                                                                          \
+            for (int j = 0; j < N; j++) y[j * ldy + o] = finish(acc[j], w + o * ldw, x + j * ldx, iv, I); \
+        }                                                                                              \
+    }
+
+ROWS(1, 4) ROWS(2, 4) ROWS(3, 4) ROWS(4, 3) ROWS(5, 2) ROWS(6, 2) ROWS(7, 1) ROWS(8, 1)
+
+typedef void (*rows_fn)(const float *, long, const float *, long, float *, long, long, long, long);
+static const rows_fn ROWS_FOR[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
+
+/* x [n, I] (row stride ldx), w [O, I] (row stride ldw), y [n, O] (row stride ldy). Threads split w's
+   rows in blocks of 12 (a multiple of every R). */
+void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
+               long n, long O, long I, int threads) {
+    enum { BLOCK = 48, CHUNK = 6 };
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const long per = (O + T - 1) / T, share = (per + 11) / 12 * 12;
+        const long o0 = t * share, o1 = o0 + share < O ? o0 + share : O;
+        if (n <= 8) {
+            if (o0 < o1) ROWS_FOR[n](x, ldx, w, ldw, y, ldy, o0, o1, I);
+        } else {
+            for (long b0 = o0; b0 < o1; b0 += BLOCK) {
+                const long b1 = b0 + BLOCK < o1 ? b0 + BLOCK : o1;
+                for (long j0 = 0; j0 < n; j0 += CHUNK) {
+                    const long m = n - j0 < CHUNK ? n - j0 : CHUNK;
+                    ROWS_FOR[m](x + j0 * ldx, ldx, w, ldw, y + j0 * ldy, ldy, b0, b1, I);
+                }
+            }
+        }
+    }
+}

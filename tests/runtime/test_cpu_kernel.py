@@ -1,0 +1,244 @@
+"""The C GEMM of cpu_kernel.py: x @ w^T to fp32 tolerance at every row count and shape it branches on
+(1-8 rows in one pass, more in L2 blocks; tails of I; thread splits; strided and unaligned operands);
+a row's output bit for bit the same whatever rows share the call; the probe's both sides (built here,
+and off or without a compiler: named reasons, torch's kernels instead); and a model laid out on it
+gives the plain model's logits and tokens, alone and in a batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.runtime import cpu_kernel
+from moeserve.runtime.calibration import DispatchPlan, ExpertShape, calibrate, choose
+from moeserve.runtime.cpu_kernel import KernelError, KernelLinear
+from moeserve.runtime.engine import Engine
+from moeserve.runtime.experts import fuse_expert_weights, moe_gather, moe_grouped, moe_reference
+from moeserve.tokenizer import ByteTokenizer
+
+from .test_engine import PROMPTS, make_engine
+
+requires_kernel = pytest.mark.skipif(not cpu_kernel.available(),
+                                     reason=f"the C kernel is not built here: {cpu_kernel.unavailable_reason()}")
+pytestmark = requires_kernel
+
+ROWS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 40)  # every one-pass row count, the blocked path and its tails
+
+
+def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("O,I", [(1, 8), (13, 37), (50, 64), (97, 200)])
+@pytest.mark.parametrize("n", ROWS)
+def test_equals_a_double_precision_matmul(n, O, I, threads):
+    """Tolerance: fp32 sums of I products of N(0, 1) terms, |y| ~ sqrt(I) <= 15; error ~ I * 2^-24 * |y|."""
+    g = torch.Generator().manual_seed(n * 1000 + O)
+    x, w = torch.randn(n, I, generator=g), torch.randn(O, I, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cpu_kernel.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert y.shape == (n, O) and y.dtype == torch.float32
+    torch.testing.assert_close(y, exact(x, w), atol=2e-5 * I**0.5, rtol=0)
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
+    """Bit for bit: row j alone, in every batch size of the one-pass path and the blocked one, at 1 and
+    2 threads (the property that keeps a sequence's logits independent of its batch)."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(40, 203, generator=g), torch.randn(91, 203, generator=g)
+    alone = torch.cat([cpu_kernel.linear(x[j:j + 1], w) for j in range(40)])
+    for n in (2, 3, 5, 8, 9, 17, 40):
+        assert torch.equal(cpu_kernel.linear(x[:n], w), alone[:n]), n
+        assert torch.equal(cpu_kernel.linear(x[n - 1:2 * n - 1], w), alone[n - 1:2 * n - 1]), n
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(cpu_kernel.linear(x, w), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_strided_unaligned_and_batched_operands():
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(3, 30, 41, generator=g)
+    x = wide[0, :5, 1:33]  # rows 41 floats apart, starting one float in: unaligned
+    stacked = torch.randn(4, 24, 33, generator=g)
+    w = stacked.view(-1)[1:1 + 24 * 32].view(24, 32)  # unaligned start, like a weight mapped from a file
+    rows = stacked[2, :, :32]  # row stride 33
+    torch.testing.assert_close(cpu_kernel.linear(x, w), exact(x, w), atol=1e-4, rtol=0)
+    torch.testing.assert_close(cpu_kernel.linear(x, rows), exact(x, rows), atol=1e-4, rtol=0)
+    x3 = torch.randn(2, 3, 32, generator=g)  # leading dims, as a linear layer gets [B, S, D]
+    torch.testing.assert_close(cpu_kernel.linear(x3, w), exact(x3.reshape(6, 32), w).view(2, 3, 24), atol=1e-4, rtol=0)
+    torch.testing.assert_close(cpu_kernel.linear(x.T.contiguous().T, w), exact(x, w), atol=1e-4, rtol=0)
+
+
+def test_what_it_cannot_take_is_named():
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(KernelError, match="float32 CPU tensors"):
+        cpu_kernel.linear(x.bfloat16(), w.bfloat16())
+    with pytest.raises(KernelError, match=r"shapes do not match: x \[2, 16\] and w \[8, 15\]"):
+        cpu_kernel.linear(x, w[:, :15].contiguous())
+    with pytest.raises(KernelError, match="contiguous rows"):
+        cpu_kernel.linear(x, torch.randn(16, 8).T)
+
+
+def _probe(env: dict[str, str], code: str) -> str:
+    """Run `code` in a fresh process (the probe is cached per process) with `env` added."""
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+PROBE = """
+import torch
+from moeserve.runtime import cpu_kernel
+from moeserve.runtime.calibration import calibrate, ExpertShape
+print(cpu_kernel.available(), cpu_kernel.unavailable_reason(), sep=" | ")
+plan = calibrate(ExpertShape(16, 24, 4, 2, "swiglu"), torch.float32, max_s=0.5)
+print(plan.kernel_experts, plan.kernel_dense, sorted(plan.timings), plan.reason.split("not candidates: ")[-1], sep=" | ")
+"""
+
+
+@pytest.mark.parametrize("env,why", [({"MOESERVE_CPU_KERNEL": "off"}, "$MOESERVE_CPU_KERNEL=off"),
+                                     ({"CC": "/no/such/cc"}, "no C compiler ('/no/such/cc' not found; set $CC)")],
+                         ids=["off", "no-compiler"])
+def test_without_the_kernel_calibration_keeps_torchs_kernels_and_says_why(tmp_path, env, why):
+    out = _probe({**env, "MOESERVE_CACHE": str(tmp_path)}, PROBE).splitlines()
+    assert out[0] == f"False | {why}"
+    kernel_experts, kernel_dense, names, skipped = out[1].split(" | ")
+    assert (kernel_experts, kernel_dense) == ("False", "False")
+    assert "kernel" not in names and f"kernel: {why}" in skipped
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("*.so"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime_and_a_cached_build(tmp_path):
+    """The library's OpenMP is the libgomp torch loaded (one thread pool); a second process loads the
+    cached library without compiling (no compiler on its PATH)."""
+    code = """
+import torch
+from moeserve.runtime import cpu_kernel
+assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
+maps = open("/proc/self/maps").read().splitlines()
+print(len({l.split()[-1] for l in maps if "libgomp" in l}), len({l.split()[-1] for l in maps if "/linear-" in l}))
+"""
+    assert _probe({"MOESERVE_CACHE": str(tmp_path)}, code) == "1 1"
+    built = list((tmp_path / "kernels").glob("linear-*.so"))
+    assert len(built) == 1
+    cc = os.environ.get("CC") or "cc"
+    (tmp_path / "version").write_text(subprocess.run([cc, "--version"], capture_output=True, text=True).stdout)
+    # The same compiler version and CPU, so the same cache key; a "compiler" that fails whenever it is asked
+    # to build shows that the second process builds nothing.
+    fake = tmp_path / "bin" / "cc"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec cat {tmp_path / "version"}\nexit 1\n')
+    fake.chmod(0o755)
+    assert _probe({"MOESERVE_CACHE": str(tmp_path), "CC": str(fake)}, code) == "1 1"
+    (tmp_path / "version").write_text("another compiler 1.0\n")  # a new key: it must build, and cannot
+    assert _probe({"MOESERVE_CACHE": str(tmp_path), "CC": str(fake)}, code.replace("assert cpu_kernel", "#")) == "1 0"
+
+
+# ---- the layouts built on it ---------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 513])
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+@pytest.mark.parametrize("fn", [moe_gather, moe_grouped], ids=["gather", "grouped"])
+def test_expert_paths_on_the_kernel_equal_the_reference(fn, act, T):
+    g = torch.Generator().manual_seed(T)
+    E, D, Fh, K = 8, 32, 48, 2
+    w1, w2 = torch.randn(E, Fh, D, generator=g) / D**0.5, torch.randn(E, D, Fh, generator=g) / Fh**0.5
+    w3 = torch.randn(E, Fh, D, generator=g) / D**0.5 if act == "swiglu" else None
+    x = torch.randn(T, D, generator=g)
+    ids = torch.rand(T, E, generator=g).argsort(dim=-1)[:, :K]
+    gates = torch.rand(T, K, generator=g) + 0.1
+    w = fuse_expert_weights(w1, w2, w3, act, pack=False, kernel=True)
+    assert w.kernel and not w.packed
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, ids, gates, w), moe_reference(x, ids, gates, w1, w2, w3), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="pack or kernel, not both"):
+        fuse_expert_weights(w1, w2, w3, act, pack=True, kernel=True)
+
+
+KERNEL_PLAN = DispatchPlan(kernel_experts=True, kernel_dense=True, gather_max=1)
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[Engine, Engine]:
+    """The same tiny model twice: torch's plain GEMMs, and every linear map on the kernel."""
+    return make_engine("softmax"), Engine.from_model(make_engine("softmax").model, ByteTokenizer(), plan=KERNEL_PLAN)
+
+
+def test_a_model_on_the_kernel_gives_the_plain_models_logits_and_tokens(engines):
+    plain, kern = engines
+    assert {type(m) for m in kern.model.modules()} >= {KernelLinear} and kern.model.head_kernel
+    assert all(layer.experts.inference.kernel for layer in kern.model.moe_layers)
+    assert "experts plain, C kernel" in kern.plan.describe() and "dense layers C kernel" in kern.plan.describe()
+    ids = torch.tensor([plain.encode("def f(x):\n    return x")])
+    with torch.no_grad():
+        torch.testing.assert_close(kern.model(ids).logits, plain.model(ids).logits, atol=1e-4, rtol=0)
+    assert kern.generate(PROMPTS, max_new_tokens=16) == plain.generate(PROMPTS, max_new_tokens=16)
+
+
+def test_on_the_kernel_a_prompts_tokens_are_the_same_alone_and_in_a_batch(engines):
+    _, kern = engines
+    alone = [kern.generate([p], max_new_tokens=20)[0] for p in PROMPTS]
+    assert kern.generate(PROMPTS, max_new_tokens=20) == alone
+
+
+def test_training_through_a_kernel_linear_is_plain_autograd():
+    lin = torch.nn.Linear(16, 8, bias=False)
+    k = KernelLinear(lin)
+    x = torch.randn(3, 16, requires_grad=True)
+    k(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None and list(k.state_dict()) == ["weight"]
+    with torch.no_grad():
+        torch.testing.assert_close(k(x), F.linear(x, lin.weight), atol=1e-5, rtol=0)
+
+
+def test_choose_runs_dense_layers_on_the_kernel_only_when_it_is_faster():
+    counts = {1: 1.0, 2: 2.0}
+    base = {"gather/plain": counts, "grouped/plain": counts, "linear/plain": {1: 1.0, 16: 2.0}}
+    fast = choose({**base, "linear/packed": {1: 0.9, 16: 1.8}, "linear/kernel": {1: 0.5, 16: 1.0}})
+    assert fast.kernel_dense and not fast.pack_dense and "kernel/plain time 0.50x" in fast.reason
+    slow = choose({**base, "linear/packed": {1: 0.9, 16: 1.8}, "linear/kernel": {1: 1.5, 16: 3.0}})
+    assert slow.pack_dense and not slow.kernel_dense
+    tie = choose({**base, "linear/packed": {1: 0.5, 16: 1.0}, "linear/kernel": {1: 0.495, 16: 0.99}})
+    assert tie.pack_dense and not tie.kernel_dense  # within 2%: the torch-native layout
+    experts = choose({**base, "gather/kernel": {1: 0.5, 2: 1.0}, "grouped/kernel": {1: 0.6, 2: 0.9}})
+    assert experts.kernel_experts and not experts.pack_experts and experts.gather_max == 1
+
+
+def test_calibration_times_the_kernel_where_it_is_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path))
+    plan = calibrate(ExpertShape(16, 24, 4, 2, "swiglu"), torch.float32, max_s=0.5)
+    assert {"gather/kernel", "grouped/kernel", "linear/kernel"} <= set(plan.timings)
+    assert "not candidates: kernel" not in plan.reason
+    bf16 = calibrate(ExpertShape(16, 24, 4, 2, "swiglu"), torch.bfloat16, max_s=0.5)
+    assert "gather/kernel" not in bf16.timings and "kernel: float32 only" in bf16.reason
+
+
+def test_a_kernel_plan_where_the_kernel_is_off_is_refused_by_name(tmp_path):
+    code = """
+import torch
+from moeserve.config import preset
+from moeserve.runtime.calibration import DispatchPlan
+from moeserve.runtime.cpu_kernel import KernelError
+from moeserve.runtime.model import Transformer
+try:
+    Transformer(preset("tiny", router="softmax")).prepare_inference(DispatchPlan(kernel_dense=True))
+except KernelError as e:
+    print(e)
+"""
+    out = _probe({"MOESERVE_CPU_KERNEL": "off", "MOESERVE_CACHE": str(tmp_path)}, code)
+    assert out == ("the plan runs dense layers on the CPU kernel, which is not available here: "
+                   "$MOESERVE_CPU_KERNEL=off")
