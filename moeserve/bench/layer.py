@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from moeserve.bench.report import check_plot, finish
 from moeserve.bench.stats import percentile
 from moeserve.config import MoEConfig
+from moeserve.runtime import cpu_kernel
 from moeserve.runtime.calibration import ExpertShape, calibrate, interleaved_ms, plan_for
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES
@@ -102,8 +103,8 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
             continue
         plan = plan_for(shape.experts(), "cpu", dtype, calibration)
         plans[dtype_name] = {"plan": plan.describe(), "reason": plan.reason, "source": plan.source,
-                             "pack_experts": plan.pack_experts, "grouped_mm": plan.grouped_mm,
-                             "gather_max": plan.gather_max}
+                             "pack_experts": plan.pack_experts, "kernel_experts": plan.kernel_experts,
+                             "grouped_mm": plan.grouped_mm, "gather_max": plan.gather_max}
         if progress:
             print(f"  {dtype_name:8s} calibration: {plan.describe()}\n           why: {plan.reason}", flush=True)
         can_pack = onednn_packing_available("cpu", dtype)
@@ -111,13 +112,20 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
             skip(dtype_name, "oneDNN-packed implementations", f"oneDNN cannot pack {dtype_name} weights on this CPU")
         base = moeserve_layer(shape)
         layer = moeserve_layer(shape).to(dtype)
-        layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max)
+        layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
+                                kernel=plan.kernel_experts)
         variants = {"gather, plain": dict(pack=False, gather_max=1 << 30),
                     "grouped, plain": dict(pack=False, gather_max=0),
                     "grouped_mm, plain": dict(pack=False, gather_max=0, grouped_mm=True)}
         if can_pack:
             variants.update({"gather, packed": dict(pack=True, gather_max=1 << 30),
                              "grouped, packed": dict(pack=True, gather_max=0)})
+        if dtype == torch.float32 and cpu_kernel.available():
+            variants.update({"gather, C kernel": dict(pack=False, kernel=True, gather_max=1 << 30),
+                             "grouped, C kernel": dict(pack=False, kernel=True, gather_max=0)})
+        else:
+            skip(dtype_name, "C kernel implementations",
+                 "float32 only" if dtype != torch.float32 else cpu_kernel.unavailable_reason())
         for T in tokens:
             torch.manual_seed(1)
             x = torch.randn(1, T, shape.d_model)

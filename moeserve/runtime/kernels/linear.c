@@ -31,7 +31,8 @@ static inline float finish(v8 acc, const float *w, const float *x, long i0, long
 }
 
 /* Rows [o0, o1) of w against n = N rows of x, R rows of w at a time (N * R accumulators, kept near 12
-   of the 16 vector registers), the rest of the range one row at a time. */
+   of the 16 vector registers), the rest of the range one row at a time. Prefetching the next R rows
+   keeps memory busy while the FMAs of several x rows run: +25-45% at 4 rows, +15% at 8 (AVX2 EPYC). */
 #define ROWS(N, R)                                                                                     \
     static void rows_##N(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,        \
                          long o0, long o1, long I) {                                                   \
@@ -43,7 +44,10 @@ static inline float finish(v8 acc, const float *w, const float *x, long i0, long
                 for (int j = 0; j < N; j++) acc[r][j] = (v8){0};                                       \
             for (long i = 0; i < iv; i += 8) {                                                         \
                 v8 wv[R];                                                                              \
-                for (int r = 0; r < R; r++) wv[r] = *(const v8 *)(w + (o + r) * ldw + i);              \
+                for (int r = 0; r < R; r++) {                                                          \
+                    wv[r] = *(const v8 *)(w + (o + r) * ldw + i);                                      \
+                    __builtin_prefetch(w + (o + R + r) * ldw + i); /* the next R rows (never faults) */ \
+                }                                                                                      \
                 for (int j = 0; j < N; j++) {                                                          \
                     v8 xv = *(const v8 *)(x + j * ldx + i);                                            \
                     for (int r = 0; r < R; r++) acc[r][j] = fma8(wv[r], xv, acc[r][j]);                               \
