@@ -10,6 +10,7 @@ reads per second against the machine's copy bandwidth, measured in the same run.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -22,6 +23,7 @@ from moeserve.checkpoint import parameter_counts
 from moeserve.runtime.calibration import interleaved_ms
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES, Engine, SamplingParams
+from moeserve.runtime.packing import onednn_packing_available
 
 _MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
                 tie_word_embeddings=False)
@@ -121,6 +123,12 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 return e.generate_ids(prompts.tolist(), params)[0]
 
             impls = {"moeserve Engine": lambda: ours(engine)}
+            if engine.plan.kernel_experts or engine.plan.kernel_dense:  # the baseline the C kernel replaced
+                pack = onednn_packing_available(device, dtype)
+                torch_plan = dataclasses.replace(engine.plan, kernel_experts=False, kernel_dense=False,
+                                                 pack_experts=pack, pack_dense=pack)
+                torch_kernels = Engine.load(path, dtype=dtype, device=device, plan=torch_plan)
+                impls["moeserve Engine, torch's kernels"] = lambda: ours(torch_kernels)
             if compiled:
                 fast = Engine.load(path, dtype=dtype, device=device, calibration=calibration, compile="on")
                 t0 = time.perf_counter()

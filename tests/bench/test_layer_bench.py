@@ -10,7 +10,7 @@ import torch
 import moeserve.bench.layer as layer_bench
 from moeserve.bench.layer import Shape, bench_layer, markdown, speedups
 from moeserve.cli import main as cli_main
-from moeserve.runtime import device
+from moeserve.runtime import cpu_kernel, device
 from moeserve.runtime.packing import onednn_packing_available
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,15 +40,20 @@ def test_every_implementation_the_machine_runs_is_timed_and_correct(monkeypatch,
     always = {"dense GEMM (same FLOPs)", "reference loop", "moeserve (auto)", "moeserve gather, plain",
               "moeserve grouped, plain", "moeserve grouped_mm, plain", "transformers eager"}
     packed = {"dense GEMM (same FLOPs), oneDNN packed", "moeserve gather, packed", "moeserve grouped, packed"}
+    kernel = {"moeserve gather, C kernel", "moeserve grouped, C kernel"}
     for dtype in ("bfloat16", "float32"):
         can_pack = onednn_packing_available("cpu", getattr(torch, dtype))
+        has_kernel = dtype == "float32" and cpu_kernel.available()
         # grouped_mm is timed wherever this torch has it; where it does not, it is skipped with the reason
         named_skips = {s["impl"] for s in report["skipped"] if s["dtype"] == dtype and s["why"]}
         for T in (1, 3):
             ran = impls(report, dtype, T)
-            assert ran | (named_skips & {"moeserve grouped_mm, plain"}) == always | (packed if can_pack else set())
+            assert ran | (named_skips & {"moeserve grouped_mm, plain"}) == (
+                always | (packed if can_pack else set()) | (kernel if has_kernel else set()))
         assert any(s["dtype"] == dtype and s["impl"] == "oneDNN-packed implementations"
                    for s in report["skipped"]) == (not can_pack)
+        assert any(s["dtype"] == dtype and s["impl"] == "C kernel implementations"
+                   for s in report["skipped"]) == (not has_kernel)
     if onednn_bf16 == "forced off":
         assert not report["plans"]["bfloat16"]["pack_experts"]
     for r in report["results"]:
