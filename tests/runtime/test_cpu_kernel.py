@@ -25,7 +25,6 @@ from .test_engine import PROMPTS, make_engine
 
 requires_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                      reason=f"the C kernel is not built here: {cpu_kernel.unavailable_reason()}")
-pytestmark = requires_kernel
 
 ROWS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 40)  # every one-pass row count, the blocked path and its tails
 
@@ -34,6 +33,7 @@ def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).float()
 
 
+@requires_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("O,I", [(1, 8), (13, 37), (50, 64), (97, 200)])
 @pytest.mark.parametrize("n", ROWS)
@@ -51,6 +51,7 @@ def test_equals_a_double_precision_matmul(n, O, I, threads):
     torch.testing.assert_close(y, exact(x, w), atol=2e-5 * I**0.5, rtol=0)
 
 
+@requires_kernel
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
     """Bit for bit: row j alone, in every batch size of the one-pass path and the blocked one, at 1 and
     2 threads (the property that keeps a sequence's logits independent of its batch)."""
@@ -68,6 +69,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
         torch.set_num_threads(before)
 
 
+@requires_kernel
 def test_strided_unaligned_and_batched_operands():
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(3, 30, 41, generator=g)
@@ -82,6 +84,7 @@ def test_strided_unaligned_and_batched_operands():
     torch.testing.assert_close(cpu_kernel.linear(x.T.contiguous().T, w), exact(x, w), atol=1e-4, rtol=0)
 
 
+@requires_kernel
 def test_what_it_cannot_take_is_named():
     x, w = torch.randn(2, 16), torch.randn(8, 16)
     with pytest.raises(KernelError, match="float32 CPU tensors"):
@@ -111,7 +114,7 @@ print(plan.kernel_experts, plan.kernel_dense, sorted(plan.timings), plan.reason.
 
 
 @pytest.mark.parametrize("env,why", [({"MOESERVE_CPU_KERNEL": "off"}, "$MOESERVE_CPU_KERNEL=off"),
-                                     ({"CC": "/no/such/cc"}, "no C compiler ('/no/such/cc' not found; set $CC)")],
+                                     ({"MOESERVE_CPU_KERNEL": "", "CC": "/no/such/cc"}, "no C compiler ('/no/such/cc' not found; set $CC)")],
                          ids=["off", "no-compiler"])
 def test_without_the_kernel_calibration_keeps_torchs_kernels_and_says_why(tmp_path, env, why):
     out = _probe({**env, "MOESERVE_CACHE": str(tmp_path)}, PROBE).splitlines()
@@ -122,6 +125,7 @@ def test_without_the_kernel_calibration_keeps_torchs_kernels_and_says_why(tmp_pa
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("*.so"))
 
 
+@requires_kernel
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_one_openmp_runtime_and_a_cached_build(tmp_path):
     """The library's OpenMP is the libgomp torch loaded (one thread pool); a second process loads the
@@ -150,6 +154,7 @@ print(len({l.split()[-1] for l in maps if "libgomp" in l}), len({l.split()[-1] f
 
 
 # ---- the layouts built on it ---------------------------------------------------------------------
+@requires_kernel
 @pytest.mark.parametrize("T", [1, 2, 7, 64, 513])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 @pytest.mark.parametrize("fn", [moe_gather, moe_grouped], ids=["gather", "grouped"])
@@ -178,6 +183,7 @@ def engines() -> tuple[Engine, Engine]:
     return make_engine("softmax"), Engine.from_model(make_engine("softmax").model, ByteTokenizer(), plan=KERNEL_PLAN)
 
 
+@requires_kernel
 def test_a_model_on_the_kernel_gives_the_plain_models_logits_and_tokens(engines):
     plain, kern = engines
     assert {type(m) for m in kern.model.modules()} >= {KernelLinear} and kern.model.head_kernel
@@ -189,6 +195,7 @@ def test_a_model_on_the_kernel_gives_the_plain_models_logits_and_tokens(engines)
     assert kern.generate(PROMPTS, max_new_tokens=16) == plain.generate(PROMPTS, max_new_tokens=16)
 
 
+@requires_kernel
 def test_on_the_kernel_a_prompts_tokens_are_the_same_alone_and_in_a_batch(engines):
     _, kern = engines
     alone = [kern.generate([p], max_new_tokens=20)[0] for p in PROMPTS]
@@ -218,6 +225,7 @@ def test_choose_runs_dense_layers_on_the_kernel_only_when_it_is_faster():
     assert experts.kernel_experts and not experts.pack_experts and experts.gather_max == 1
 
 
+@requires_kernel
 def test_calibration_times_the_kernel_where_it_is_built(tmp_path, monkeypatch):
     monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path))
     plan = calibrate(ExpertShape(16, 24, 4, 2, "swiglu"), torch.float32, max_s=0.5)
