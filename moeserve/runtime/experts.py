@@ -191,8 +191,8 @@ def _halves_of_one(w1_EFD: Tensor, w3_EFD: Tensor) -> Tensor | None:
 def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: str, pack: bool,
                         grouped_mm: bool = False, sync_free: bool = False, kernel: bool = False) -> InferenceWeights:
     """The weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`, else plain (and
-    run by the C kernel if `kernel`). A copy, unless w1 and w3 already are the
-    two halves of one [E, 2F, D] tensor (as a Mixtral import lays them out)."""
+    run by the C kernel if `kernel`). A copy, unless w1 and w3 already are the two halves of one
+    [E, 2F, D] tensor (as a Mixtral import lays them out)."""
     if pack and kernel:
         raise ValueError("the CPU kernel runs on plain weights: pack or kernel, not both")
     if kernel and not cpu_kernel.available():

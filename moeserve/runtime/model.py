@@ -19,11 +19,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from moeserve.config import MoEConfig
+from moeserve.runtime import cpu_kernel
 from moeserve.runtime.calibration import DispatchPlan, default_plan
+from moeserve.runtime.cpu_kernel import KernelLinear
 from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.moe import MoEAux, MoELayer
-from moeserve.runtime import cpu_kernel
-from moeserve.runtime.packing import kernel_linears_, pack_linears_, pack_weight, packed_linear, unpack_linears_
+from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 
@@ -269,14 +270,14 @@ class Transformer(nn.Module):
         tied = self.cfg.task == "lm" and self.cfg.tie_embeddings
         unpack_linears_(self)
         if plan.pack_dense:
-            pack_linears_(self)
+            wrap_linears_(self, PackedLinear)
             if tied:
                 self.head_packed = pack_weight(w)
         elif plan.kernel_dense:
             if not cpu_kernel.available():
                 raise cpu_kernel.KernelError(f"the plan runs dense layers on the CPU kernel, which is not available "
                                              f"here: {cpu_kernel.unavailable_reason()}")
-            kernel_linears_(self)
+            wrap_linears_(self, KernelLinear)
             self.head_kernel = tied
         return plan
 

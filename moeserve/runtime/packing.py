@@ -79,29 +79,14 @@ def unpack_linears_(module: nn.Module) -> int:
     return n
 
 
-def kernel_linears_(module: nn.Module) -> int:
-    """Replace every bias-free nn.Linear under `module` by a KernelLinear (cpu_kernel.py); returns how many."""
+def wrap_linears_(module: nn.Module, wrap: type[PackedLinear] | type[KernelLinear]) -> int:
+    """Replace every plain bias-free nn.Linear under `module` by wrap(linear) (a PackedLinear or a KernelLinear,
+    which keep its weight Parameter); returns how many. Call unpack_linears_ first to change a layout."""
     n = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear and child.bias is None:
-            setattr(module, name, KernelLinear(child))
+            setattr(module, name, wrap(child))
             n += 1
         else:
-            n += kernel_linears_(child)
-    return n
-
-
-def pack_linears_(module: nn.Module) -> int:
-    """Replace every bias-free nn.Linear under `module` by a PackedLinear (re-pack existing ones, whose
-    weights may have changed); returns how many."""
-    n = 0
-    for name, child in list(module.named_children()):
-        if type(child) is nn.Linear and child.bias is None:
-            setattr(module, name, PackedLinear(child))
-            n += 1
-        elif isinstance(child, PackedLinear):
-            child.packed = pack_weight(child.weight)
-            n += 1
-        else:
-            n += pack_linears_(child)
+            n += wrap_linears_(child, wrap)
     return n
