@@ -24,6 +24,8 @@ Three paths:
   moe_grouped   many tokens (prefill): sort assignments by expert, gather x once, one GEMM per
                 expert over a contiguous block (or one torch grouped_mm call where that is faster,
                 i.e. on CUDA), one scatter-add back.
+  fused         on the C kernel (cpu_kernel.py, where the calibration chose it): any token count, the
+                layer's experts in one call (both GEMMs and the activation), one scatter back.
   table         discrete VQ with vq_input='code': f_k(x~) depends on x only through the code k,
                 so the layer is a gather from a precomputed [E, D] table (moe.py).
 
@@ -154,6 +156,7 @@ class InferenceWeights:
     grouped_mm: bool = False  # many-token path: one torch grouped_mm call instead of a loop over experts
     gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
     sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
+    fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # where `kernel`: the layer in one call
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
 
@@ -206,14 +209,30 @@ def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, a
     else:
         w13, w2 = list(w13_EFD.unbind(0)), list(w2_EDF.unbind(0))
     keep_stacked = grouped_mm or sync_free or not pack
-    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, kernel, grouped_mm, sync_free=sync_free,
+    fused = cpu_kernel.KernelExperts(w13, w2, w1_EFD.shape[1], act) if kernel else None
+    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, kernel, grouped_mm, sync_free=sync_free, fused=fused,
                             w13_EFD=w13_EFD if keep_stacked else None, w2_EFD=w2_EDF if keep_stacked else None)
+
+
+def moe_fused(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
+    """Any token count on the C kernel: assignments sorted by expert, every expert of the layer in one call
+    (cpu_kernel.KernelExperts), one scatter back. The few torch operations left do not grow with the
+    number of experts hit, which at a decode step of 8 sequences is most of them."""
+    T, K = expert_ids_TK.shape
+    ids_N = expert_ids_TK.reshape(-1)
+    order = ids_N.argsort(stable=True)
+    tok_N = order // K
+    y_ND = w.fused(x_TD[tok_N], torch.bincount(ids_N, minlength=w.n_experts).tolist())
+    gates_N = gates_TK.reshape(-1)[order].to(y_ND.dtype)
+    return torch.zeros_like(x_TD).index_add_(0, tok_N, y_ND * gates_N[:, None])
 
 
 def moe_gather(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
     """Decode path: each expert that any token chose runs on just the rows that chose it. The
     grouping is done in Python on the few ids (one device sync), which costs less than the
     sort / unique / where kernels it replaces when there are only a handful of assignments."""
+    if w.fused is not None:
+        return moe_fused(x_TD, expert_ids_TK, gates_TK, w)
     T, K = expert_ids_TK.shape
     rows: dict[int, list[int]] = {}
     for n, e in enumerate(expert_ids_TK.reshape(-1).tolist()):
@@ -245,6 +264,8 @@ def moe_indexed(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: Infere
 
 def moe_grouped(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
     """Prefill path: assignments sorted by expert, one contiguous block per expert, one scatter back."""
+    if w.fused is not None:
+        return moe_fused(x_TD, expert_ids_TK, gates_TK, w)
     T, K = expert_ids_TK.shape
     ids_N = expert_ids_TK.reshape(-1)
     order = ids_N.argsort(stable=True)

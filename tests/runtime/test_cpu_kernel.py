@@ -1,4 +1,4 @@
-"""The C GEMM of cpu_kernel.py: x @ w^T to fp32 tolerance at every row count and shape it branches on
+"""The C GEMM of cpu_kernel.py, and its MoE layer in one call: x @ w^T to fp32 tolerance at every row count and shape it branches on
 (1-8 rows in one pass, more in L2 blocks; tails of I; thread splits; strided and unaligned operands);
 a row's output bit for bit the same whatever rows share the call; the probe's both sides (built here,
 and off or without a compiler: named reasons, torch's kernels instead); and a model laid out on it
@@ -167,7 +167,7 @@ def test_expert_paths_on_the_kernel_equal_the_reference(fn, act, T):
     ids = torch.rand(T, E, generator=g).argsort(dim=-1)[:, :K]
     gates = torch.rand(T, K, generator=g) + 0.1
     w = fuse_expert_weights(w1, w2, w3, act, pack=False, kernel=True)
-    assert w.kernel and not w.packed
+    assert w.kernel and not w.packed and w.fused is not None  # the layer's experts in one call
     with torch.no_grad():
         torch.testing.assert_close(fn(x, ids, gates, w), moe_reference(x, ids, gates, w1, w2, w3), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="pack or kernel, not both"):

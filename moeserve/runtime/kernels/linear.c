@@ -10,6 +10,7 @@
    Every output y[j, o] is the same sum in the same order (8-lane partial sums over i, the lanes added
    left to right, then the tail) whatever n, R or the thread count is: a row's result does not depend
    on which other rows share the call, so batching never changes a sequence's logits. */
+#include <math.h>
 #include <omp.h>
 
 typedef float v8 __attribute__((vector_size(32), aligned(4))); /* unaligned loads: mmap'd weights */
@@ -73,26 +74,57 @@ ROWS(1, 4) ROWS(2, 4) ROWS(3, 4) ROWS(4, 3) ROWS(5, 2) ROWS(6, 2) ROWS(7, 1) ROW
 typedef void (*rows_fn)(const float *, long, const float *, long, float *, long, long, long, long);
 static const rows_fn ROWS_FOR[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
-/* x [n, I] (row stride ldx), w [O, I] (row stride ldw), y [n, O] (row stride ldy). Threads split w's
-   rows in blocks of 12 (a multiple of every R). */
+/* Thread t of T's share of x [n, I] (row stride ldx) @ w [O, I]^T (row stride ldw) -> y [n, O] (row stride
+   ldy): w's rows split in blocks of 12 (a multiple of every R). */
+static void share(const float *x, long ldx, const float *w, long ldw, float *y, long ldy, long n, long O, long I,
+                  int t, int T) {
+    enum { BLOCK = 48, CHUNK = 6 };
+    const long per = (O + T - 1) / T, part = (per + 11) / 12 * 12;
+    const long o0 = t * part, o1 = o0 + part < O ? o0 + part : O;
+    if (o0 >= o1 || n == 0) return;
+    if (n <= 8) {
+        ROWS_FOR[n](x, ldx, w, ldw, y, ldy, o0, o1, I);
+        return;
+    }
+    for (long b0 = o0; b0 < o1; b0 += BLOCK) {
+        const long b1 = b0 + BLOCK < o1 ? b0 + BLOCK : o1;
+        for (long j0 = 0; j0 < n; j0 += CHUNK) {
+            const long m = n - j0 < CHUNK ? n - j0 : CHUNK;
+            ROWS_FOR[m](x + j0 * ldx, ldx, w, ldw, y + j0 * ldy, ldy, b0, b1, I);
+        }
+    }
+}
+
 void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
                long n, long O, long I, int threads) {
-    enum { BLOCK = 48, CHUNK = 6 };
+#pragma omp parallel num_threads(threads)
+    share(x, ldx, w, ldw, y, ldy, n, O, I, omp_get_thread_num(), omp_get_num_threads());
+}
+
+/* One MoE layer's experts in one call, so that the dozens of small torch operations around each expert's two
+   GEMMs (slices, the activation, their launches on the thread pool) become two barriers. x [N, D]: the routed
+   rows sorted by expert, expert e's rows from starts[e] to starts[e + 1]; w13[e] [F or 2F, D] and w2[e] [D, F]
+   its weights (gelu: w1 only; swiglu: gate rows then up rows); h [N, F or 2F] scratch; y [N, D] out. */
+void experts_ffn(const float *x, const long *starts, const float *const *w13, const float *const *w2,
+                 float *h, float *y, long E, long D, long F, int swiglu, int threads) {
+    const long H = swiglu ? 2 * F : F;
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const long per = (O + T - 1) / T, share = (per + 11) / 12 * 12;
-        const long o0 = t * share, o1 = o0 + share < O ? o0 + share : O;
-        if (n <= 8) {
-            if (o0 < o1) ROWS_FOR[n](x, ldx, w, ldw, y, ldy, o0, o1, I);
-        } else {
-            for (long b0 = o0; b0 < o1; b0 += BLOCK) {
-                const long b1 = b0 + BLOCK < o1 ? b0 + BLOCK : o1;
-                for (long j0 = 0; j0 < n; j0 += CHUNK) {
-                    const long m = n - j0 < CHUNK ? n - j0 : CHUNK;
-                    ROWS_FOR[m](x + j0 * ldx, ldx, w, ldw, y + j0 * ldy, ldy, b0, b1, I);
-                }
+        for (long e = 0; e < E; e++) {
+            const long r0 = starts[e], n = starts[e + 1] - r0;
+            if (n == 0) continue;
+            float *he = h + r0 * H;
+            share(x + r0 * D, D, w13[e], D, he, H, n, H, D, t, T);
+#pragma omp barrier
+            for (long j = 0; j < n; j++) { /* the activation, into the first F columns; threads split them */
+                float *g = he + j * H;
+                for (long c = t * F / T; c < (t + 1) * F / T; c++)
+                    g[c] = swiglu ? g[c] / (1.0f + expf(-g[c])) * g[c + F]
+                                  : 0.5f * g[c] * (1.0f + erff(g[c] * 0.70710678118654752f));
             }
+#pragma omp barrier
+            share(he, H, w2[e], F, y + r0 * D, D, n, D, F, t, T);
         }
     }
 }
