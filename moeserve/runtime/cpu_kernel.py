@@ -1,4 +1,5 @@
-"""A C GEMM for expert weights on CPUs (kernels/linear.c), written for the few rows of decode.
+"""C kernels for CPU inference (kernels/linear.c): a GEMM written for the few rows of decode, used by the
+experts and the dense layers, and a MoE layer's experts in one call (KernelExperts).
 
 At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to eight rows (an expert's
 share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because
