@@ -152,11 +152,10 @@ class InferenceWeights:
     w13: list[Tensor]  # per expert [F, D] (gelu) or [2F, D] (swiglu: gate rows, then up rows)
     w2: list[Tensor]  # per expert [D, F]
     packed: bool = False  # w13 / w2 hold oneDNN-packed tensors
-    kernel: bool = False  # plain w13 / w2, run by cpu_kernel.linear (a GEMM written for few rows)
     grouped_mm: bool = False  # many-token path: one torch grouped_mm call instead of a loop over experts
     gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
     sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
-    fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # where `kernel`: the layer in one call
+    fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # plain w13 / w2 on the C kernel
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
 
@@ -164,13 +163,13 @@ class InferenceWeights:
     def n_experts(self) -> int:
         return len(self.w2)
 
+    @property
+    def kernel(self) -> bool:
+        """The layer runs on the C kernel, all its experts in one call (moe_fused)."""
+        return self.fused is not None
+
     def ffn(self, e: int, x_ND: Tensor) -> Tensor:
-        if self.packed:
-            linear = packed_linear
-        elif self.kernel:
-            linear = cpu_kernel.linear
-        else:
-            linear = F.linear
+        linear = packed_linear if self.packed else F.linear
         return linear(self.activation(linear(x_ND, self.w13[e])), self.w2[e])
 
     def activation(self, h_NF: Tensor) -> Tensor:
@@ -210,7 +209,7 @@ def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, a
         w13, w2 = list(w13_EFD.unbind(0)), list(w2_EDF.unbind(0))
     keep_stacked = grouped_mm or sync_free or not pack
     fused = cpu_kernel.KernelExperts(w13, w2, w1_EFD.shape[1], act) if kernel else None
-    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, kernel, grouped_mm, sync_free=sync_free, fused=fused,
+    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, grouped_mm, sync_free=sync_free, fused=fused,
                             w13_EFD=w13_EFD if keep_stacked else None, w2_EFD=w2_EDF if keep_stacked else None)
 
 
