@@ -196,8 +196,7 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
     else:
         skipped["packed"] = f"oneDNN cannot pack {_name(dtype)} weights on this CPU"
     if dtype == torch.float32 and cpu_kernel.available():
-        plain = layouts["plain"]  # the same tensors, run by the kernel
-        layouts["kernel"] = replace(plain, fused=cpu_kernel.KernelExperts(plain.w13, plain.w2, Fh, shape.act))
+        layouts["kernel"] = fuse_expert_weights(w1, w2, w3, shape.act, pack=False, kernel=True)  # no copy
     else:
         skipped["kernel"] = ("float32 only" if dtype != torch.float32 else cpu_kernel.unavailable_reason())
     del w1, w3  # a layer's experts are held at most three times over while measuring

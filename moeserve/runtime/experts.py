@@ -149,13 +149,13 @@ class InferenceWeights:
 
     act: str  # gelu | swiglu
     d_ff: int
-    w13: list[Tensor]  # per expert [F, D] (gelu) or [2F, D] (swiglu: gate rows, then up rows)
+    w13: list[Tensor]  # per expert [F, D] (gelu) or [2F, D] (swiglu: gate rows, then up rows); [] under the kernel
     w2: list[Tensor]  # per expert [D, F]
     packed: bool = False  # w13 / w2 hold oneDNN-packed tensors
     grouped_mm: bool = False  # many-token path: one torch grouped_mm call instead of a loop over experts
     gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
     sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
-    fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # plain w13 / w2 on the C kernel
+    fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # w1 / w3 / w2 as they lie, on the C kernel
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
 
@@ -192,13 +192,11 @@ def _halves_of_one(w1_EFD: Tensor, w3_EFD: Tensor) -> Tensor | None:
 
 def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: str, pack: bool,
                         grouped_mm: bool = False, sync_free: bool = False, kernel: bool = False) -> InferenceWeights:
-    """The weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`, else plain (and
-    run by the C kernel if `kernel`). A copy, unless w1 and w3 already are the two halves of one
-    [E, 2F, D] tensor (as a Mixtral import lays them out)."""
-    if pack and kernel:
-        raise ValueError("the CPU kernel runs on plain weights: pack or kernel, not both")
-    if kernel and not cpu_kernel.available():
-        raise cpu_kernel.KernelError(f"the CPU kernel is not available: {cpu_kernel.unavailable_reason()}")
+    """The weights in inference layout: [w1; w3] stacked per expert, prepacked if `pack`, else plain. A
+    copy, unless w1 and w3 already are the two halves of one [E, 2F, D] tensor (as a Mixtral import lays
+    them out). `kernel`: the C kernel runs every token count on the weights as they lie, so no copy at all."""
+    if kernel:
+        return _kernel_weights(w1_EFD, w2_EDF, w3_EFD, act, pack or grouped_mm or sync_free)
     w13_EFD = w1_EFD if w3_EFD is None else _halves_of_one(w1_EFD.detach(), w3_EFD.detach())
     if w13_EFD is None:
         w13_EFD = torch.cat([w1_EFD, w3_EFD], dim=1)
@@ -208,9 +206,21 @@ def fuse_expert_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, a
     else:
         w13, w2 = list(w13_EFD.unbind(0)), list(w2_EDF.unbind(0))
     keep_stacked = grouped_mm or sync_free or not pack
-    fused = cpu_kernel.KernelExperts(w13, w2, w1_EFD.shape[1], act) if kernel else None
-    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, grouped_mm, sync_free=sync_free, fused=fused,
+    return InferenceWeights(act, w1_EFD.shape[1], w13, w2, pack, grouped_mm, sync_free=sync_free,
                             w13_EFD=w13_EFD if keep_stacked else None, w2_EFD=w2_EDF if keep_stacked else None)
+
+
+def _kernel_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: str,
+                    other_layout: bool) -> InferenceWeights:
+    """The layer on the C kernel: its one path for every token count (moe_fused), so nothing else is built
+    (`w13` stays empty)."""
+    if other_layout:
+        raise ValueError("the CPU kernel runs the layer alone, on plain weights: not with pack, grouped_mm or sync_free")
+    if not cpu_kernel.available():
+        raise cpu_kernel.KernelError(f"the CPU kernel is not available: {cpu_kernel.unavailable_reason()}")
+    # Per expert: the halves of a Mixtral import's [E, 2F, D] are not contiguous as a whole, but each expert's are.
+    w1, w2, w3 = (None if w is None else [m.contiguous() for m in w.detach().unbind(0)] for w in (w1_EFD, w2_EDF, w3_EFD))
+    return InferenceWeights(act, w1_EFD.shape[1], [], w2, fused=cpu_kernel.KernelExperts(w1, w2, w3))
 
 
 def moe_fused(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:

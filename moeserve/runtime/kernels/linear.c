@@ -103,10 +103,12 @@ void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, lon
 
 /* One MoE layer's experts in one call, so that the dozens of small torch operations around each expert's two
    GEMMs (slices, the activation, their launches on the thread pool) become two barriers. x [N, D]: the routed
-   rows sorted by expert, expert e's rows from starts[e] to starts[e + 1]; w13[e] [F or 2F, D] and w2[e] [D, F]
-   its weights (gelu: w1 only; swiglu: gate rows then up rows); h [N, F or 2F] scratch; y [N, D] out. */
-void experts_ffn(const float *x, const long *starts, const float *const *w13, const float *const *w2,
-                 float *h, float *y, long E, long D, long F, int swiglu, int threads) {
+   rows sorted by expert, expert e's rows from starts[e] to starts[e + 1]; w1[e] and w3[e] [F, D] (w3 NULL for
+   gelu) and w2[e] [D, F] its weights, where the checkpoint put them (no [w1; w3] copy to make at load);
+   h [N, F or 2F] scratch (gate columns, then up); y [N, D] out. */
+void experts_ffn(const float *x, const long *starts, const float *const *w1, const float *const *w3,
+                 const float *const *w2, float *h, float *y, long E, long D, long F, int threads) {
+    const int swiglu = w3 != 0;
     const long H = swiglu ? 2 * F : F;
 #pragma omp parallel num_threads(threads)
     {
@@ -115,7 +117,8 @@ void experts_ffn(const float *x, const long *starts, const float *const *w13, co
             const long r0 = starts[e], n = starts[e + 1] - r0;
             if (n == 0) continue;
             float *he = h + r0 * H;
-            share(x + r0 * D, D, w13[e], D, he, H, n, H, D, t, T);
+            share(x + r0 * D, D, w1[e], D, he, H, n, F, D, t, T);
+            if (swiglu) share(x + r0 * D, D, w3[e], D, he + F, H, n, F, D, t, T);
 #pragma omp barrier
             for (long j = 0; j < n; j++) { /* the activation, into the first F columns; threads split them */
                 float *g = he + j * H;
@@ -124,7 +127,7 @@ void experts_ffn(const float *x, const long *starts, const float *const *w13, co
                                   : 0.5f * g[c] * (1.0f + erff(g[c] * 0.70710678118654752f));
             }
 #pragma omp barrier
-            share(he, H, w2[e], F, y + r0 * D, D, n, D, F, t, T);
+        share(he, H, w2[e], F, y + r0 * D, D, n, D, F, t, T);
         }
     }
 }
