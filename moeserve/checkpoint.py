@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .cache import remembered_sha256, sha256_file
 from .config import FORMAT, ConfigError, MoEConfig
 from .hf_mixtral import MixtralError, from_mixtral, mixtral_config
 
@@ -40,7 +40,6 @@ HF_MIXTRAL = "hf-mixtral"  # LoadedCheckpoint.manifest["format"] of a Hugging Fa
 TRAIN_STATE_FILE = "train_state.safetensors"
 TRAIN_META_FILE = "train_state.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_HASH_CHUNK = 1 << 20  # hash 1 MiB at a time: weight files can be larger than memory
 _EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.w[123]$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -59,14 +58,6 @@ class LoadedCheckpoint:
     manifest: dict  # moeserve.json contents; {"format": "hf-mixtral"} for a Hugging Face Mixtral directory
     train_state: dict[str, torch.Tensor] | None
     train_meta: dict | None
-
-
-def _sha256(file: Path) -> str:  # streamed: a multi-GB shard is never held in memory
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fsync_path(path: Path) -> None:
@@ -199,8 +190,9 @@ def _read_manifest(path: Path) -> dict:
     return data
 
 
-def _verify(path: Path, manifest: dict) -> dict[str, str]:
-    """Every weight, index and training-state file present must be listed, and every listed hash match."""
+def _verify(path: Path, manifest: dict, remembered: bool = True) -> dict[str, str]:
+    """Every weight, index and training-state file present must be listed, and every listed hash match.
+    `remembered`: a file unchanged since this machine last hashed it is not read again (cache.py)."""
     listed: dict[str, str] = manifest["files"]
     extra = (INDEX_FILE, TRAIN_STATE_FILE, TRAIN_META_FILE)
     for name in [*_weight_map(path), *(n for n in extra if (path / n).exists())]:
@@ -210,7 +202,7 @@ def _verify(path: Path, manifest: dict) -> dict[str, str]:
     for name, expected in listed.items():
         if not (path / name).is_file():
             raise CheckpointError(f"{path / name}: missing (listed in {MANIFEST_FILE})")
-        actual[name] = _sha256(path / name)
+        actual[name] = (remembered_sha256 if remembered else sha256_file)(path / name)
         if actual[name] != expected:
             raise CheckpointError(f"{path / name}: sha256 mismatch: expected {expected[:16]}..., got "
                                   f"{actual[name][:16]}...; the file was tampered with or corrupted after saving")
@@ -337,7 +329,7 @@ def save_checkpoint(
         if meta_text is not None:
             (tmp / TRAIN_META_FILE).write_text(meta_text, encoding="utf-8")
             written.append(TRAIN_META_FILE)
-        files = {name: _sha256(tmp / name) for name in written}
+        files = {name: sha256_file(tmp / name) for name in written}
         manifest = {"format": FORMAT, "files": files, "recipe": recipe_json, "metrics": metrics_json, "tied": tied}
         (tmp / MANIFEST_FILE).write_text(_dumps(manifest, MANIFEST_FILE), encoding="utf-8")
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n", encoding="utf-8")
@@ -433,13 +425,14 @@ def is_hashed(path: str | os.PathLike) -> bool:
     return _read_config(path)[1] is None
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
-    """Check every hash listed in moeserve.json (and that no weight file is unlisted); {file: sha256}."""
+def verify_checkpoint(path: str | os.PathLike, remembered: bool = True) -> dict[str, str]:
+    """Check every hash listed in moeserve.json (and that no weight file is unlisted); {file: sha256}.
+    remembered=False reads every file, whatever this machine remembers of it."""
     path = Path(path)
     _check_dir(path)
     if (foreign := _read_config(path)[1]) is not None:
         raise CheckpointError(f"{path}: a Hugging Face directory ({foreign}) has no {MANIFEST_FILE}: no hashes to verify")
-    return _verify(path, _read_manifest(path))
+    return _verify(path, _read_manifest(path), remembered)
 
 
 def parameter_counts(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
@@ -483,7 +476,7 @@ def describe(path: str | os.PathLike) -> str:
         size = f"{(path / name).stat().st_size:,} bytes" if (path / name).exists() else "MISSING"
         lines.append(f"  {name}  {size}  sha256 {digest[:16]}")
     try:
-        lines.append(f"hashes: verified ({len(_verify(path, manifest))} files)")
+        lines.append(f"hashes: verified ({len(_verify(path, manifest, remembered=False))} files)")
     except CheckpointError as e:
         lines.append(f"hashes: FAILED: {e}")
     if manifest.get("tied"):

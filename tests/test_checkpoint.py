@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,32 @@ def test_tampered_byte(saved: Path) -> None:
     with pytest.raises(CheckpointError, match="tampered"):
         verify_checkpoint(saved)
     assert "hashes: FAILED" in describe(saved)
+
+
+def test_a_byte_changed_after_a_remembered_hash_is_still_caught(saved: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hash memo (cache.py) spares a restart the read; it must not spare a changed file the check."""
+    from moeserve import cache
+
+    monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "RACY_S", 0.0)
+    hashed: list[str] = []
+    real = cache.sha256_file
+    counting = lambda f: hashed.append(Path(f).name) or real(f)  # noqa: E731
+    monkeypatch.setattr(cache, "sha256_file", counting)
+    monkeypatch.setattr(ckpt, "sha256_file", counting)
+    load_checkpoint(saved)
+    load_checkpoint(saved)
+    assert hashed.count("model.safetensors") == 1
+    assert "hashes: verified" in describe(saved)  # `moeserve inspect` reads the files whatever is remembered
+    assert hashed.count("model.safetensors") == 2
+    file = saved / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[data_offset(file) + 1000] ^= 0x01
+    time.sleep(0.05)  # past the file system's clock tick
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 mismatch.*tampered"):
+        load_checkpoint(saved)
 
 
 def test_missing_manifest(saved: Path) -> None:
