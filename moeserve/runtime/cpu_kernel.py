@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import itertools
 import logging
 import os
 import platform
@@ -103,44 +102,40 @@ class KernelLinear(nn.Module):
 
 
 class KernelExperts:
-    """One MoE layer's expert weights as `experts_ffn` takes them: arrays of pointers to each expert's
-    [F, D] w1 and w3 and [D, F] w2 (the tensors are kept alive here), so that a layer's experts run in one
-    call: both GEMMs and the activation of every expert hit, two barriers apart, in place of a dozen torch
-    operations per expert. The weights are used where they lie (a checkpoint's memory-mapped pages): no
-    [w1; w3] copy is made, which was 1.2 s of a 644M model's start. w3=None: a gelu FFN."""
+    """One MoE layer's stacked expert weights as `experts_ffn` takes them: w1 and w3 [E, F, D], w2 [E, D, F],
+    each expert's matrix with contiguous rows and the experts at any fixed stride, so that the parameters
+    are used where they lie (a checkpoint's memory-mapped pages, or the two halves of a Mixtral import's
+    gate-up tensor): no [w1; w3] copy, which was 1.2 s of a 644M model's start. A call runs the whole layer:
+    both GEMMs and the activation of every expert hit, two barriers apart, in place of a dozen torch
+    operations per expert. w3=None: a gelu FFN."""
 
-    def __init__(self, w1: list[Tensor], w2: list[Tensor], w3: list[Tensor] | None = None):
+    def __init__(self, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None = None):
         lib = _library()
         if isinstance(lib, str):
             raise KernelError(f"the CPU kernel is not available: {lib}")
-        (F_, D), E = w1[0].shape, len(w1)
-        shapes = {"w1": (F_, D), "w2": (D, F_), "w3": (F_, D)}
-        given = {"w1": w1, "w2": w2} | ({} if w3 is None else {"w3": w3})
-        for name, ws in given.items():
-            if len(ws) != E:
-                raise KernelError(f"the CPU kernel takes {E} experts' {name}, got {len(ws)}")
-            for w in ws:
-                if w.dtype != torch.float32 or w.device.type != "cpu" or w.stride() != (w.shape[1], 1):
-                    raise KernelError(f"the CPU kernel takes float32 CPU expert weights with contiguous rows, not "
-                                      f"{w.dtype} on {w.device.type} with strides {tuple(w.stride())}")
-                if tuple(w.shape) != shapes[name]:
-                    raise KernelError(f"expert {name} of shape {tuple(w.shape)}: expected {shapes[name]}")
-        self.lib, self.weights, self.d_model, self.d_ff = lib, (w1, w2, w3), D, F_
+        E, F_, D = w1_EFD.shape
+        want = {"w1": (E, F_, D), "w2": (E, D, F_), "w3": (E, F_, D)}
+        given = {"w1": w1_EFD, "w2": w2_EDF} | ({} if w3_EFD is None else {"w3": w3_EFD})
+        for name, w in given.items():
+            if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 3 or w.stride()[1:] != (w.shape[2], 1):
+                raise KernelError(f"the CPU kernel takes float32 CPU expert weights with contiguous rows, not "
+                                  f"{w.dtype} on {w.device.type} with strides {tuple(w.stride())}")
+            if tuple(w.shape) != want[name]:
+                raise KernelError(f"expert {name} of shape {tuple(w.shape)}: expected {want[name]}")
+        self.lib, self.w1, self.w2, self.w3 = lib, w1_EFD, w2_EDF, w3_EFD
 
-        def pointers(ws: list[Tensor] | None) -> ctypes.Array | None:
-            return None if ws is None else (ctypes.c_void_p * E)(*[w.data_ptr() for w in ws])
-
-        self.w1_ptrs, self.w2_ptrs, self.w3_ptrs = pointers(w1), pointers(w2), pointers(w3)
-
-    def __call__(self, x_ND: Tensor, counts: list[int]) -> Tensor:
-        """x_ND: the routed rows sorted by expert, counts[e] of them for expert e; their outputs [N, D]."""
-        x_ND = x_ND.contiguous()
-        N, E = x_ND.shape[0], len(self.w2_ptrs)
-        starts = (ctypes.c_long * (E + 1))(0, *itertools.accumulate(counts))
-        h = torch.empty(N, (1 if self.w3_ptrs is None else 2) * self.d_ff, dtype=torch.float32)
-        y = torch.empty(N, self.d_model, dtype=torch.float32)
-        self.lib.experts_ffn(x_ND.data_ptr(), starts, self.w1_ptrs, self.w3_ptrs, self.w2_ptrs, h.data_ptr(),
-                             y.data_ptr(), E, self.d_model, self.d_ff, torch.get_num_threads())
+    def __call__(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
+        """x_ND: the routed rows sorted by expert, counts_E[e] (int64) of them for expert e; their outputs [N, D]."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        x_ND, counts_E = x_ND.contiguous(), counts_E.to(torch.int64).contiguous()
+        if counts_E.shape != (w1.shape[0],) or int(counts_E.sum()) != x_ND.shape[0]:  # else it reads out of bounds
+            raise KernelError(f"{x_ND.shape[0]} rows and expert counts {counts_E.tolist()} do not match")
+        E, F_, D = w1.shape
+        h = torch.empty(x_ND.shape[0], (1 if w3 is None else 2) * F_, dtype=torch.float32)
+        y = torch.empty(x_ND.shape[0], D, dtype=torch.float32)
+        w3_ptr, s3 = (None, 0) if w3 is None else (w3.data_ptr(), w3.stride(0))
+        self.lib.experts_ffn(x_ND.data_ptr(), counts_E.data_ptr(), w1.data_ptr(), w3_ptr, w2.data_ptr(), w1.stride(0),
+                             s3, w2.stride(0), h.data_ptr(), y.data_ptr(), E, D, F_, torch.get_num_threads())
         return y
 
 
@@ -156,7 +151,8 @@ def _library() -> ctypes.CDLL | str:
         log.info("CPU kernel not used: %s", e)
         return str(e)
     lib.experts_ffn.restype = None
-    lib.experts_ffn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.experts_ffn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
+                                + [ctypes.c_long] * 3 + [ctypes.c_int])
     lib.linear_nt.restype = None
     lib.linear_nt.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                  ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]

@@ -218,9 +218,14 @@ def _kernel_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: 
         raise ValueError("the CPU kernel runs the layer alone, on plain weights: not with pack, grouped_mm or sync_free")
     if not cpu_kernel.available():
         raise cpu_kernel.KernelError(f"the CPU kernel is not available: {cpu_kernel.unavailable_reason()}")
-    # Per expert: the halves of a Mixtral import's [E, 2F, D] are not contiguous as a whole, but each expert's are.
-    w1, w2, w3 = (None if w is None else [m.contiguous() for m in w.detach().unbind(0)] for w in (w1_EFD, w2_EDF, w3_EFD))
-    return InferenceWeights(act, w1_EFD.shape[1], [], w2, fused=cpu_kernel.KernelExperts(w1, w2, w3))
+    w1, w2, w3 = (None if w is None else _rows_contiguous(w.detach()) for w in (w1_EFD, w2_EDF, w3_EFD))
+    return InferenceWeights(act, w1.shape[1], [], list(w2.unbind(0)), fused=cpu_kernel.KernelExperts(w1, w2, w3))
+
+
+def _rows_contiguous(w_EIJ: Tensor) -> Tensor:
+    """Each expert's matrix with contiguous rows, copied only if not: the experts themselves may lie at any
+    stride (w1 and w3 of a Mixtral import are the halves of one [E, 2F, D] tensor)."""
+    return w_EIJ if w_EIJ.stride()[1:] == (w_EIJ.shape[2], 1) else w_EIJ.contiguous()
 
 
 def moe_fused(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
@@ -231,7 +236,7 @@ def moe_fused(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: Inferenc
     ids_N = expert_ids_TK.reshape(-1)
     order = ids_N.argsort(stable=True)
     tok_N = order // K
-    y_ND = w.fused(x_TD[tok_N], torch.bincount(ids_N, minlength=w.n_experts).tolist())
+    y_ND = w.fused(x_TD[tok_N], torch.bincount(ids_N, minlength=w.n_experts))
     gates_N = gates_TK.reshape(-1)[order].to(y_ND.dtype)
     return torch.zeros_like(x_TD).index_add_(0, tok_N, y_ND * gates_N[:, None])
 

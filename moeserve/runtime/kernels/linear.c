@@ -103,11 +103,14 @@ void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, lon
 
 /* One MoE layer's experts in one call, so that the dozens of small torch operations around each expert's two
    GEMMs (slices, the activation, their launches on the thread pool) become two barriers. x [N, D]: the routed
-   rows sorted by expert, expert e's rows from starts[e] to starts[e + 1]; w1[e] and w3[e] [F, D] (w3 NULL for
-   gelu) and w2[e] [D, F] its weights, where the checkpoint put them (no [w1; w3] copy to make at load);
-   h [N, F or 2F] scratch (gate columns, then up); y [N, D] out. */
-void experts_ffn(const float *x, const long *starts, const float *const *w1, const float *const *w3,
-                 const float *const *w2, float *h, float *y, long E, long D, long F, int threads) {
+   rows sorted by expert, counts[e] of them for expert e; w1 + e * s1 and w3 + e * s3 expert e's [F, D] (w3 NULL
+   for gelu), w2 + e * s2 its [D, F]: the stacked weights where the checkpoint put them (no [w1; w3] copy to
+   make at load); h [N, F or 2F] scratch (gate columns, then up); y [N, D] out. */
+void experts_ffn(const float *x, const long *counts, const float *w1, const float *w3, const float *w2, long s1,
+                 long s3, long s2, float *h, float *y, long E, long D, long F, int threads) {
+    long starts[E + 1];
+    starts[0] = 0;
+    for (long e = 0; e < E; e++) starts[e + 1] = starts[e] + counts[e];
     const int swiglu = w3 != 0;
     const long H = swiglu ? 2 * F : F;
 #pragma omp parallel num_threads(threads)
@@ -117,8 +120,8 @@ void experts_ffn(const float *x, const long *starts, const float *const *w1, con
             const long r0 = starts[e], n = starts[e + 1] - r0;
             if (n == 0) continue;
             float *he = h + r0 * H;
-            share(x + r0 * D, D, w1[e], D, he, H, n, F, D, t, T);
-            if (swiglu) share(x + r0 * D, D, w3[e], D, he + F, H, n, F, D, t, T);
+            share(x + r0 * D, D, w1 + e * s1, D, he, H, n, F, D, t, T);
+            if (swiglu) share(x + r0 * D, D, w3 + e * s3, D, he + F, H, n, F, D, t, T);
 #pragma omp barrier
             for (long j = 0; j < n; j++) { /* the activation, into the first F columns; threads split them */
                 float *g = he + j * H;
@@ -127,7 +130,7 @@ void experts_ffn(const float *x, const long *starts, const float *const *w1, con
                                   : 0.5f * g[c] * (1.0f + erff(g[c] * 0.70710678118654752f));
             }
 #pragma omp barrier
-        share(he, H, w2[e], F, y + r0 * D, D, n, D, F, t, T);
+            share(he, H, w2 + e * s2, F, y + r0 * D, D, n, D, F, t, T);
         }
     }
 }
