@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 
 from .cache import remembered_sha256, sha256_file
 from .config import FORMAT, ConfigError, MoEConfig
-from .hf_mixtral import MixtralError, from_mixtral, mixtral_config
+from .hf_mixtral import MixtralError, from_mixtral, mixtral_config, mixtral_expert_slice
 
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "moeserve.json"
@@ -139,8 +140,9 @@ def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
 
 
 def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool = False,
-                   dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """A foreign directory's tensors under the Transformer's names; shapes_only: meta tensors (headers only)."""
+                   dtype: torch.dtype | None = None, experts: bool = True) -> dict[str, Any]:
+    """A foreign directory's tensors under the Transformer's names; shapes_only: meta tensors (headers only);
+    experts=False: all but the experts (which are then neither stacked nor copied)."""
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for name, names in _weight_map(path).items():
@@ -149,7 +151,7 @@ def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool
             origin[k] = path / name
     where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else WEIGHTS_FILE)
     try:
-        return from_mixtral(tensors, config, origin, where, dtype)
+        return from_mixtral(tensors, config, origin, where, dtype, experts)
     except MixtralError as e:
         raise CheckpointError(str(e)) from e
 
@@ -358,16 +360,16 @@ def load_checkpoint(
     A Hugging Face Mixtral directory has no hashes to verify and no training state; its tensors come
     back under the Transformer's names, and its manifest is {"format": "hf-mixtral"}.
     `keep(name)`: load only the tensors it accepts (the dense part of a model whose experts are served
-    by shards: `load_expert_slice`); a moeserve checkpoint only.
+    by shards: `load_expert_slice`). A Mixtral's experts, each stacked from many of its tensors, are all
+    in or all out, as `keep` says of the first.
     """
     path = Path(path)
     _check_dir(path)
     config, foreign = _read_config(path)
     if foreign is not None:
-        if keep is not None:
-            raise CheckpointError(f"{path}: a Hugging Face directory loads whole; sharded experts need a moeserve "
-                                  f"checkpoint (moeserve import or save_checkpoint it first)")
-        state = _foreign_state(path, config, device, dtype=dtype)
+        experts = keep is None or keep(f"layers.{config.moe_layer_ids[0]}.ffn.experts.w1")
+        state = _foreign_state(path, config, device, dtype=dtype, experts=experts)
+        state = {k: t for k, t in state.items() if keep is None or keep(k)}
         return LoadedCheckpoint(path, config, state, {"format": foreign}, None, None)
     files = _weight_map(path)
     manifest = _read_manifest(path)
@@ -401,20 +403,26 @@ def load_expert_slice(path: str | os.PathLike, start: int, stop: int, *, dtype: 
     path = Path(path)
     _check_dir(path)
     config, foreign = _read_config(path)
-    if foreign is not None:
-        raise CheckpointError(f"{path}: a Hugging Face directory has no stacked experts to slice; sharded experts "
-                              f"need a moeserve checkpoint")
     if not 0 <= start < stop <= config.n_experts:
         raise CheckpointError(f"experts [{start}, {stop}): expected a range within the model's {config.n_experts}")
     out: dict[str, torch.Tensor] = {}
-    for name, names in _weight_map(path).items():
-        try:
-            with safe_open(str(path / name), framework="pt", device="cpu") as f:
-                for k in names or f.keys():
-                    if is_expert_weight(k):
-                        out[k] = _as_dtype(f.get_slice(k)[start:stop], dtype)
-        except SafetensorError as e:
-            raise CheckpointError(f"{path / name}: not a valid safetensors file, truncated or corrupt ({e})") from e
+    with contextlib.ExitStack() as files:
+        slices: dict[str, Any] = {}  # tensor name -> its file, opened once
+        for name, names in _weight_map(path).items():
+            try:
+                f = files.enter_context(safe_open(str(path / name), framework="pt", device="cpu"))
+            except SafetensorError as e:
+                raise CheckpointError(f"{path / name}: not a valid safetensors file, truncated or corrupt ({e})") from e
+            slices.update({k: f for k in names or f.keys()})
+        if foreign is not None:  # a Mixtral: per-expert or fused tensors, under its own names
+            try:
+                return config, mixtral_expert_slice(lambda k: slices[k].get_slice(k), slices, config, start, stop,
+                                                    path, dtype)
+            except MixtralError as e:
+                raise CheckpointError(str(e)) from e
+        for k, f in slices.items():
+            if is_expert_weight(k):
+                out[k] = _as_dtype(f.get_slice(k)[start:stop], dtype)
     return config, out
 
 

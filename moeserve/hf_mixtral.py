@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 
@@ -84,7 +84,7 @@ def mixtral_config(raw: dict, where: Path, has_tokenizer: bool) -> MoEConfig:
 
 
 def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: dict[str, Path],
-                 where: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                 where: Path, dtype: torch.dtype | None = None, experts: bool = True) -> dict[str, torch.Tensor]:
     """Hugging Face Mixtral tensors -> the Transformer's state_dict names and [E, out, in] expert stacks.
 
     Two expert layouts are read: per expert `block_sparse_moe.experts.{e}.w1|w2|w3.weight` (w1 gate,
@@ -96,7 +96,9 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
 
     w1 and w3 come back as the two halves of one [E, 2F, D] tensor, the layout inference runs on
     (experts.fuse_expert_weights takes it without a copy); every tensor is in `dtype` (None: as stored),
-    converted while it is copied into its stack rather than after."""
+    converted while it is copied into its stack rather than after. experts=False: the experts are left out
+    (not stacked, not copied): the dense part of a model whose experts are served by shards
+    (`mixtral_expert_slice`)."""
     src: dict[str, tuple[str, torch.Tensor]] = {}
     for name in list(tensors):
         canon = re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", name)
@@ -141,6 +143,10 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
                                     ("wo", "o_proj", (D, q))):
             out[f"{o}attention.{ours}.weight"] = take(f"{p}self_attn.{theirs}.weight", *shape)
         out[o + "ffn.router.gate.weight"] = take(m + "gate.weight", E, D)
+        if not experts:
+            for canon in [k for k in src if k.startswith(m + "experts.")]:
+                src.pop(canon)
+            continue
         if m + "experts.gate_up_proj" in src:
             gate_up_E2FD = take(m + "experts.gate_up_proj", E, 2 * F, D)
             out[o + "ffn.experts.w2"] = take(m + "experts.down_proj", E, D, F)
@@ -151,4 +157,37 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
     if unexpected:
         raise MixtralError(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
                               f" for a Mixtral model as config.json describes it")
+    return out
+
+
+def mixtral_expert_slice(read: Callable[[str], Any], names: Iterable[str], config: MoEConfig, start: int, stop: int,
+                         where: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Experts [start, stop) of every MoE layer of a Mixtral directory, as the Transformer's stacked
+    `layers.{i}.ffn.experts.w1|w2|w3` [stop - start, out, in]; `read(name)` is a safetensors slice of a
+    tensor in `names`. A fused layout is sliced on its expert axis; per-expert tensors outside the range
+    are never read. What an expert shard holds (serve/ray_app.py), so no process holds every expert."""
+    D, F = config.d_model, config.d_ff
+    names = {re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", k): k for k in names}
+
+    def get(canon: str, shape: tuple[int, ...], rows: slice = slice(None)) -> torch.Tensor:
+        if canon not in names:
+            raise MixtralError(f"{where}: Mixtral tensor {canon!r} missing (expected shape {shape})")
+        sl = read(names[canon])
+        if tuple(sl.get_shape()) != shape:
+            raise MixtralError(f"{where}: tensor {names[canon]!r} has shape {tuple(sl.get_shape())}, config.json "
+                               f"implies {shape}")
+        t = sl[rows]
+        return t if dtype is None else t.to(dtype)
+
+    out: dict[str, torch.Tensor] = {}
+    for i in config.moe_layer_ids:
+        m, o = f"model.layers.{i}.block_sparse_moe.experts.", f"layers.{i}.ffn.experts."
+        if m + "gate_up_proj" in names:
+            gate_up = get(m + "gate_up_proj", (config.n_experts, 2 * F, D), slice(start, stop))
+            out[o + "w1"], out[o + "w3"] = gate_up[:, :F], gate_up[:, F:]
+            out[o + "w2"] = get(m + "down_proj", (config.n_experts, D, F), slice(start, stop))
+            continue
+        shapes = {"w1": (F, D), "w2": (D, F), "w3": (F, D)}
+        for w, shape in shapes.items():
+            out[o + w] = torch.stack([get(f"{m}{e}.{w}.weight", shape) for e in range(start, stop)])
     return out

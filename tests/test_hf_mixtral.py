@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from moeserve.checkpoint import (  # noqa: E402
-    CheckpointError, describe, load_checkpoint, verify_checkpoint,
+    CheckpointError, describe, is_expert_weight, load_checkpoint, load_expert_slice, verify_checkpoint,
 )
+from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
 from moeserve.runtime.model import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
@@ -343,3 +344,51 @@ def test_engine_text_api_needs_a_tokenizer(tmp_path: Path) -> None:
         engine.generate("hello")
     logits = engine.forward(torch.tensor([[1, 2, 3]]))
     assert logits.shape == (1, 3, V)
+
+
+# ---- expert shards of a Mixtral directory (serve --ray --expert-shards) ------------------------------------
+@pytest.mark.parametrize("layout", ["per-expert", "fused", "mlp", "sharded files"])
+def test_expert_slices_are_the_imported_stacks(tmp_path: Path, layout: str) -> None:
+    """A shard reads experts [start, stop) straight from the directory (safetensors slices, no other
+    expert read); they equal the whole import's stacks, and the dense part loads without any expert."""
+    kwargs = {"fused": {"save_original_format": False}, "sharded files": {"max_shard_size": "100KB"}}.get(layout)
+    hf_mixtral(tmp_path, kwargs)
+    if layout == "mlp":
+        state = load_file(str(tmp_path / "model.safetensors"))
+        save_file({k.replace(".block_sparse_moe.", ".mlp."): v for k, v in state.items()},
+                  str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    whole = load_checkpoint(tmp_path).state_dict
+    for start, stop in ((0, 4), (1, 3), (3, 4)):
+        cfg, part = load_expert_slice(tmp_path, start, stop, dtype=torch.bfloat16)
+        assert sorted(part) == sorted(k for k in whole if is_expert_weight(k))
+        for k, t in part.items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, whole[k][start:stop].to(torch.bfloat16)), k
+    dense = load_checkpoint(tmp_path, keep=lambda k: not is_expert_weight(k)).state_dict
+    assert sorted(dense) == sorted(k for k in whole if not is_expert_weight(k))
+    with pytest.raises(CheckpointError, match=r"experts \[2, 5\): expected a range within the model's 4"):
+        load_expert_slice(tmp_path, 2, 5)
+
+
+def test_a_mixtral_on_expert_shards_gives_transformers_logits(tmp_path: Path) -> None:
+    hf = hf_mixtral(tmp_path)
+    parts = [load_expert_slice(tmp_path, r.start, r.stop)[1] for r in contiguous_ranges(4, 2)]
+
+    def experts(i: int) -> ShardedExperts:
+        w = [{n: p[f"layers.{i}.ffn.experts.{n}"] for n in ("w1", "w2", "w3")} for p in parts]
+        ranges = contiguous_ranges(4, 2)
+        return ShardedExperts(4, [ExpertShard(r, **ws).forward for r, ws in zip(ranges, w)], ranges)  # as remote
+
+    model, _ = load_model(tmp_path, experts_factory=experts)
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
+
+
+def test_a_missing_expert_tensor_is_named_by_the_slice(tmp_path: Path) -> None:
+    hf_mixtral(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    load_expert_slice(tmp_path, 0, 2)  # experts 0 and 1: the missing one is not theirs to read
+    with pytest.raises(CheckpointError, match=r"Mixtral tensor 'model\.layers\.1\.block_sparse_moe\.experts\.2\.w3"):
+        load_expert_slice(tmp_path, 2, 4)

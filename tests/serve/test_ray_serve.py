@@ -212,6 +212,34 @@ def test_serve_lets_the_ingress_fill_its_cache_slots(url, tmp_path):
     assert steps[("+Inf",)] - steps[("8.0",)] >= 10, steps  # steps of more than 8 rows
 
 
+def test_a_hugging_face_mixtral_directory_is_sharded_as_it_is(url, tmp_path):
+    """A transformers-written Mixtral (per-expert tensors, no conversion step): each shard reads its experts'
+    tensors from the directory, the ingress everything else, and the answers are the single process's."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    words = ["<unk>", "<bos>", "<eos>", *[f"w{i}" for i in range(61)]]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<bos>", "<eos>"])
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+
+    deploy(url, tmp_path / "hf", 2)
+    ref = Engine.load(tmp_path / "hf", dtype="float32", device="cpu")
+    prompts = ["w1 w2 w3", "w40 w7"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 8, "temperature": 0}
+    got = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+    assert [c["text"] for c in sorted(got, key=lambda c: c["index"])] == ref.generate(prompts, max_new_tokens=8)
+    held = serve.get_deployment_handle("ingress", app_name="moeserve").shard_parameter_counts.remote().result()
+    per_expert = 3 * 96 * 64 * 2  # w1, w2, w3 of each of 2 layers
+    assert held == [2 * per_expert, 2 * per_expert]
+
+
 def test_expert_shard_ranges():
     assert shard_ranges(8, 3) == [range(0, 2), range(2, 5), range(5, 8)]
     assert shard_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
