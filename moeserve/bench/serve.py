@@ -214,19 +214,39 @@ def corpus_text(chars: int) -> str:
 
 
 def chars_per_token(cfg: ServeBenchConfig, model: str, sample: str) -> float:
-    """The server's tokenizer on this text: characters per prompt token, from one request's usage."""
+    """The server's tokenizer on this text: characters per prompt token, from one request's usage. A sample
+    the server refuses as too long (400, 413 or 422: longer than a context it did not announce) is cut to a
+    quarter and sent again, down to 16 characters; any other refusal is reported with the server's message."""
     import httpx
 
-    body = {**request_body(cfg, model, sample, 1, False), "stream": False}
-    del body["stream_options"]
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
+    while True:
+        body = {**request_body(cfg, model, sample, 1, False), "stream": False}
+        del body["stream_options"]
+        try:
+            r = httpx.post(cfg.url.rstrip("/") + path, json=body, headers=headers(cfg), timeout=60)
+        except httpx.HTTPError as e:
+            raise BenchError(f"POST {path} failed ({type(e).__name__}: {e}): cannot size prompts in tokens") from None
+        if r.status_code in (400, 413, 422) and len(sample) >= 64:
+            sample = sample[: len(sample) // 4]
+            continue
+        if r.status_code != 200:
+            raise BenchError(f"POST {path} answered {r.status_code} ({_server_message(r)}) to a {len(sample)}-character "
+                             "prompt: cannot size prompts in tokens; give --prompts")
+        try:
+            tokens = r.json()["usage"]["prompt_tokens"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise BenchError(f"POST {path} did not answer with usage.prompt_tokens ({type(e).__name__}): cannot size "
+                             "prompts in tokens; give --prompts") from None
+        return max(len(sample) / max(tokens, 1), 0.25)
+
+
+def _server_message(r) -> str:
+    """An OpenAI-style error's message, else the start of the body."""
     try:
-        r = httpx.post(cfg.url.rstrip("/") + path, json=body, headers=headers(cfg), timeout=60)
-        tokens = r.json()["usage"]["prompt_tokens"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        raise BenchError(f"POST {path} did not answer with usage.prompt_tokens ({type(e).__name__}): cannot size "
-                         "prompts in tokens; give --prompts") from None
-    return max(len(sample) / max(tokens, 1), 0.25)
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200].strip() or "no body"
 
 
 def workload(cfg: ServeBenchConfig, model: str, n: int, context: int | None) -> list[tuple[str, int]]:

@@ -199,3 +199,16 @@ def test_chat_endpoint(tiny_ckpt, tmp_path):
     (level,) = report["levels"]
     assert level["ok"] == level["requests"] == 8 and level["output_tokens_mean"] == 12
     assert level["ttft_ms"]["p50"] > 0 and level["itl_ms"]["p50"] > 0
+
+
+def test_prompt_sizing_shortens_a_refused_sample_and_names_other_refusals(tiny_ckpt):
+    """A server that does not announce its context refuses the 2000-character sizing prompt (400): the
+    sample is cut until it fits; a refusal of another kind reaches the user with the server's message."""
+    from moeserve.bench.serve import BenchError, chars_per_token, config_from_args
+    from moeserve.cli import build_parser
+
+    with serve(tiny_ckpt) as s:  # context 64, one byte a token
+        cfg = config_from_args(build_parser().parse_args(["bench", "serve", "--url", s.url]))
+        assert chars_per_token(cfg, "tiny", "x" * 2000) == 31 / 32  # 2000 -> 500 -> 125 -> 31 characters, + <bos>
+        with pytest.raises(BenchError, match=r"answered 404 \(.*'other'.*\) to a 2000-character prompt"):
+            chars_per_token(cfg, "other", "x" * 2000)
