@@ -101,7 +101,7 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
     (`mixtral_expert_slice`)."""
     src: dict[str, tuple[str, torch.Tensor]] = {}
     for name in list(tensors):
-        canon = re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", name)
+        canon = _canonical(name)
         if canon in src:
             raise MixtralError(f"{where}: tensors {src[canon][0]!r} and {name!r} are the same Mixtral weight")
         src[canon] = (name, tensors.pop(name))
@@ -167,7 +167,7 @@ def mixtral_expert_slice(read: Callable[[str], Any], names: Iterable[str], confi
     tensor in `names`. A fused layout is sliced on its expert axis; per-expert tensors outside the range
     are never read. What an expert shard holds (serve/ray_app.py), so no process holds every expert."""
     D, F = config.d_model, config.d_ff
-    names = {re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", k): k for k in names}
+    names = {_canonical(k): k for k in names}
 
     def get(canon: str, shape: tuple[int, ...], rows: slice = slice(None)) -> torch.Tensor:
         if canon not in names:
@@ -191,3 +191,8 @@ def mixtral_expert_slice(read: Callable[[str], Any], names: Iterable[str], confi
         for w, shape in shapes.items():
             out[o + w] = torch.stack([get(f"{m}{e}.{w}.weight", shape) for e in range(start, stop)])
     return out
+
+
+def _canonical(name: str) -> str:
+    """transformers reads a layer's MoE block as `block_sparse_moe` or `mlp`: one name for both."""
+    return re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", name)
