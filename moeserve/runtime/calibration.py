@@ -10,7 +10,7 @@ Three choices decide an MoE model's speed on a CPU, and their best answers diffe
   grouped_mm                 for many tokens, one grouped_mm call or a loop over the experts
   kernel_experts             plain expert weights run by a C GEMM written for decode's few rows
                              (cpu_kernel.py), where it builds: 1.3-2x oneDNN's packed GEMMs at 2-16 rows
-                             on an AVX2 EPYC, a tie at one row, ~0.9x at prefill sizes
+                             on an AVX2 EPYC, a tie at one row, 0.6-0.8x at 64-128 rows
 
 `plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend
 on the values; each call reads other weights than the last, STREAM_BYTES) the first time a shape is
@@ -103,7 +103,7 @@ class DispatchPlan:
     source: str = "default"  # default (not measured), measured (now), cached (measured before, on this machine)
     reason: str = ""  # the measurements that decided, in words
     timings: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)  # ms per candidate per count
-    kernel_experts: bool = False  # expert weights plain, run by cpu_kernel.linear
+    kernel_experts: bool = False  # expert weights plain, a layer's experts in one call (cpu_kernel.KernelExperts)
     kernel_dense: bool = False  # the other linear maps too (never with pack_dense)
 
     def describe(self) -> str:

@@ -5,9 +5,10 @@ At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to e
 share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because
 their small-M paths read the weight in a way that does not reuse it across rows. The kernel reads each
 weight row once for all rows, so a serving step of 8 sequences, where each expert gets about 2 rows,
-reads its experts at about the speed of one row. At prefill sizes it blocks for the L2 cache and runs
-within ~10% of oneDNN's packed GEMM and ahead of MKL on the same plain weights (numbers in
-docs/benchmarks.md), so one plain copy of the weights serves both.
+reads its experts at about the speed of one row. Past 8 rows it blocks for the L2 cache: at 16 rows
+(an expert's share of a short prompt) it is level with oneDNN's packed GEMM, at 64-128 rows 0.6-0.8x
+of it (numbers in docs/benchmarks.md). One plain copy of the weights serves both; the calibration
+weighs the two ends.
 
 The source ships with the package and is compiled on first use by the machine's C compiler ($CC, else
 `cc`) with -march=native, like inductor's CPU code: it fits whatever vector units this CPU has, so the
@@ -110,9 +111,9 @@ class KernelExperts:
     operations per expert. w3=None: a gelu FFN."""
 
     def __init__(self, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None = None):
-        lib = _library()
-        if isinstance(lib, str):
-            raise KernelError(f"the CPU kernel is not available: {lib}")
+        why = unavailable_reason()  # $MOESERVE_CPU_KERNEL=off included
+        if why is not None:
+            raise KernelError(f"the CPU kernel is not available: {why}")
         E, F_, D = w1_EFD.shape
         want = {"w1": (E, F_, D), "w2": (E, D, F_), "w3": (E, F_, D)}
         given = {"w1": w1_EFD, "w2": w2_EDF} | ({} if w3_EFD is None else {"w3": w3_EFD})
@@ -122,7 +123,7 @@ class KernelExperts:
                                   f"{w.dtype} on {w.device.type} with strides {tuple(w.stride())}")
             if tuple(w.shape) != want[name]:
                 raise KernelError(f"expert {name} of shape {tuple(w.shape)}: expected {want[name]}")
-        self.lib, self.w1, self.w2, self.w3 = lib, w1_EFD, w2_EDF, w3_EFD
+        self.lib, self.w1, self.w2, self.w3 = _library(), w1_EFD, w2_EDF, w3_EFD
 
     def __call__(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
         """x_ND: the routed rows sorted by expert, counts_E[e] (int64) of them for expert e; their outputs [N, D]."""

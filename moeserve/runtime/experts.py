@@ -216,8 +216,6 @@ def _kernel_weights(w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None, act: 
     (`w13` stays empty)."""
     if other_layout:
         raise ValueError("the CPU kernel runs the layer alone, on plain weights: not with pack, grouped_mm or sync_free")
-    if not cpu_kernel.available():
-        raise cpu_kernel.KernelError(f"the CPU kernel is not available: {cpu_kernel.unavailable_reason()}")
     w1, w2, w3 = (None if w is None else _rows_contiguous(w.detach()) for w in (w1_EFD, w2_EDF, w3_EFD))
     return InferenceWeights(act, w1.shape[1], [], list(w2.unbind(0)), fused=cpu_kernel.KernelExperts(w1, w2, w3))
 

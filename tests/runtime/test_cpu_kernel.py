@@ -175,7 +175,7 @@ def test_expert_paths_on_the_kernel_equal_the_reference(fn, act, T):
 
 
 @requires_kernel
-def test_the_kernel_runs_the_experts_where_they_lie():
+def test_the_kernel_runs_the_experts_where_they_lie(monkeypatch):
     """No [w1; w3] copy (1.2 s of a 644M model's start): the kernel reads the parameters' own memory."""
     E, D, Fh = 4, 16, 24
     w1, w2, w3 = torch.randn(E, Fh, D), torch.randn(E, D, Fh), torch.randn(E, Fh, D)
@@ -194,6 +194,9 @@ def test_the_kernel_runs_the_experts_where_they_lie():
         cpu_kernel.KernelExperts(w1.transpose(1, 2).contiguous().transpose(1, 2), w2)
     with pytest.raises(KernelError, match=r"5 rows and expert counts \[2, 2, 2, 2\] do not match"):
         w.fused(x, torch.tensor([2, 2, 2, 2]))
+    monkeypatch.setenv(cpu_kernel.ENV, "off")  # built, but switched off: the layer is refused by name
+    with pytest.raises(KernelError, match=r"not available: \$MOESERVE_CPU_KERNEL=off"):
+        fuse_expert_weights(w1, w2, w3, "swiglu", pack=False, kernel=True)
 
 
 KERNEL_PLAN = DispatchPlan(kernel_experts=True, kernel_dense=True, gather_max=1)
