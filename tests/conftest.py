@@ -1,5 +1,7 @@
 """Fixtures shared across the test tree."""
 
+import atexit
+import faulthandler
 import os
 
 import pytest
@@ -9,6 +11,11 @@ import torch
 # test runs depend on the machine's load, and cost seconds per model shape. The calibration itself is
 # tested in tests/runtime/test_calibration.py, with its own cache directory; subprocesses inherit this.
 os.environ["MOESERVE_CALIBRATION"] = "off"
+
+# pytest's own fault handler is off again once the session ends; a crash after that (a library's thread
+# outliving its runtime while the interpreter shuts down) would leave only "Segmentation fault" and exit
+# status 139 in CI. Registered first, so it runs after the atexit hooks of Ray and the rest.
+atexit.register(faulthandler.enable, all_threads=True)
 
 
 @pytest.fixture(scope="module")
