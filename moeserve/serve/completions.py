@@ -161,9 +161,9 @@ async def completions(req: CompletionRequest, request: Request):
     _check_streamable(req, choices)
     job, head = choices.job(cfg.request_timeout_s), _head("text_completion", state)
     if req.stream:
-        return _streaming(state, job, head, choices, _CompletionChunks(engine, job, req.logprobs is not None),
-                          req.stream_options)
-    state.submit(job)
+        return _streaming(state, request, job, head, choices,
+                          _CompletionChunks(engine, job, req.logprobs is not None), req.stream_options)
+    state.submit(job, request.scope)
     done: list[Completion] = await _wait(job, request, cfg.request_timeout_s)
     out = []
     for index, (i, c) in enumerate(choices.pick(done)):
@@ -214,9 +214,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     choices = Choices.of([row], [p], req.n, None, cfg)
     job, head = choices.job(cfg.request_timeout_s), _head("chat.completion", state)
     if req.stream:
-        return _streaming(state, job, head | {"object": "chat.completion.chunk"}, choices,
+        return _streaming(state, request, job, head | {"object": "chat.completion.chunk"}, choices,
                           _ChatChunks(engine, job, req.logprobs), req.stream_options)
-    state.submit(job)
+    state.submit(job, request.scope)
     done: list[Completion] = await _wait(job, request, cfg.request_timeout_s)
     out = []
     for index, (_, c) in enumerate(choices.pick(done)):
@@ -267,11 +267,11 @@ class _ChatChunks(_CompletionChunks):
                 "finish_reason": finish}
 
 
-def _streaming(state: ServerState, job: Job, head: dict, choices: Choices, chunks: _CompletionChunks,
-               stream_options) -> StreamingResponse:
+def _streaming(state: ServerState, request: Request, job: Job, head: dict, choices: Choices,
+               chunks: _CompletionChunks, stream_options) -> StreamingResponse:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     job.on_token = lambda i, token, text, lp: loop.call_soon_threadsafe(events.put_nowait, (i, token, text, lp))
-    state.submit(job)
+    state.submit(job, request.scope)
     job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
     include_usage = bool(stream_options and stream_options.include_usage)
     return StreamingResponse(_stream(job, events, head, choices, chunks, include_usage),

@@ -3,10 +3,12 @@
 It times each request for the metrics (to the last byte sent, streams included), and refuses at once
 /v1/ calls without the bearer token (401), POST bodies that are not application/json (415) and bodies
 over the limit (413), and model requests that would be refused whatever their body says (503 while
-loading or shutting down, 429 when the queue is full) before reading the body. The body is read here,
-bounded in size and in time (408 when a part is slower than the read timeout), and handed on: the size
-check is then the same whether or not the client sent a Content-Length, and no parser ever sees an
-oversize body.
+loading or shutting down, 429 when the queue is full) before reading the body. A request let through
+holds a place in the queue from then until its handler submits it (or it fails and gives the place
+back): under a burst, only as many requests get past the gate as the queue has room for, and none is
+parsed and tokenised only to be refused. The body is read here, bounded in size and in time (408 when
+a part is slower than the read timeout), and handed on: the size check is then the same whether or not
+the client sent a Content-Length, and no parser ever sees an oversize body.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from fastapi.responses import JSONResponse
 
 from moeserve.serve.protocol import ApiError
-from moeserve.serve.state import ServerState
+from moeserve.serve.state import PLACE, ServerState
 
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/classify")
 ENDPOINTS = frozenset(POST_ROUTES + ("/v1/models", "/healthz", "/readyz", "/metrics"))  # metric labels
@@ -44,16 +46,20 @@ class Gate:
                 self.state.metrics.observe_request(endpoint, status, time.perf_counter() - t0)
 
         try:
-            error, receive = await self._check(scope, receive)
-        except _ClientGone:
-            return
-        if error is not None:
-            return await JSONResponse(error.body(), error.status, headers=error.headers)(scope, receive, send_timed)
-        try:
-            await self.app(scope, receive, send_timed)
-        except Exception:  # answered 500 by the server-error middleware outside this one
-            self.state.metrics.observe_request(endpoint, 500, time.perf_counter() - t0)
-            raise
+            try:
+                error, receive = await self._check(scope, receive)
+            except _ClientGone:
+                return
+            if error is not None:
+                return await JSONResponse(error.body(), error.status, headers=error.headers)(scope, receive, send_timed)
+            try:
+                await self.app(scope, receive, send_timed)
+            except Exception:  # answered 500 by the server-error middleware outside this one
+                self.state.metrics.observe_request(endpoint, 500, time.perf_counter() - t0)
+                raise
+        finally:  # a request refused after admission (bad body, client gone) gives its place back
+            if (place := scope.get(PLACE)) is not None:
+                place.release()
 
     async def _check(self, scope, receive):
         cfg, path = self.state.cfg, scope["path"]
@@ -77,8 +83,9 @@ class Gate:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             return too_large, receive
-        refusal = self.state.admission()
-        if refusal is not None:
+        try:
+            scope[PLACE] = self.state.admit()
+        except ApiError as refusal:
             return refusal, receive
         body, more = bytearray(), True  # read it all here (bounded), then hand it on
         while more:

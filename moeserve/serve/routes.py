@@ -167,7 +167,7 @@ async def _texts_job(req: TextsRequest | ScoreRequest, request: Request,
     if kind == "score" and any(len(r) < 2 for r in rows):
         raise ApiError("invalid_value", "an input has no token to score after <bos>", param="input")
     job = Job(kind, rows, stride=stride, deadline=time.monotonic() + cfg.request_timeout_s)
-    state.submit(job)
+    state.submit(job, request.scope)
     return texts, rows, await _wait(job, request, cfg.request_timeout_s)
 
 

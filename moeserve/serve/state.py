@@ -18,7 +18,7 @@ import torch
 
 from moeserve.chat import ChatTemplate, load_chat_template
 from moeserve.runtime.engine import Engine, SamplingParams
-from moeserve.serve.batcher import BatchConfig, Batcher, Closed, Job, QueueFull
+from moeserve.serve.batcher import BatchConfig, Batcher, Closed, Job, Place, QueueFull
 from moeserve.serve.continuous import StepBatcher
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.protocol import ApiError
@@ -26,6 +26,7 @@ from moeserve.serve.protocol import ApiError
 log = logging.getLogger("moeserve.serve")
 API_KEY_ENV = "MOESERVE_API_KEY"
 SCHEDULERS = ("continuous", "batch")
+PLACE = "moeserve.place"  # the ASGI scope key of an admitted request's place in the queue (serve/gate.py)
 
 
 @dataclass
@@ -175,24 +176,24 @@ class ServerState:
             raise ApiError("model_not_found", f"model {model!r} is not served here; this server serves "
                            f"{self.name!r}", param="model")
 
-    def submit(self, job: Job):
+    def admit(self) -> Place:
+        """A place in the queue for a model request, or (ApiError) the refusal it would get now whatever its
+        body says: shutting down, not ready, queue full. The gate asks before it reads the body."""
+        self.require_ready()
         try:
-            return self.batcher.submit(job)
-        except QueueFull as e:
-            raise ApiError("queue_full", str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
-        except Closed as e:
-            raise ApiError("shutting_down", str(e)) from e
+            return self.batcher.hold()
+        except (QueueFull, Closed) as e:
+            raise _refusal(e) from e
 
-    def admission(self) -> ApiError | None:
-        """The refusal a model request would get now whatever its body says (shutting down, not ready, queue
-        full), so that the gate can answer it before reading the body."""
+    def submit(self, job: Job, scope: dict | None = None):
+        """Queue `job`, into the place its request was admitted to (the ASGI scope's PLACE) where it has one."""
         try:
-            self.require_ready()
-            self.batcher.check_room()
-        except ApiError as e:
-            return e
-        except QueueFull as e:
-            return ApiError("queue_full", str(e), headers={"Retry-After": str(e.retry_after_s)})
-        except Closed as e:
-            return ApiError("shutting_down", str(e))
-        return None
+            return self.batcher.submit(job, None if scope is None else scope.get(PLACE))
+        except (QueueFull, Closed) as e:
+            raise _refusal(e) from e
+
+
+def _refusal(e: QueueFull | Closed) -> ApiError:
+    if isinstance(e, QueueFull):
+        return ApiError("queue_full", str(e), headers={"Retry-After": str(e.retry_after_s)})
+    return ApiError("shutting_down", str(e))

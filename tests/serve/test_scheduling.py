@@ -4,7 +4,9 @@ a request the server will refuse is refused before its body is read; a stalled b
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import json
 import socket
 import time
 
@@ -102,3 +104,44 @@ def test_stalled_body_gets_408_and_a_full_queue_429_before_the_body(tiny_ckpt):
             code, waited = status_of(half)
             assert code == 429 and waited < 0.25  # not the 0.3 s body timeout: the body was never waited for
             assert [f.result().status_code for f in busy] == [200, 200]
+
+
+def test_a_burst_lets_through_only_what_the_queue_holds(tiny_ckpt):
+    """40 requests at once at one cache slot and a queue of 2: the gate admits a request only into a place it
+    holds in the queue, so exactly three are answered 200, the rest 429 with Retry-After, and none of the 37
+    is parsed only to be refused when its handler submits it (before places were held: several were)."""
+    from moeserve.bench.client import read_response
+    from moeserve.serve.batcher import QueueFull
+
+    cfg = ServeConfig(model_name="tiny", kv_slots=1, batch=BatchConfig(max_queue=2, wait_s=0))
+    with live_server(lambda: StepEngine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        batcher, late = s.state.batcher, []
+        submit = batcher.submit
+
+        def spied(job, *place):
+            try:
+                return submit(job, *place)
+            except QueueFull:
+                late.append(job)
+                raise
+
+        batcher.submit = spied
+        host, port = s.url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": "tiny", "prompt": "q", "max_tokens": 30, "temperature": 0}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+        async def burst() -> list[tuple[int, dict]]:
+            conns = [await asyncio.open_connection(host, int(port)) for _ in range(40)]
+            for _, writer in conns:
+                writer.write(request)
+            try:
+                return list(await asyncio.gather(*(read_response(reader) for reader, _ in conns)))
+            finally:
+                for _, writer in conns:
+                    writer.close()
+
+        answers = asyncio.run(burst())
+    assert sorted(status for status, _ in answers) == [200] * 3 + [429] * 37
+    assert all(headers.get("retry-after") for status, headers in answers if status == 429)
+    assert late == []
