@@ -27,6 +27,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -65,27 +66,30 @@ def unavailable_reason() -> str | None:
 
 
 def linear(x_NI: Tensor, w_OI: Tensor) -> Tensor:
-    """x @ w^T, float32 on the CPU, rows contiguous; the same numbers whatever rows share the call."""
+    """x @ w^T, float32 on the CPU, rows contiguous; the same numbers whatever rows share the call. A decode
+    step makes ~20 of these on weights of 1-8 MB, so the checks are the cheap ones a tensor answers without
+    building objects (a first version spent 20 us a call here, around a 60 us GEMV)."""
     lib = _library()
     if isinstance(lib, str):
         raise KernelError(f"the CPU kernel is not available: {lib}")
-    if x_NI.dtype != torch.float32 or w_OI.dtype != torch.float32 or x_NI.device.type != "cpu" or w_OI.device.type != "cpu":
+    if x_NI.dtype != torch.float32 or w_OI.dtype != torch.float32 or not (x_NI.is_cpu and w_OI.is_cpu):
         raise KernelError(f"the CPU kernel takes float32 CPU tensors, not {x_NI.dtype} x {w_OI.dtype} "
                           f"on {x_NI.device.type}")
-    if x_NI.stride(-1) != 1:
-        x_NI = x_NI.contiguous()
     if w_OI.stride(-1) != 1:
         raise KernelError("the CPU kernel needs a weight with contiguous rows")
-    lead = x_NI.shape[:-1]
-    x2 = x_NI.reshape(-1, x_NI.shape[-1])
-    (n, I), O = x2.shape, w_OI.shape[0]
-    if w_OI.shape[1] != I:
-        raise KernelError(f"shapes do not match: x [{n}, {I}] and w {list(w_OI.shape)}")
-    y = torch.empty(n, O, dtype=torch.float32)
+    (O, I), *lead = w_OI.shape, *x_NI.shape[:-1]
+    if x_NI.shape[-1] != I:
+        raise KernelError(f"shapes do not match: x {list(x_NI.shape)} and w {[O, I]}")
+    row = I  # the distance between x's rows: I when contiguous
+    if not x_NI.is_contiguous():  # rows at one stride: a view where the leading dims allow it, else a copy
+        x_NI = (x_NI if x_NI.stride(-1) == 1 else x_NI.contiguous()).reshape(-1, I)
+        row = x_NI.stride(0)
+    n = math.prod(lead)
+    y = torch.empty(*lead, O, dtype=torch.float32)
     if n and O:
-        lib.linear_nt(x2.data_ptr(), x2.stride(0), w_OI.data_ptr(), w_OI.stride(0), y.data_ptr(), O,
-                         n, O, I, torch.get_num_threads())
-    return y.view(*lead, O)
+        lib.linear_nt(x_NI.data_ptr(), row, w_OI.data_ptr(), w_OI.stride(0), y.data_ptr(), O, n, O, I,
+                      torch.get_num_threads())
+    return y
 
 
 class KernelLinear(nn.Module):
@@ -124,19 +128,26 @@ class KernelExperts:
             if tuple(w.shape) != want[name]:
                 raise KernelError(f"expert {name} of shape {tuple(w.shape)}: expected {want[name]}")
         self.lib, self.w1, self.w2, self.w3 = _library(), w1_EFD, w2_EDF, w3_EFD
+        # what every call passes, read once: the tensors are held here, so their storage does not move
+        self._weights = (w1_EFD.data_ptr(), None if w3_EFD is None else w3_EFD.data_ptr(), w2_EDF.data_ptr(),
+                         w1_EFD.stride(0), 0 if w3_EFD is None else w3_EFD.stride(0), w2_EDF.stride(0))
+        self._E, self._D, self._F, self._h = E, D, F_, (1 if w3_EFD is None else 2) * F_
 
     def __call__(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
         """x_ND: the routed rows sorted by expert, counts_E[e] (int64) of them for expert e; their outputs [N, D]."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
-        x_ND, counts_E = x_ND.contiguous(), counts_E.to(torch.int64).contiguous()
-        if counts_E.shape != (w1.shape[0],) or int(counts_E.sum()) != x_ND.shape[0]:  # else it reads out of bounds
-            raise KernelError(f"{x_ND.shape[0]} rows and expert counts {counts_E.tolist()} do not match")
-        E, F_, D = w1.shape
-        h = torch.empty(x_ND.shape[0], (1 if w3 is None else 2) * F_, dtype=torch.float32)
-        y = torch.empty(x_ND.shape[0], D, dtype=torch.float32)
-        w3_ptr, s3 = (None, 0) if w3 is None else (w3.data_ptr(), w3.stride(0))
-        self.lib.experts_ffn(x_ND.data_ptr(), counts_E.data_ptr(), w1.data_ptr(), w3_ptr, w2.data_ptr(), w1.stride(0),
-                             s3, w2.stride(0), h.data_ptr(), y.data_ptr(), E, D, F_, torch.get_num_threads())
+        if not x_ND.is_contiguous():
+            x_ND = x_ND.contiguous()
+        if counts_E.dtype != torch.int64 or not counts_E.is_contiguous():
+            counts_E = counts_E.to(torch.int64).contiguous()
+        N, D = x_ND.shape
+        if x_ND.dtype != torch.float32 or D != self._D:
+            raise KernelError(f"expert inputs: float32 rows of {self._D}, not {x_ND.dtype} rows of {D}")
+        if counts_E.shape != (self._E,) or sum(counts_E.tolist()) != N:  # else it reads out of bounds
+            raise KernelError(f"{N} rows and expert counts {counts_E.tolist()} do not match")
+        h = torch.empty(N, self._h, dtype=torch.float32)
+        y = torch.empty(N, self._D, dtype=torch.float32)
+        self.lib.experts_ffn(x_ND.data_ptr(), counts_E.data_ptr(), *self._weights, h.data_ptr(), y.data_ptr(),
+                             self._E, self._D, self._F, torch.get_num_threads())
         return y
 
 

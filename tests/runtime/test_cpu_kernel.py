@@ -194,6 +194,10 @@ def test_the_kernel_runs_the_experts_where_they_lie(monkeypatch):
         cpu_kernel.KernelExperts(w1.transpose(1, 2).contiguous().transpose(1, 2), w2)
     with pytest.raises(KernelError, match=r"5 rows and expert counts \[2, 2, 2, 2\] do not match"):
         w.fused(x, torch.tensor([2, 2, 2, 2]))
+    with pytest.raises(KernelError, match=r"float32 rows of 16, not torch.float32 rows of 15"):  # it would read past x
+        w.fused(torch.randn(5, 15), torch.tensor([2, 1, 1, 1]))
+    with pytest.raises(KernelError, match=r"float32 rows of 16, not torch.bfloat16 rows of 16"):
+        w.fused(x.bfloat16(), torch.tensor([2, 1, 1, 1]))
     monkeypatch.setenv(cpu_kernel.ENV, "off")  # built, but switched off: the layer is refused by name
     with pytest.raises(KernelError, match=r"not available: \$MOESERVE_CPU_KERNEL=off"):
         fuse_expert_weights(w1, w2, w3, "swiglu", pack=False, kernel=True)
