@@ -29,11 +29,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .cache import remembered_sha256, sha256_file
-from .config import FORMAT, ConfigError, MoEConfig
+from .config import FORMAT, MANIFEST_FILE, ConfigError, MoEConfig
 from .hf_mixtral import MixtralError, from_mixtral, mixtral_config, mixtral_expert_slice
 
 CONFIG_FILE = "config.json"
-MANIFEST_FILE = "moeserve.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"

@@ -13,7 +13,7 @@ from typing import Iterator
 
 from moeserve.bench.cli import add_bench
 from moeserve.papers_cli import add_paper_commands
-from moeserve.config import PRESETS, ROUTERS, ConfigError, preset
+from moeserve.config import MANIFEST_FILE, PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
 from moeserve.runtime import BACKENDS, COMPILE_MODES
 
@@ -109,6 +109,8 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None and not (args.ray or args.print_config):
+        _hash_ahead(args.checkpoint)  # first, while the imports below take a core for ~2 s
     from moeserve.serve.batcher import BatchConfig
     from moeserve.serve.server import serve
     from moeserve.serve.state import ServeConfig
@@ -139,6 +141,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(path, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
                  calibration=_calibration(args), compile=args.compile, verify=args.checkpoint is not None,
                  access_log=not args.no_access_log, log_level=args.log_level)
+
+
+def _hash_ahead(path: Path) -> None:
+    """The checkpoint's files hashed on a thread from now on (cache.hash_ahead), where `path` is a moeserve
+    checkpoint directory; anything else is left for the load to name."""
+    from moeserve.cache import hash_ahead
+
+    try:
+        hash_ahead([path / name for name in json.loads((path / MANIFEST_FILE).read_text())["files"]])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
 
 
 def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = "moeserve/1"
+MANIFEST_FILE = "moeserve.json"  # a checkpoint directory's file list, hashes and training metrics
 
 ROUTERS = ("softmax", "sigmoid", "xmoe", "vq")
 GATES = ("softmax", "sigmoid")

@@ -88,3 +88,34 @@ def test_an_unwritable_cache_costs_only_the_memo(tmp_path: Path, monkeypatch: py
     assert cache.remembered_sha256(f) == hashlib.sha256(b"z" * 100).hexdigest()
     assert cache.remembered_sha256(f) == hashlib.sha256(b"z" * 100).hexdigest()
     assert len(reads) == 2
+
+
+@pytest.mark.parametrize("size", [0, 1, 6, 7, 8, 20, 21])
+def test_sha256_file_is_hashlibs_across_slice_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        size: int) -> None:
+    monkeypatch.setattr(cache, "_HASH_SLICE", 7)  # slices of 7 bytes: empty, partial, exact and ragged ends
+    data = bytes(range(size))
+    (tmp_path / "f").write_bytes(data)
+    assert cache.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def test_a_file_hashed_ahead_is_read_once_and_its_hash_waited_for(tmp_path: Path, memo_dir: Path,
+                                                                   reads: list[Path]) -> None:
+    files = [old_file(tmp_path / f"w{i}.safetensors", bytes([i]) * 1000) for i in range(3)]
+    cache.hash_ahead(files)
+    cache.hash_ahead(files[:1])  # asked twice: still one hash
+    assert [cache.remembered_sha256(f) for f in files] == [hashlib.sha256(bytes([i]) * 1000).hexdigest()
+                                                            for i in range(3)]
+    assert sorted(reads) == files  # each read once, by the thread, and none again when asked for
+    assert cache._ahead == {}
+
+
+def test_a_hash_ahead_that_failed_is_tried_again_by_the_caller(tmp_path: Path, memo_dir: Path,
+                                                               reads: list[Path]) -> None:
+    missing = tmp_path / "gone.safetensors"
+    cache.hash_ahead([missing])
+    assert isinstance(cache._ahead[missing.absolute()].exception(timeout=10), FileNotFoundError)
+    old_file(missing, b"late")  # there now: the caller reads it itself
+    assert cache.remembered_sha256(missing) == hashlib.sha256(b"late").hexdigest()
+    with pytest.raises(FileNotFoundError):  # nothing ahead any more: the caller's own error
+        cache.remembered_sha256(tmp_path / "never.safetensors")
