@@ -145,7 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _hash_ahead(path: Path) -> None:
     """The checkpoint's files hashed on a thread from now on (cache.hash_ahead), where `path` is a moeserve
-    checkpoint directory; anything else is left for the load to name."""
+    checkpoint directory; anything else is left for the load to name. The manifest is read here rather than
+    by checkpoint.py, which imports torch: the very import this hash is meant to run beside."""
     from moeserve.cache import hash_ahead
 
     try:
