@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from moeserve.runtime import cpu_kernel
 from moeserve.runtime.experts import Dispatch, Experts, combine, compute, dispatch
 
 ShardCall = Callable[[Tensor, list[int]], Tensor]  # shard(x_ND of its experts, rows per expert) -> y_ND
@@ -38,6 +39,7 @@ class ExpertShard(nn.Module):
         self.expert_ids = list(expert_ids)
         self.w1, self.w2 = nn.Parameter(w1, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         self.w3 = nn.Parameter(w3, requires_grad=False) if w3 is not None else None
+        self.kernel: cpu_kernel.KernelExperts | None = None
 
     @classmethod
     def of(cls, experts: Experts, expert_ids: Sequence[int]) -> "ExpertShard":
@@ -46,7 +48,18 @@ class ExpertShard(nn.Module):
         w3 = experts.w3.detach()[ids].clone() if experts.w3 is not None else None
         return cls(expert_ids, experts.w1.detach()[ids].clone(), experts.w2.detach()[ids].clone(), w3)
 
+    def prepare_inference(self) -> bool:
+        """Compute with the CPU kernel's one-call layer where it runs (float32 weights on a CPU with a C
+        compiler; cpu_kernel.py): a shard is asked for a few rows per layer at a decode step, where the kernel
+        reads the weights at copy bandwidth and torch's per-expert loop costs a dozen calls an expert (the
+        built-in model's shard, 8 tokens: see `moeserve bench shards`). Whether it did."""
+        if self.w1.dtype == torch.float32 and self.w1.device.type == "cpu" and cpu_kernel.available():
+            self.kernel = cpu_kernel.KernelExperts(self.w1, self.w2, self.w3)
+        return self.kernel is not None
+
     def forward(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+        if self.kernel is not None and not torch.is_grad_enabled():
+            return self.kernel(x_ND, torch.tensor(counts, dtype=torch.int64))
         d = Dispatch(x_ND, counts, tok_N=x_ND.new_empty(0), gates_N=x_ND.new_empty(0))
         return compute(d, self.w1, self.w2, self.w3, expert_ids=self.expert_ids)
 

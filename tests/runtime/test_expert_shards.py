@@ -98,3 +98,26 @@ def test_a_model_built_with_sharded_experts_matches_the_whole_model(router):
     a = Engine.from_model(whole, tok, calibration="off").generate(["def f(x):"], max_new_tokens=8)
     b = Engine.from_model(sharded, tok, calibration="off").generate(["def f(x):"], max_new_tokens=8)
     assert a == b
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+def test_a_shard_on_the_cpu_kernel_equals_its_torch_loop(act, monkeypatch):
+    from moeserve.runtime import cpu_kernel
+
+    shard = ExpertShard.of(experts(act), [2, 3, 4])
+    g = torch.Generator().manual_seed(2)
+    cases = [[1, 0, 2], [0, 0, 0], [5, 9, 1], [0, 13, 0]]
+    with torch.inference_mode():
+        want = [shard(torch.randn(sum(c), D, generator=g), c) for c in cases]
+        monkeypatch.setenv(cpu_kernel.ENV, "off")
+        assert shard.prepare_inference() is False and shard.kernel is None  # the probe's other side: torch's loop
+        monkeypatch.delenv(cpu_kernel.ENV)
+        if not cpu_kernel.available():
+            pytest.skip(f"the C kernel is not built here: {cpu_kernel.unavailable_reason()}")
+        assert shard.prepare_inference() is True
+        kernel, calls = shard.kernel, []
+        shard.kernel = lambda x, counts: calls.append(counts.tolist()) or kernel(x, counts)
+        g.manual_seed(2)
+        for c, w in zip(cases, want):
+            torch.testing.assert_close(shard(torch.randn(sum(c), D, generator=g), c), w, atol=1e-5, rtol=1e-5)
+    assert calls == cases  # computed by the kernel, not torch's loop
