@@ -348,11 +348,12 @@ def _add_serve(sub) -> None:
                      help="GPUs per shard replica; fractional shares a GPU between shards (default: 0, CPU actors)")
     ray.add_argument("--ingress-gpus", type=float, default=0.0, metavar="N",
                      help="GPUs for the ingress (the dense layers and the step engine) (default: 0)")
-    ray.add_argument("--exchange", default="compiled", choices=("compiled", "actors", "handles"),
-                     help="compiled: the shards are actors of the ingress behind one Ray Compiled Graph (the fastest "
-                     "exchange, but each shard spins a core while it waits); actors: the same actors called plainly "
-                     "(idle shards cost nothing); handles: Serve deployments called through handles, with replicas "
-                     "(default: compiled)")
+    ray.add_argument("--exchange", default="sockets", choices=("sockets", "compiled", "actors", "handles"),
+                     help="how the ingress reaches the shards. sockets: they are Ray actors of the ingress, sent "
+                     "their rows over a TCP connection each (the fastest; idle shards cost nothing); compiled: the "
+                     "same actors behind one Ray Compiled Graph (each shard spins a core while it waits); actors: "
+                     "the same actors called as Ray tasks; handles: Serve deployments called through handles, with "
+                     "replicas (default: sockets)")
     ray.add_argument("--shard-timeout", type=float, default=10.0, metavar="S",
                      help="an expert exchange unanswered this long fails its requests with 503: a shard whose "
                      "replicas are all gone until Serve replaces one (default: 10)")

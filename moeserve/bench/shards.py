@@ -6,7 +6,9 @@ Per token count T, over the same routed inputs:
   serve handles   RemoteExperts over Ray Serve deployment handles, as the ingress calls them
   ray actors      the ingress's shard actors called plainly (actor.method.remote + ray.get; --exchange actors)
   compiled graph  the same actors behind one Ray Compiled Graph (ray.dag, experimental_compile), channels set
-                  up once (--exchange compiled, the default)
+                  up once (--exchange compiled)
+  ray actors, sockets  the same actors sent their rows over a TCP connection each (--exchange sockets, the
+                  default; serve/shard_socket.py)
 Each remote path is timed on a Ray of its own, as each is deployed.
 and what an exchange is made of: the compute of the slowest shard (timed in process), and turning the
 rows into arrays and back (`to_wire` / `from_wire`), so that transport = exchange - compute - wire.
@@ -30,8 +32,8 @@ from moeserve.runtime.experts import dispatch
 from moeserve.runtime.model import Transformer
 
 
-PATHS = ["in process", "serve handles", "ray actors", "ray compiled graph", "compute, slowest shard",
-         "to/from arrays, both ways"]
+PATHS = ["in process", "serve handles", "ray actors", "ray compiled graph", "ray actors, sockets",
+         "compute, slowest shard", "to/from arrays, both ways"]
 
 
 def _timed(call, calls: int) -> list[float]:
@@ -68,14 +70,16 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
     import ray
     from ray import serve
 
-    from moeserve.serve.ray_app import (ExpertShardServer, RemoteExperts, ShardActors, from_wire, shard_ranges,
-                                        to_wire)
+    from moeserve.serve.ray_app import ExpertShardServer, RemoteExperts, ShardActors, shard_ranges
+    from moeserve.serve.shard_socket import from_wire, to_wire
 
     cfg = preset(model)
     net = Transformer(cfg)
     layer = net.moe_layers[0]
     ranges = shard_ranges(cfg.n_experts, n_shards)
     local = ShardedExperts.split(layer.experts, n_shards)
+    for shard in local.shards:  # computing as a shard actor does (the C kernel where it is built)
+        shard.prepare_inference()
     cases = []  # per token count: (T, the layer's arguments, the routed rows per shard)
     for T in tokens:
         x = torch.randn(T, cfg.d_model)
@@ -113,16 +117,13 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
                                  route_prefix=None) for s, r in enumerate(ranges)]
             return RemoteExperts(layer_id, cfg.n_experts, handles, ranges, torch.float32, 60)
 
-        def ray_actors():  # --exchange actors
-            return RemoteExperts(layer_id, cfg.n_experts, ShardActors(ckpt, ranges, "float32", 0.1, 0.0, timeout_s=60,
-                                                                      compiled=False), ranges, torch.float32)
+        def shard_actors(exchange: str):
+            actors = ShardActors(ckpt, ranges, "float32", 0.1, 0.0, timeout_s=60, exchange=exchange)
+            return RemoteExperts(layer_id, cfg.n_experts, actors, ranges, torch.float32)
 
-        def compiled_graph():  # what the ingress runs by default
-            exchange = ShardActors(ckpt, ranges, "float32", 0.1, 0.0, timeout_s=60)
-            return RemoteExperts(layer_id, cfg.n_experts, exchange, ranges, torch.float32)
-
-        for name, make in (("serve handles", serve_handles), ("ray actors", ray_actors),
-                           ("ray compiled graph", compiled_graph)):
+        for name, make in (("serve handles", serve_handles), ("ray actors", lambda: shard_actors("actors")),
+                           ("ray compiled graph", lambda: shard_actors("compiled")),
+                           ("ray actors, sockets", lambda: shard_actors("sockets"))):
             ray.init(num_cpus=max(2, n_shards + 1), include_dashboard=False, log_to_driver=False)
             try:  # each path on a Ray of its own: nothing of another path's left running beside it
                 log(f"setting up {name}")

@@ -103,8 +103,8 @@ class Metrics:
     def watch_shards(self, n_shards: int) -> None:
         """The exchange with remote expert shards (serve/ray_app.py), per shard."""
         self.shard_exchange_seconds = self._make(
-            Histogram, "moeserve_shard_exchange_seconds", "Per MoE layer and forward pass, from sending the shard "
-            "its routed rows to having its answer (from the ingress's own shard actors every answer is read at once)",
+            Histogram, "moeserve_shard_exchange_seconds", "Per MoE layer and forward pass that sends the shard rows, "
+            "from sending them to having its answer (from the ingress's own shard actors every answer is read at once)",
             ["shard"], buckets=EXCHANGE_BUCKETS)
         self.shard_compute_seconds = self._make(
             Histogram, "moeserve_shard_compute_seconds", "The shard's own time computing its experts' rows, per "
@@ -116,8 +116,11 @@ class Metrics:
         self._per_shard = [tuple(m.labels(str(s)) for m in (self.shard_exchange_seconds, self.shard_compute_seconds,
                                                               self.shard_routed_tokens)) for s in range(n_shards)]
 
-    def observe_exchange(self, exchange_s: list[float], compute_s: list[float], rows: list[int]) -> None:
+    def observe_exchange(self, exchange_s: list[float], compute_s: list[float | None], rows: list[int]) -> None:
+        """Per shard; compute None: the shard was not asked (`--exchange sockets` skips a shard with no rows)."""
         for (wall_h, busy_h, rows_c), wall, busy, n in zip(self._per_shard, exchange_s, compute_s, rows):
+            if busy is None:
+                continue
             wall_h.observe(wall)
             busy_h.observe(busy)
             rows_c.inc(n)

@@ -28,7 +28,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +46,7 @@ from moeserve.serve.app import create_app
 from moeserve.serve import ray_metrics
 from moeserve.serve.batcher import BatchConfig, Unavailable
 from moeserve.serve.metrics import Metrics
+from moeserve.serve.shard_socket import ShardConnections, ShardListener, from_wire, to_wire
 from moeserve.serve.state import ServeConfig
 
 
@@ -55,22 +55,6 @@ def shard_ranges(n_experts: int, n_shards: int) -> list[range]:
     if not 1 <= n_shards <= n_experts:
         raise ValueError(f"--expert-shards {n_shards}: expected 1..{n_experts} (the model's experts)")
     return contiguous_ranges(n_experts, n_shards)
-
-
-# ---- the wire: tensors as numpy arrays (Ray passes them without pickling their data) ------------------
-def to_wire(t: Tensor) -> np.ndarray:
-    """A CPU array; bf16, which numpy lacks, travels as its int16 bits."""
-    t = t.detach().cpu().contiguous()
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def from_wire(a: np.ndarray, dtype: torch.dtype) -> Tensor:
-    """A tensor over the array, no copy. Arrays from Ray's object store are read-only: torch warns that
-    writing would be undefined, and nothing here writes to its inputs."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
 @serve.deployment(name="experts")
@@ -87,12 +71,14 @@ class ExpertShardServer:
         self.layers = {i: ExpertShard(ids, w[f"layers.{i}.ffn.experts.w1"], w[f"layers.{i}.ffn.experts.w2"],
                                       w.get(f"layers.{i}.ffn.experts.w3"))
                        for i in cfg.moe_layer_ids}
+        for shard in self.layers.values():
+            shard.prepare_inference()
 
         self.last_error: str | None = None
+        self.listener: ShardListener | None = None
 
-    def forward(self, layer: int, x: np.ndarray, counts: list[int]) -> tuple[np.ndarray, float]:
-        """The rows of this shard's experts, and the seconds it took to compute them (for the metrics)."""
-        t0 = time.perf_counter()
+    def compute(self, layer: int, x: np.ndarray, counts: list[int]) -> np.ndarray:
+        """The rows of this shard's experts for `x`, its rows of them in expert order."""
         try:
             with torch.inference_mode():
                 y = to_wire(self.layers[layer](from_wire(x, self.dtype).to(self.device), counts))
@@ -100,7 +86,21 @@ class ExpertShardServer:
             self.last_error = f"{type(e).__name__}: {e}"
             raise
         self.last_error = None
+        return y
+
+    def forward(self, layer: int, x: np.ndarray, counts: list[int]) -> tuple[np.ndarray, float]:
+        """The rows, and the seconds it took to compute them (for the metrics)."""
+        t0 = time.perf_counter()
+        y = self.compute(layer, x, counts)
         return y, time.perf_counter() - t0
+
+    def listen(self) -> tuple[str, int]:
+        """Serve exchanges over a socket too (`--exchange sockets`); the address to connect to."""
+        if self.listener is None:
+            any_layer = next(iter(self.layers.values()))
+            self.listener = ShardListener(self.compute, set(self.layers), any_layer.w1.shape[-1],
+                                          len(any_layer.expert_ids), to_wire(torch.empty(0, dtype=self.dtype)).dtype)
+        return ray.util.get_node_ip_address(), self.listener.port
 
     def parameter_count(self) -> int:
         return sum(p.numel() for shard in self.layers.values() for p in shard.parameters())
@@ -114,24 +114,27 @@ class ExpertShardServer:
 
 
 class ShardActors:
-    """Every shard as a Ray actor owned by the ingress, asked per exchange with (layer, its rows, counts).
-    Compiled (`--exchange compiled`): behind one Ray Compiled Graph, whose channels are set up once, so an
-    exchange submits no task (2.4 ms against 3.6 ms as plain actor calls at one token: `moeserve bench
-    shards`), but each shard actor then spins on its input channel, a whole core per shard while idle.
-    Plain (`--exchange actors`): `actor.forward.remote` calls, idle shards cost nothing.
+    """Every shard as a Ray actor owned by the ingress, asked per exchange with (layer, its rows, counts),
+    in one of three ways (`moeserve bench shards` times each; one token's rows, 2 shards, 2 cores, three runs:
+    0.6-0.8, 1.3-2.0 and 2.6-4.1 ms):
+    - `sockets` (the default): a TCP connection to each actor (shard_socket.py); nothing spins while idle.
+    - `compiled`: behind one Ray Compiled Graph, whose channels are set up once, so an exchange submits no
+      task, but each shard actor then spins on its input channel, a whole core per shard while idle.
+    - `actors`: plain `actor.forward.remote` calls, a task submitted per shard per exchange.
 
     The actors share the ingress's fate (Serve restarts the ingress, which makes them again); one that dies
-    is restarted by Ray, and the graph (if any) compiled again at the next exchange once it is back."""
+    is restarted by Ray, and the connections or graph made again at the next exchange once it is back."""
 
     def __init__(self, checkpoint: str, ranges: list[range], dtype: str, cpus: float, gpus: float, timeout_s: float,
-                 compiled: bool = True):
+                 exchange: str = "sockets"):
         actor = ray.remote(ExpertShardServer.func_or_class)
         self.actors = [actor.options(name=f"{APP_NAME}-experts-{s}", namespace=APP_NAME, num_cpus=cpus, num_gpus=gpus,
                                      max_restarts=-1, max_task_retries=0)
                        .remote(checkpoint, r.start, r.stop, dtype) for s, r in enumerate(ranges)]
-        self.timeout_s, self.compiled, self.graph = timeout_s, compiled, None
+        self.timeout_s, self.exchange = timeout_s, exchange
+        self.graph, self.connections = None, None
         ray.get([a.check_health.remote() for a in self.actors], timeout=600)  # loaded, or the error that stopped one
-        if compiled:
+        if exchange == "compiled":
             self._compile()
 
     def _compile(self) -> None:
@@ -141,9 +144,15 @@ class ShardActors:
             self.graph = MultiOutputNode([a.forward.bind(inp[0], inp[1 + 2 * s], inp[2 + 2 * s])
                                           for s, a in enumerate(self.actors)]).experimental_compile()
 
-    def __call__(self, layer: int, inputs: list[tuple[Tensor, list[int]]]) -> list[tuple[np.ndarray, float]]:
+    def __call__(self, layer: int, inputs: list[tuple[Tensor, list[int]]]) -> list[tuple[np.ndarray, float | None]]:
+        """Each shard's rows and compute seconds (None: not asked, having no rows); Unavailable if any fails."""
         try:
-            if not self.compiled:
+            if self.exchange == "sockets":
+                if self.connections is None:
+                    addresses = ray.get([a.listen.remote() for a in self.actors], timeout=self.timeout_s)
+                    self.connections = ShardConnections(addresses, self.timeout_s)
+                return self.connections(layer, [(to_wire(x), counts) for x, counts in inputs])
+            if self.exchange == "actors":
                 calls = [a.forward.remote(layer, to_wire(x), counts) for a, (x, counts) in zip(self.actors, inputs)]
                 return ray.get(calls, timeout=self.timeout_s)
             flat = [v for x, counts in inputs for v in (to_wire(x), counts)]
@@ -151,7 +160,7 @@ class ShardActors:
                 ray.get([a.check_health.remote() for a in self.actors], timeout=self.timeout_s)
                 self._compile()
             return ray.get(self.graph.execute(layer, *flat), timeout=self.timeout_s)
-        except Exception as e:  # an actor died (or will not answer): a graph is done, the next call rebuilds it
+        except Exception as e:  # an actor died or will not answer: its graph or connections are remade next time
             self.teardown()
             raise Unavailable(f"an expert shard is not answering ({type(e).__name__})") from None
 
@@ -159,13 +168,17 @@ class ShardActors:
         return ray.get([a.parameter_count.remote() for a in self.actors])
 
     def teardown(self) -> None:
+        connections, self.connections = self.connections, None
+        if connections is not None:
+            connections.close()
         graph, self.graph = self.graph, None
         if graph is not None:
             with contextlib.suppress(Exception):
                 graph.teardown()
 
 
-ExchangeObserver = Callable[[list[float], list[float], list[int]], None]  # (wall s, compute s, rows) per shard
+# (wall s, compute s or None where the shard was not asked, rows) per shard
+ExchangeObserver = Callable[[list[float], list[float | None], list[int]], None]
 
 
 class RemoteExperts(ShardedExperts):
@@ -221,7 +234,7 @@ class Ingress:
     def __init__(self, checkpoint: str, shards: "list | RayServeOptions", serve_cfg: ServeConfig, dtype: str,
                  device: str, shard_timeout_s: float = 10.0):
         """`shards`: the shard deployments' handles (exchange "handles"), or the options the ingress makes
-        its shard actors with (exchanges "compiled" and "actors")."""
+        its shard actors with (every other exchange)."""
         self.checkpoint, self.shards, self.serve_cfg = checkpoint, shards, serve_cfg
         self.dtype, self.device, self.shard_timeout_s = dtype, device, shard_timeout_s
         self.exchange: ShardActors | None = None
@@ -240,7 +253,7 @@ class Ingress:
             ranges = shard_ranges(cfg.n_experts, shards.expert_shards)
             shards = self.exchange = ShardActors(self.checkpoint, ranges, self.dtype, shards.cpus_per_shard,
                                                  shards.gpus_per_shard, self.shard_timeout_s,
-                                                 compiled=shards.exchange == "compiled")
+                                                 exchange=shards.exchange)
         else:
             ranges = shard_ranges(cfg.n_experts, len(shards))
         self.metrics.watch_shards(len(ranges))
@@ -249,9 +262,10 @@ class Ingress:
             return RemoteExperts(layer_id, cfg.n_experts, shards, ranges, dt, self.shard_timeout_s,
                                  observe=self.metrics.observe_exchange)
 
-        # an experts module with no weights of its own lays out nothing: the dispatch plan is not measured
+        # the dense layers as the plan measured for this model's shapes on this machine lays them out (cached, the
+        # single-process server's plan; its expert choices do not apply here): the C kernel where it beat torch
         self.engine = Engine.load(self.checkpoint, dtype=self.dtype, device=self.device, experts_factory=experts,
-                                  calibration="off", compile="off")
+                                  compile="off")
         return self.engine
 
     def parameter_count(self) -> int:
@@ -259,7 +273,7 @@ class Ingress:
         return sum(p.numel() for p in self.engine.model.parameters())
 
     def shard_parameter_counts(self) -> list[int]:
-        """The weights each of this ingress's shard actors holds (exchanges "compiled" and "actors")."""
+        """The weights each of this ingress's shard actors holds (every exchange but "handles")."""
         return self.exchange.parameter_counts()
 
     def __del__(self):
@@ -269,7 +283,7 @@ class Ingress:
             self.exchange.teardown()
 
 
-EXCHANGES = ("compiled", "actors", "handles")
+EXCHANGES = ("sockets", "compiled", "actors", "handles")
 
 
 @dataclasses.dataclass
@@ -281,9 +295,9 @@ class RayServeOptions:
     ingress_cpus: float = 1.0
     ingress_gpus: float = 0.0
     shard_timeout_s: float = 10.0  # an exchange unanswered this long: 503 (a replica gone and not yet replaced)
-    # compiled: shard actors of the ingress behind a Ray Compiled Graph; actors: the same actors called plainly;
-    # handles: Serve deployments (replicas)
-    exchange: str = "compiled"
+    # sockets: shard actors of the ingress, sent their rows over TCP; compiled: the same actors behind a Ray
+    # Compiled Graph; actors: the same actors called as Ray tasks; handles: Serve deployments (replicas)
+    exchange: str = "sockets"
 
     def __post_init__(self) -> None:
         for name in ("expert_shards", "shard_replicas"):

@@ -9,8 +9,8 @@ pytest.importorskip("ray.serve")
 from moeserve.bench.shards import bench_shards, markdown  # noqa: E402
 
 pytestmark = pytest.mark.slow
-PATHS = ["in process", "serve handles", "ray actors", "ray compiled graph", "compute, slowest shard",
-         "to/from arrays, both ways"]
+PATHS = ["in process", "serve handles", "ray actors", "ray compiled graph", "ray actors, sockets",
+         "compute, slowest shard", "to/from arrays, both ways"]
 
 
 def test_report_rows_and_table():

@@ -87,7 +87,7 @@ def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = No
 
 @pytest.mark.parametrize("router, vq_mode, shards, exchange", [  # S = 1, 2, 4; every router; every exchange
     ("softmax", None, 1, "compiled"), ("xmoe", None, 2, "handles"), ("vq", "mixed", 2, "actors"),
-    ("vq", "discrete", 4, "compiled"),
+    ("vq", "discrete", 4, "sockets"),  # one expert a shard, one a token: most shards have no rows to be sent
 ])
 def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, vq_mode, shards, exchange):
     ckpt = checkpoint(tmp_path, router, **({"vq_mode": vq_mode} if vq_mode else {}))
@@ -166,7 +166,6 @@ def test_metrics_reach_the_ingress_and_rays_export(url, tmp_path):
         assert all(v > 0 for v in rows.values())
         exchanges = series(own, "moeserve_shard_exchange_seconds_count", "shard")
         assert exchanges == series(own, "moeserve_shard_compute_seconds_count", "shard") and min(exchanges.values()) > 0
-        assert len(set(exchanges.values())) == 1  # every exchange asks every shard
         for s in ("0", "1"):  # an exchange is its shard's compute plus transport
             wall = series(own, "moeserve_shard_exchange_seconds_sum", "shard")[s,]
             assert 0 < series(own, "moeserve_shard_compute_seconds_sum", "shard")[s,] < wall
@@ -249,10 +248,10 @@ def test_expert_shard_ranges():
         RayServeOptions(shard_replicas=0)
     with pytest.raises(ValueError, match="gpus_per_shard = -0.5"):
         RayServeOptions(gpus_per_shard=-0.5)
-    for exchange in ("compiled", "actors"):
+    for exchange in ("sockets", "compiled", "actors"):
         with pytest.raises(ValueError, match=f"needs --exchange handles: with {exchange}, the shards are single"):
             RayServeOptions(shard_replicas=2, exchange=exchange)
-    with pytest.raises(ValueError, match="exchange = 'graph': expected one of compiled, actors, handles"):
+    with pytest.raises(ValueError, match="exchange = 'graph': expected one of sockets, compiled, actors, handles"):
         RayServeOptions(exchange="graph")
 
 
@@ -363,8 +362,8 @@ def test_a_killed_shard_replica_with_a_second_one_fails_no_request(url, tmp_path
 
 
 def test_with_one_replica_requests_fail_fast_with_503_until_it_is_replaced(url, tmp_path):
-    """The default exchange (a compiled graph over the ingress's shard actors): an actor killed is restarted by
-    Ray, and the graph compiled again."""
+    """The default exchange (the ingress's shard actors over sockets): an actor killed is restarted by Ray, and
+    connected to again."""
     deploy(url, checkpoint(tmp_path, "softmax"), 2, ServeConfig(model_name="tiny", request_timeout_s=20),
            shard_timeout_s=2.0)
     assert complete(url).status_code == 200
