@@ -1,11 +1,12 @@
 """The expert exchange over one TCP connection per shard actor (`--exchange sockets`, the default).
 
 Ray places the shard actors, restarts them and reports their health; only the rows of an exchange go over a
-socket of their own. Why not Ray's own transports (measured on 2 cores, `moeserve bench shards`): a plain
-actor call submits a task through the raylet (3.6 ms for one token's rows), and a Ray Compiled Graph, whose
-shared-memory channels cost less per call (2.4 ms), has every shard actor busy-wait on its input channel, a
-whole core per shard while idle, which on a small machine is the cores the ingress needs. A blocking read on a
-socket costs nothing while idle and wakes in microseconds; TCP reaches a shard on another node as well.
+socket of their own. Why not Ray's own transports (measured on 2 cores, `moeserve bench shards`, one token's
+rows to 2 shards, three runs): a plain actor call submits a task through the raylet (2.6-4.1 ms), and a Ray
+Compiled Graph, whose shared-memory channels cost less per call (1.3-2.0 ms), has every shard actor busy-wait
+on its input channel, a whole core per shard while idle, which on a small machine is the cores the ingress
+needs. Over sockets: 0.6-0.8 ms. A blocking read costs nothing while idle and wakes in microseconds; TCP
+reaches a shard on another node as well.
 
     ingress:  REQUEST(layer, rows, width, experts) + counts (int64) + rows (the wire dtype)  -> shard
     shard:    ANSWER(ok, nbytes, compute seconds) + the shard's rows, or the error text      -> ingress
