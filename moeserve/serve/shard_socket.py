@@ -75,10 +75,8 @@ def send_parts(sock: socket.socket, parts: list) -> None:
 
 
 def recv_into(sock: socket.socket, buf: memoryview) -> bool:
-    """Fill `buf`; False if the peer closed the connection before the first byte."""
+    """Fill `buf` (an empty one at once); False if the peer closed the connection before the first byte."""
     got = 0
-    if not len(buf):
-        return True
     while got < len(buf):
         n = sock.recv_into(buf[got:])
         if n == 0:
