@@ -120,12 +120,12 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
         if can_pack:
             variants.update({"gather, packed": dict(pack=True, gather_max=1 << 30),
                              "grouped, packed": dict(pack=True, gather_max=0)})
-        if dtype == torch.float32 and cpu_kernel.available():
+        why_no_kernel = cpu_kernel.unavailable_for(dtype)
+        if why_no_kernel is None:
             variants.update({"gather, C kernel": dict(pack=False, kernel=True, gather_max=1 << 30),
                              "grouped, C kernel": dict(pack=False, kernel=True, gather_max=0)})
         else:
-            skip(dtype_name, "C kernel implementations",
-                 "float32 only" if dtype != torch.float32 else cpu_kernel.unavailable_reason())
+            skip(dtype_name, "C kernel implementations", why_no_kernel)
         for T in tokens:
             torch.manual_seed(1)
             x = torch.randn(1, T, shape.d_model)

@@ -56,7 +56,7 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 3  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 4  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
@@ -195,10 +195,11 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
         layouts["packed"] = fuse_expert_weights(w1, w2, w3, shape.act, pack=True)
     else:
         skipped["packed"] = f"oneDNN cannot pack {_name(dtype)} weights on this CPU"
-    if dtype == torch.float32 and cpu_kernel.available():
+    why_no_kernel = cpu_kernel.unavailable_for(dtype)
+    if why_no_kernel is None:
         layouts["kernel"] = fuse_expert_weights(w1, w2, w3, shape.act, pack=False, kernel=True)  # no copy
     else:
-        skipped["kernel"] = ("float32 only" if dtype != torch.float32 else cpu_kernel.unavailable_reason())
+        skipped["kernel"] = why_no_kernel
     del w1, w3  # a layer's experts are held at most three times over while measuring
     gmm = replace(layouts["plain"], grouped_mm=True)  # the same stacked tensors
     why_not_gmm = _fails(lambda: moe_grouped(*_routing(shape, 8, dtype, g), gmm))
@@ -247,7 +248,7 @@ def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: flo
     layouts: dict[str, tuple[Callable, list[torch.Tensor]]] = {"linear/plain": (F.linear, plain)}
     if onednn_packing_available("cpu", dtype):
         layouts["linear/packed"] = (packed_linear, [pack_weight(c) for c in plain])
-    if dtype == torch.float32 and cpu_kernel.available():
+    if cpu_kernel.unavailable_for(dtype) is None:
         layouts["linear/kernel"] = (cpu_kernel.linear, plain)
     if len(layouts) == 1:
         return {}

@@ -1,5 +1,5 @@
 """C kernels for CPU inference (kernels/linear.c): a GEMM written for the few rows of decode, used by the
-experts and the dense layers, and a MoE layer's experts in one call (KernelExperts).
+experts and the dense layers, and a MoE layer's experts in one call (KernelExperts); float32 and bfloat16.
 
 At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to eight rows (an expert's
 share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because
@@ -10,12 +10,18 @@ reads its experts at about the speed of one row. Past 8 rows it blocks for the L
 of it (numbers in docs/benchmarks.md). One plain copy of the weights serves both; the calibration
 weighs the two ends.
 
+In bfloat16 a decode step streams half the bytes. torch's own bf16 GEMMs at one row ran at 10-17 GB/s on an
+AVX512-BF16 EPYC (oneDNN's packed ones faster, the calibration times both); the kernel's bf16 path runs at
+the speed of its float32 one, so at half the time. It uses AVX512-BF16's pairwise dot products where the CPU
+has them and widens bf16 to float32 elsewhere (`bf16_native()` says which was built; $MOESERVE_KERNEL_CFLAGS
+adds compiler flags, so that `-mno-avx512bf16` builds the other side on a CPU that has it).
+
 The source ships with the package and is compiled on first use by the machine's C compiler ($CC, else
 `cc`) with -march=native, like inductor's CPU code: it fits whatever vector units this CPU has, so the
 built library is cached per CPU (model name and flags) and compiler. It links OpenMP, which resolves to
 the libgomp torch has already loaded (one thread pool, not two fighting for the cores), and it is called
 through ctypes, which lets go of the GIL for the call. `available()` is the capability probe: no
-compiler, no OpenMP, a non-CPU tensor or a dtype other than float32, or `MOESERVE_CPU_KERNEL=off`, and
+compiler, no OpenMP, a non-CPU tensor or a dtype other than float32 and bfloat16, or `MOESERVE_CPU_KERNEL=off`, and
 the callers keep torch's kernels; a library that builds but disagrees with F.linear on a test problem is
 not used either. Whether it is used where available is the calibration's call (calibration.py), made
 by timing it against the other layouts on this machine.
@@ -46,7 +52,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "linear.c"
 ENV = "MOESERVE_CPU_KERNEL"  # "off": never build or use it
+CFLAGS_ENV = "MOESERVE_KERNEL_CFLAGS"  # extra compiler flags, e.g. -mno-avx512bf16 (part of the cache key)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 class KernelError(RuntimeError):
@@ -65,16 +73,33 @@ def unavailable_reason() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
+def unavailable_for(dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot run `dtype` here, or None where it can."""
+    if dtype not in DTYPES:
+        return f"float32 and bfloat16 only, not {str(dtype).removeprefix('torch.')}"
+    return unavailable_reason()
+
+
+def bf16_native() -> bool:
+    """Whether the built kernel multiplies bf16 with AVX512-BF16's dot products (else: widened to float32)."""
+    lib = _library()
+    if isinstance(lib, str):
+        raise KernelError(f"the CPU kernel is not available: {lib}")
+    return bool(lib.bf16_native())
+
+
 def linear(x_NI: Tensor, w_OI: Tensor) -> Tensor:
-    """x @ w^T, float32 on the CPU, rows contiguous; the same numbers whatever rows share the call. A decode
+    """x @ w^T, float32 or bfloat16 (both the same) on the CPU, rows contiguous; the same numbers whatever rows
+    share the call. A decode
     step makes ~20 of these on weights of 1-8 MB, so the checks are the cheap ones a tensor answers without
     building objects (a first version spent 20 us a call here, around a 60 us GEMV)."""
     lib = _library()
     if isinstance(lib, str):
         raise KernelError(f"the CPU kernel is not available: {lib}")
-    if x_NI.dtype != torch.float32 or w_OI.dtype != torch.float32 or not (x_NI.is_cpu and w_OI.is_cpu):
-        raise KernelError(f"the CPU kernel takes float32 CPU tensors, not {x_NI.dtype} x {w_OI.dtype} "
-                          f"on {x_NI.device.type}")
+    dtype = w_OI.dtype
+    if x_NI.dtype != dtype or dtype not in DTYPES or not (x_NI.is_cpu and w_OI.is_cpu):
+        raise KernelError(f"the CPU kernel takes float32 or bfloat16 CPU tensors of one dtype, not "
+                          f"{x_NI.dtype} x {w_OI.dtype} on {x_NI.device.type}")
     if w_OI.stride(-1) != 1:
         raise KernelError("the CPU kernel needs a weight with contiguous rows")
     (O, I), *lead = w_OI.shape, *x_NI.shape[:-1]
@@ -85,15 +110,15 @@ def linear(x_NI: Tensor, w_OI: Tensor) -> Tensor:
         x_NI = (x_NI if x_NI.stride(-1) == 1 else x_NI.contiguous()).reshape(-1, I)
         row = x_NI.stride(0)
     n = math.prod(lead)
-    y = torch.empty(*lead, O, dtype=torch.float32)
+    y = torch.empty(*lead, O, dtype=dtype)
     if n and O:
-        lib.linear_nt(x_NI.data_ptr(), row, w_OI.data_ptr(), w_OI.stride(0), y.data_ptr(), O, n, O, I,
-                      torch.get_num_threads())
+        fn = lib.linear_nt if dtype == torch.float32 else lib.linear_nt_bf16
+        fn(x_NI.data_ptr(), row, w_OI.data_ptr(), w_OI.stride(0), y.data_ptr(), O, n, O, I, torch.get_num_threads())
     return y
 
 
 class KernelLinear(nn.Module):
-    """A bias-free nn.Linear whose no-grad float32 forward runs on the kernel. `weight` is the original
+    """A bias-free nn.Linear whose no-grad float32 or bfloat16 forward runs on the kernel. `weight` is the original
     Parameter (state_dict, training and export are unchanged)."""
 
     def __init__(self, linear: nn.Linear):
@@ -101,7 +126,7 @@ class KernelLinear(nn.Module):
         self.weight = linear.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+        if torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.dtype not in DTYPES:
             return F.linear(x, self.weight)
         return linear(x, self.weight)
 
@@ -112,18 +137,22 @@ class KernelExperts:
     are used where they lie (a checkpoint's memory-mapped pages, or the two halves of a Mixtral import's
     gate-up tensor): no [w1; w3] copy, which was 1.2 s of a 644M model's start. A call runs the whole layer:
     both GEMMs and the activation of every expert hit, two barriers apart, in place of a dozen torch
-    operations per expert. w3=None: a gelu FFN."""
+    operations per expert. w3=None: a gelu FFN. float32 or bfloat16 (in bf16 the activation is computed in
+    float32 and rounded once)."""
 
     def __init__(self, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None = None):
         why = unavailable_reason()  # $MOESERVE_CPU_KERNEL=off included
         if why is not None:
             raise KernelError(f"the CPU kernel is not available: {why}")
         E, F_, D = w1_EFD.shape
+        dtype = w1_EFD.dtype
         want = {"w1": (E, F_, D), "w2": (E, D, F_), "w3": (E, F_, D)}
         given = {"w1": w1_EFD, "w2": w2_EDF} | ({} if w3_EFD is None else {"w3": w3_EFD})
         for name, w in given.items():
-            if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 3 or w.stride()[1:] != (w.shape[2], 1):
-                raise KernelError(f"the CPU kernel takes float32 CPU expert weights with contiguous rows, not "
+            if (w.dtype != dtype or dtype not in DTYPES or w.device.type != "cpu" or w.dim() != 3
+                    or w.stride()[1:] != (w.shape[2], 1)):
+                raise KernelError(f"the CPU kernel takes float32 or bfloat16 CPU expert weights (one dtype) with "
+                                  f"contiguous rows, not "
                                   f"{w.dtype} on {w.device.type} with strides {tuple(w.stride())}")
             if tuple(w.shape) != want[name]:
                 raise KernelError(f"expert {name} of shape {tuple(w.shape)}: expected {want[name]}")
@@ -132,6 +161,7 @@ class KernelExperts:
         self._weights = (w1_EFD.data_ptr(), None if w3_EFD is None else w3_EFD.data_ptr(), w2_EDF.data_ptr(),
                          w1_EFD.stride(0), 0 if w3_EFD is None else w3_EFD.stride(0), w2_EDF.stride(0))
         self._E, self._D, self._F, self._h = E, D, F_, (1 if w3_EFD is None else 2) * F_
+        self.dtype = dtype
 
     def __call__(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
         """x_ND: the routed rows sorted by expert, counts_E[e] (int64) of them for expert e; their outputs [N, D]."""
@@ -140,14 +170,19 @@ class KernelExperts:
         if counts_E.dtype != torch.int64 or not counts_E.is_contiguous():
             counts_E = counts_E.to(torch.int64).contiguous()
         N, D = x_ND.shape
-        if x_ND.dtype != torch.float32 or D != self._D:
-            raise KernelError(f"expert inputs: float32 rows of {self._D}, not {x_ND.dtype} rows of {D}")
+        if x_ND.dtype != self.dtype or D != self._D:
+            raise KernelError(f"expert inputs: {self.dtype} rows of {self._D}, not {x_ND.dtype} rows of {D}")
         if counts_E.shape != (self._E,) or sum(counts_E.tolist()) != N:  # else it reads out of bounds
             raise KernelError(f"{N} rows and expert counts {counts_E.tolist()} do not match")
         h = torch.empty(N, self._h, dtype=torch.float32)
-        y = torch.empty(N, self._D, dtype=torch.float32)
-        self.lib.experts_ffn(x_ND.data_ptr(), counts_E.data_ptr(), *self._weights, h.data_ptr(), y.data_ptr(),
-                             self._E, self._D, self._F, torch.get_num_threads())
+        y = torch.empty(N, self._D, dtype=self.dtype)
+        if self.dtype == torch.float32:
+            self.lib.experts_ffn(x_ND.data_ptr(), counts_E.data_ptr(), *self._weights, h.data_ptr(), y.data_ptr(),
+                                 self._E, self._D, self._F, torch.get_num_threads())
+        else:
+            hb = torch.empty(N, self._F, dtype=torch.bfloat16)  # the activation, the second GEMM's input
+            self.lib.experts_ffn_bf16(x_ND.data_ptr(), counts_E.data_ptr(), *self._weights, h.data_ptr(),
+                                      hb.data_ptr(), y.data_ptr(), self._E, self._D, self._F, torch.get_num_threads())
         return y
 
 
@@ -165,20 +200,28 @@ def _library() -> ctypes.CDLL | str:
     lib.experts_ffn.restype = None
     lib.experts_ffn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
                                 + [ctypes.c_long] * 3 + [ctypes.c_int])
-    lib.linear_nt.restype = None
-    lib.linear_nt.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                                 ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    lib.experts_ffn_bf16.restype = None
+    lib.experts_ffn_bf16.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
+                                     + [ctypes.c_long] * 3 + [ctypes.c_int])
+    for fn in (lib.linear_nt, lib.linear_nt_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                       ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    lib.bf16_native.restype = ctypes.c_int
+    lib.bf16_native.argtypes = []
     return _self_check(lib)
 
 
 def _self_check(lib: ctypes.CDLL) -> ctypes.CDLL | str:
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5, 37, generator=g), torch.randn(29, 37, generator=g)
-    y = torch.empty(5, 29)
-    lib.linear_nt(x.data_ptr(), 37, w.data_ptr(), 37, y.data_ptr(), 29, 5, 29, 37, 2)
-    err = (y - F.linear(x, w)).abs().max().item()
-    if not err < 1e-4:
-        return f"the built kernel disagrees with F.linear (max error {err:.3g}): not used"
+    x, w = torch.randn(5, 77, generator=g), torch.randn(29, 77, generator=g)
+    for dtype, fn, tol in ((torch.float32, lib.linear_nt, 1e-4), (torch.bfloat16, lib.linear_nt_bf16, 0.1)):
+        xd, wd = x.to(dtype), w.to(dtype)
+        y = torch.empty(5, 29, dtype=dtype)
+        fn(xd.data_ptr(), 77, wd.data_ptr(), 77, y.data_ptr(), 29, 5, 29, 77, 2)
+        err = (y.float() - F.linear(xd.float(), wd.float())).abs().max().item()
+        if not err < tol:
+            return f"the built kernel disagrees with F.linear in {dtype} (max error {err:.3g}): not used"
     return lib
 
 
@@ -188,14 +231,15 @@ def _build() -> Path:
     if shutil.which(cc) is None:
         raise KernelError(f"no C compiler ({cc!r} not found; set $CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = "\n".join([SOURCE.read_text(), version, " ".join(FLAGS), cpu_name(), _cpu_flags()])
+    flags = (*FLAGS, *os.environ.get(CFLAGS_ENV, "").split())
+    key = "\n".join([SOURCE.read_text(), version, " ".join(flags), cpu_name(), _cpu_flags()])
     out = cache_root() / "kernels" / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
+        r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
                            timeout=120)
         if r.returncode != 0:
             raise KernelError(f"{cc} could not build it: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")

@@ -49,11 +49,11 @@ class ExpertShard(nn.Module):
         return cls(expert_ids, experts.w1.detach()[ids].clone(), experts.w2.detach()[ids].clone(), w3)
 
     def prepare_inference(self) -> bool:
-        """Compute with the CPU kernel's one-call layer where it runs (float32 weights on a CPU with a C
+        """Compute with the CPU kernel's one-call layer where it runs (float32 or bf16 weights on a CPU with a C
         compiler; cpu_kernel.py): a shard is asked for a few rows per layer at a decode step, where the kernel
         reads the weights at copy bandwidth and torch's per-expert loop costs a dozen calls an expert (the
         built-in model's shard, 8 tokens: see `moeserve bench shards`). Whether it did."""
-        if self.w1.dtype == torch.float32 and self.w1.device.type == "cpu" and cpu_kernel.available():
+        if self.w1.device.type == "cpu" and cpu_kernel.unavailable_for(self.w1.dtype) is None:
             self.kernel = cpu_kernel.KernelExperts(self.w1, self.w2, self.w3)
         return self.kernel is not None
 

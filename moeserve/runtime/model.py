@@ -318,7 +318,7 @@ class Transformer(nn.Module):
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
         if self.head_packed is not None and not torch.is_grad_enabled():
             return ModelOutput(packed_linear(x, self.head_packed), aux)
-        if self.head_kernel and not torch.is_grad_enabled() and x.dtype == torch.float32:
+        if self.head_kernel and not torch.is_grad_enabled() and x.dtype == self.tok_embeddings.weight.dtype:
             return ModelOutput(cpu_kernel.linear(x, self.tok_embeddings.weight), aux)
         if self.cfg.tie_embeddings:
             return ModelOutput(F.linear(x, self.tok_embeddings.weight), aux)

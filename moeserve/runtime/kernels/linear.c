@@ -134,3 +134,153 @@ void experts_ffn(const float *x, const long *counts, const float *w1, const floa
         }
     }
 }
+
+/* bfloat16: the same GEMM on bf16 x and w, half the bytes to stream, the products summed in float32. Where the
+   CPU has AVX512-BF16 (Zen 4, Sapphire Rapids), one instruction multiplies 32 pairs and adds them into 16
+   float32 lanes; elsewhere each bf16 is widened to float32 (a shift) and summed by 8-lane FMAs, which is
+   still half the bytes of float32 weights. Either way a row's result is the same sum in the same order
+   whatever rows share the call. The output is rounded to bf16 (nearest even, as torch rounds), or kept in
+   float32 where it feeds the activation (experts_ffn_bf16). */
+typedef unsigned short bf16;
+
+static inline float bf16_float(bf16 h) {
+    union { unsigned u; float f; } c = {(unsigned)h << 16};
+    return c.f;
+}
+
+static inline bf16 float_bf16(float f) {
+    union { float f; unsigned u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16)((c.u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+    return (bf16)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+typedef __m512 accb;
+static inline accb zero32(void) { return _mm512_setzero_ps(); }
+static inline accb dot32(const bf16 *w, const bf16 *x, accb acc) { /* 32 pairs -> 16 lanes */
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
+}
+static inline float lanes32(accb acc) { return _mm512_reduce_add_ps(acc); } /* a fixed tree */
+int bf16_native(void) { return 1; }
+#else
+typedef v8 accb;
+typedef unsigned short u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef unsigned int u32x8 __attribute__((vector_size(32)));
+static inline v8 widen8(const bf16 *p) { return (v8)(__builtin_convertvector(*(const u16x8 *)p, u32x8) << 16); }
+static inline accb zero32(void) { return (v8){0}; }
+static inline accb dot32(const bf16 *w, const bf16 *x, accb acc) {
+    for (int k = 0; k < 32; k += 8) acc = fma8(widen8(w + k), widen8(x + k), acc);
+    return acc;
+}
+static inline float lanes32(accb acc) {
+    float s = 0.0f;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    return s;
+}
+int bf16_native(void) { return 0; }
+#endif
+
+static inline float finish_b(accb acc, const bf16 *w, const bf16 *x, long i0, long I) {
+    float s = lanes32(acc);
+    for (long i = i0; i < I; i++) s += bf16_float(w[i]) * bf16_float(x[i]);
+    return s;
+}
+
+/* y (float32, or bf16 where yb is not NULL) as rows_N above; a step is 32 elements: one cache line of w. */
+#define ROWS_B(N, R)                                                                                   \
+    static void rowsb_##N(const bf16 *x, long ldx, const bf16 *w, long ldw, float *yf, bf16 *yb, long ldy, \
+                          long o0, long o1, long I) {                                                  \
+        const long iv = I / 32 * 32;                                                                   \
+        long o = o0;                                                                                   \
+        for (; o + R <= o1; o += R) {                                                                  \
+            accb acc[R][N];                                                                            \
+            for (int r = 0; r < R; r++)                                                                \
+                for (int j = 0; j < N; j++) acc[r][j] = zero32();                                      \
+            for (long i = 0; i < iv; i += 32) {                                                        \
+                for (int r = 0; r < R; r++) __builtin_prefetch(w + (o + R + r) * ldw + i);            \
+                for (int j = 0; j < N; j++)                                                            \
+                    for (int r = 0; r < R; r++) acc[r][j] = dot32(w + (o + r) * ldw + i, x + j * ldx + i, acc[r][j]); \
+            }                                                                                          \
+            for (int r = 0; r < R; r++)                                                                \
+                for (int j = 0; j < N; j++) {                                                          \
+                    const float s = finish_b(acc[r][j], w + (o + r) * ldw, x + j * ldx, iv, I);        \
+                    if (yb) yb[j * ldy + o + r] = float_bf16(s); else yf[j * ldy + o + r] = s;         \
+                }                                                                                      \
+        }                                                                                              \
+        for (; o < o1; o++) {                                                                          \
+            accb acc[N];                                                                               \
+            for (int j = 0; j < N; j++) acc[j] = zero32();                                             \
+            for (long i = 0; i < iv; i += 32)                                                          \
+                for (int j = 0; j < N; j++) acc[j] = dot32(w + o * ldw + i, x + j * ldx + i, acc[j]);  \
+            for (int j = 0; j < N; j++) {                                                              \
+                const float s = finish_b(acc[j], w + o * ldw, x + j * ldx, iv, I);                     \
+                if (yb) yb[j * ldy + o] = float_bf16(s); else yf[j * ldy + o] = s;                     \
+            }                                                                                          \
+        }                                                                                              \
+    }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) /* 32 vector registers: 24 accumulators for prefill's 6 rows */
+ROWS_B(1, 4) ROWS_B(2, 4) ROWS_B(3, 4) ROWS_B(4, 3) ROWS_B(5, 4) ROWS_B(6, 4) ROWS_B(7, 1) ROWS_B(8, 1)
+#else
+ROWS_B(1, 4) ROWS_B(2, 4) ROWS_B(3, 4) ROWS_B(4, 3) ROWS_B(5, 2) ROWS_B(6, 2) ROWS_B(7, 1) ROWS_B(8, 1)
+#endif
+
+typedef void (*rowsb_fn)(const bf16 *, long, const bf16 *, long, float *, bf16 *, long, long, long, long);
+static const rowsb_fn ROWSB_FOR[9] = {0, rowsb_1, rowsb_2, rowsb_3, rowsb_4, rowsb_5, rowsb_6, rowsb_7, rowsb_8};
+
+static void share_b(const bf16 *x, long ldx, const bf16 *w, long ldw, float *yf, bf16 *yb, long ldy, long n, long O,
+                    long I, int t, int T) {
+    enum { BLOCK = 48, CHUNK = 6 };
+    const long per = (O + T - 1) / T, part = (per + 11) / 12 * 12;
+    const long o0 = t * part, o1 = o0 + part < O ? o0 + part : O;
+    if (o0 >= o1 || n == 0) return;
+    if (n <= 8) {
+        ROWSB_FOR[n](x, ldx, w, ldw, yf, yb, ldy, o0, o1, I);
+        return;
+    }
+    for (long b0 = o0; b0 < o1; b0 += BLOCK) {
+        const long b1 = b0 + BLOCK < o1 ? b0 + BLOCK : o1;
+        for (long j0 = 0; j0 < n; j0 += CHUNK) {
+            const long m = n - j0 < CHUNK ? n - j0 : CHUNK;
+            ROWSB_FOR[m](x + j0 * ldx, ldx, w, ldw, yf ? yf + j0 * ldy : 0, yb ? yb + j0 * ldy : 0, ldy, b0, b1, I);
+        }
+    }
+}
+
+void linear_nt_bf16(const bf16 *x, long ldx, const bf16 *w, long ldw, bf16 *y, long ldy, long n, long O, long I,
+                    int threads) {
+#pragma omp parallel num_threads(threads)
+    share_b(x, ldx, w, ldw, 0, y, ldy, n, O, I, omp_get_thread_num(), omp_get_num_threads());
+}
+
+/* experts_ffn on bf16 weights and rows: the first GEMMs land in float32 (h), the activation is computed there
+   and rounded to bf16 once (hb [N, F]), the second GEMM's input. */
+void experts_ffn_bf16(const bf16 *x, const long *counts, const bf16 *w1, const bf16 *w3, const bf16 *w2, long s1,
+                      long s3, long s2, float *h, bf16 *hb, bf16 *y, long E, long D, long F, int threads) {
+    long starts[E + 1];
+    starts[0] = 0;
+    for (long e = 0; e < E; e++) starts[e + 1] = starts[e] + counts[e];
+    const int swiglu = w3 != 0;
+    const long H = swiglu ? 2 * F : F;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (long e = 0; e < E; e++) {
+            const long r0 = starts[e], n = starts[e + 1] - r0;
+            if (n == 0) continue;
+            float *he = h + r0 * H;
+            bf16 *hbe = hb + r0 * F;
+            share_b(x + r0 * D, D, w1 + e * s1, D, he, 0, H, n, F, D, t, T);
+            if (swiglu) share_b(x + r0 * D, D, w3 + e * s3, D, he + F, 0, H, n, F, D, t, T);
+#pragma omp barrier
+            for (long j = 0; j < n; j++) {
+                const float *g = he + j * H;
+                for (long c = t * F / T; c < (t + 1) * F / T; c++)
+                    hbe[j * F + c] = float_bf16(swiglu ? g[c] / (1.0f + expf(-g[c])) * g[c + F]
+                                                       : 0.5f * g[c] * (1.0f + erff(g[c] * 0.70710678118654752f)));
+            }
+#pragma omp barrier
+            share_b(hbe, F, w2 + e * s2, F, 0, y + r0 * D, D, n, D, F, t, T);
+        }
+    }
+}
