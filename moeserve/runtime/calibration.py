@@ -174,7 +174,7 @@ def plan_for(shape: ExpertShape | None, device: torch.device | str, dtype: torch
 def calibration_key(shape: ExpertShape, dtype: torch.dtype) -> dict:
     return {"version": VERSION, "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": _name(dtype),
-            "kernel": cpu_kernel.available(),
+            "kernel": cpu_kernel.identity(),  # a new kernel (source, compiler, flags) is measured again
             "shape": asdict(shape)}
 
 

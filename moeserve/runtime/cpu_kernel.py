@@ -80,6 +80,13 @@ def unavailable_for(dtype: torch.dtype) -> str | None:
     return unavailable_reason()
 
 
+def identity() -> str | None:
+    """The built library's name (a hash of the source, compiler, flags and CPU), or None where there is none:
+    what a measurement of the kernel (calibration.py's cache) was taken with."""
+    lib = None if os.environ.get(ENV, "").lower() == "off" else _library()
+    return None if lib is None or isinstance(lib, str) else Path(lib._name).name
+
+
 def bf16_native() -> bool:
     """Whether the built kernel multiplies bf16 with AVX512-BF16's dot products (else: widened to float32)."""
     lib = _library()

@@ -279,3 +279,16 @@ except KernelError as e:
     out = _probe({"MOESERVE_CPU_KERNEL": "off", "MOESERVE_CACHE": str(tmp_path)}, code)
     assert out == ("the plan runs dense layers on the CPU kernel, which is not available here: "
                    "$MOESERVE_CPU_KERNEL=off")
+
+
+@requires_kernel
+def test_a_cached_calibration_is_keyed_by_the_built_kernel(monkeypatch):
+    """A new kernel (source, compiler, flags, CPU: the library's name) is measured again, not read from a plan
+    measured with the old one."""
+    from moeserve.runtime.calibration import calibration_key
+
+    shape = ExpertShape(16, 24, 4, 2, "swiglu")
+    built = calibration_key(shape, torch.float32)["kernel"]
+    assert built == cpu_kernel.identity() and built.startswith("linear-") and built.endswith(".so")
+    monkeypatch.setenv(cpu_kernel.ENV, "off")
+    assert calibration_key(shape, torch.float32)["kernel"] is None
