@@ -138,6 +138,38 @@ class KernelLinear(nn.Module):
         return linear(x, self.weight)
 
 
+def rms_norm(x: Tensor, w_D: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension (float32 or bfloat16, x and w of one dtype, on the CPU): what torch's
+    rms_norm computes, in float32 and rounded once, in one call instead of half a dozen operations."""
+    lib = _library()
+    if isinstance(lib, str):
+        raise KernelError(f"the CPU kernel is not available: {lib}")
+    D = x.shape[-1]
+    if x.dtype != w_D.dtype or x.dtype not in DTYPES or not (x.is_cpu and w_D.is_cpu) or w_D.shape != (D,):
+        raise KernelError(f"rms_norm takes float32 or bfloat16 CPU rows and a weight of their width, not "
+                          f"{x.dtype} {list(x.shape)} and {w_D.dtype} {list(w_D.shape)}")
+    x, w_D = x.contiguous(), w_D.contiguous()
+    y = torch.empty_like(x)
+    fn = lib.rms_norm if x.dtype == torch.float32 else lib.rms_norm_bf16
+    fn(x.data_ptr(), w_D.data_ptr(), y.data_ptr(), x.numel() // D if D else 0, D, eps)
+    return y
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameters, same state_dict) whose no-grad forward runs on the kernel once
+    `use_kernel` is set (Transformer.prepare_inference does, where the plan puts dense layers on the kernel)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.use_kernel = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not self.use_kernel or torch.is_grad_enabled() or self.weight is None or x.dtype != self.weight.dtype
+                or x.dtype not in DTYPES):
+            return super().forward(x)
+        return rms_norm(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
+
+
 class KernelExperts:
     """One MoE layer's stacked expert weights as `experts_ffn` takes them: w1 and w3 [E, F, D], w2 [E, D, F],
     each expert's matrix with contiguous rows and the experts at any fixed stride, so that the parameters
@@ -214,6 +246,9 @@ def _library() -> ctypes.CDLL | str:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                        ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    for fn in (lib.rms_norm, lib.rms_norm_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
     lib.bf16_native.restype = ctypes.c_int
     lib.bf16_native.argtypes = []
     return _self_check(lib)

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from moeserve.config import MoEConfig
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.calibration import DispatchPlan, default_plan
-from moeserve.runtime.cpu_kernel import KernelLinear
+from moeserve.runtime.cpu_kernel import KernelLinear, KernelRMSNorm
 from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
@@ -156,7 +156,7 @@ class Attention(nn.Module):
 
 def make_norm(cfg: MoEConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return KernelRMSNorm(cfg.d_model, eps=cfg.norm_eps)  # nn.RMSNorm, on the C kernel where the plan says
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
@@ -279,6 +279,9 @@ class Transformer(nn.Module):
                                              f"here: {cpu_kernel.unavailable_reason()}")
             wrap_linears_(self, KernelLinear)
             self.head_kernel = tied
+        for m in self.modules():
+            if isinstance(m, KernelRMSNorm):
+                m.use_kernel = plan.kernel_dense
         return plan
 
     # ---- forward --------------------------------------------------------------------------

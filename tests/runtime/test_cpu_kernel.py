@@ -292,3 +292,52 @@ def test_a_cached_calibration_is_keyed_by_the_built_kernel(monkeypatch):
     assert built == cpu_kernel.identity() and built.startswith("linear-") and built.endswith(".so")
     monkeypatch.setenv(cpu_kernel.ENV, "off")
     assert calibration_key(shape, torch.float32)["kernel"] is None
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [1, 7, 8, 37, 512])
+def test_rms_norm_equals_torchs(D, dtype):
+    """fp32: to float rounding; bf16: within one bf16 step (the kernel rounds once, torch twice)."""
+    g = torch.Generator().manual_seed(D)
+    x, w = (torch.randn(3, 5, D, generator=g) * 3).to(dtype), (torch.rand(D, generator=g) + 0.5).to(dtype)
+    got, want = cpu_kernel.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (D,), w.float(), 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2**-7)
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(cpu_kernel.rms_norm(x.transpose(0, 1), w, 1e-5).float(), want.transpose(0, 1), **tol)
+    alone = torch.stack([cpu_kernel.rms_norm(x[:, j], w, 1e-5) for j in range(5)], dim=1)
+    assert torch.equal(alone, got)  # a row's result does not depend on the rows beside it
+
+
+@requires_kernel
+def test_the_model_runs_its_norms_on_the_kernel_where_the_plan_says():
+    from moeserve.config import preset
+    from moeserve.runtime.cpu_kernel import KernelRMSNorm
+    from moeserve.runtime.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="softmax")).eval()
+    norms = [m for m in model.modules() if isinstance(m, KernelRMSNorm)]
+    assert len(norms) == 2 * model.cfg.n_layers + 1 and all(isinstance(m, torch.nn.RMSNorm) for m in norms)
+    assert not any(m.use_kernel for m in norms)  # a model not laid out for inference: torch's norm
+    model.prepare_inference(KERNEL_PLAN)
+    assert all(m.use_kernel for m in norms)
+    x = torch.randn(2, 3, model.cfg.d_model)
+    norm, calls = norms[0], []
+    kernel_rms_norm = cpu_kernel.rms_norm
+    try:
+        cpu_kernel.rms_norm = lambda *a: calls.append(1) or kernel_rms_norm(*a)
+        with torch.no_grad():
+            torch.testing.assert_close(norm(x), F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
+        assert calls == [1]
+        x.requires_grad_(True)
+        norm(x).sum().backward()  # with grad: torch's norm, autograd as ever
+        assert calls == [1] and x.grad is not None
+    finally:
+        cpu_kernel.rms_norm = kernel_rms_norm
+    model.prepare_inference(DispatchPlan())
+    assert not any(m.use_kernel for m in norms)
+    with pytest.raises(KernelError, match="a weight of their width"):
+        cpu_kernel.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-5)
