@@ -100,15 +100,17 @@ def test_a_model_built_with_sharded_experts_matches_the_whole_model(router):
     assert a == b
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
-def test_a_shard_on_the_cpu_kernel_equals_its_torch_loop(act, monkeypatch):
+def test_a_shard_on_the_cpu_kernel_equals_its_torch_loop(act, dtype, monkeypatch):
     from moeserve.runtime import cpu_kernel
 
-    shard = ExpertShard.of(experts(act), [2, 3, 4])
+    shard = ExpertShard.of(experts(act).to(dtype), [2, 3, 4])
     g = torch.Generator().manual_seed(2)
     cases = [[1, 0, 2], [0, 0, 0], [5, 9, 1], [0, 13, 0]]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: a rounding
     with torch.inference_mode():
-        want = [shard(torch.randn(sum(c), D, generator=g), c) for c in cases]
+        want = [shard(torch.randn(sum(c), D, generator=g).to(dtype), c) for c in cases]
         monkeypatch.setenv(cpu_kernel.ENV, "off")
         assert shard.prepare_inference() is False and shard.kernel is None  # the probe's other side: torch's loop
         monkeypatch.delenv(cpu_kernel.ENV)
@@ -119,5 +121,5 @@ def test_a_shard_on_the_cpu_kernel_equals_its_torch_loop(act, monkeypatch):
         shard.kernel = lambda x, counts: calls.append(counts.tolist()) or kernel(x, counts)
         g.manual_seed(2)
         for c, w in zip(cases, want):
-            torch.testing.assert_close(shard(torch.randn(sum(c), D, generator=g), c), w, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(shard(torch.randn(sum(c), D, generator=g).to(dtype), c), w, **tol)
     assert calls == cases  # computed by the kernel, not torch's loop
