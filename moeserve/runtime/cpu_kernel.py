@@ -155,6 +155,32 @@ def rms_norm(x: Tensor, w_D: Tensor, eps: float) -> Tensor:
     return y
 
 
+def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tensor, lo_B: Tensor, hi_B: Tensor,
+                  scale: float) -> Tensor:
+    """Attention of one query per row (a decode step) over the KV cache where it lies: row b's heads q [B, H, Dh]
+    against keys and values [slots, G, max_len, Dh] of slot slots_B[b] at positions lo_B[b] .. hi_B[b] - 1
+    (int64), query head h reading kv head h // (H // G); -> [B, H, Dh]. The positions are the caller's to have
+    checked against the cache (CacheRows.decode_bounds does, once a step): this reads what it is told to."""
+    lib = _library()
+    if isinstance(lib, str):
+        raise KernelError(f"the CPU kernel is not available: {lib}")
+    (B, H, Dh), (_, G, L, Dk) = q_BHD.shape, k_cache.shape
+    dtype = q_BHD.dtype
+    if (dtype not in DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or v_cache.shape != k_cache.shape
+            or Dk != Dh or H % G or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise KernelError(f"attend_decode: queries {dtype} {list(q_BHD.shape)} against a cache of {k_cache.dtype} "
+                          f"{list(k_cache.shape)} (contiguous float32 or bfloat16, one dtype, heads dividing)")
+    for t in (slots_B, lo_B, hi_B):
+        if t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous():
+            raise KernelError(f"attend_decode: slots and bounds are {B} contiguous int64s, not {t.dtype} {list(t.shape)}")
+    q_BHD = q_BHD.contiguous()
+    y = torch.empty_like(q_BHD)
+    fn = lib.attend_decode if dtype == torch.float32 else lib.attend_decode_bf16
+    fn(q_BHD.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), y.data_ptr(), slots_B.data_ptr(), lo_B.data_ptr(),
+       hi_B.data_ptr(), B, H, G, Dh, L, scale, torch.get_num_threads())
+    return y
+
+
 class KernelRMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameters, same state_dict) whose no-grad forward runs on the kernel once
     `use_kernel` is set (Transformer.prepare_inference does, where the plan puts dense layers on the kernel)."""
@@ -249,6 +275,9 @@ def _library() -> ctypes.CDLL | str:
     for fn in (lib.rms_norm, lib.rms_norm_bf16):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
+    for fn in (lib.attend_decode, lib.attend_decode_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.bf16_native.restype = ctypes.c_int
     lib.bf16_native.argtypes = []
     return _self_check(lib)

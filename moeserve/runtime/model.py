@@ -117,13 +117,32 @@ class CacheRows:
     positions: Tensor  # [B, S] the position of each token: its RoPE angle and where its key and value are written
     length: int  # keys attended over: the largest position + 1
     contiguous: slice | None = None  # the slots as one range, when they are one: read in place, not gathered
+    _bounds: tuple[Tensor, Tensor] | None = field(default=None, repr=False)  # decode_bounds, once a call
+
+    def write(self, layer: int, k_BGSDh: Tensor, v_BGSDh: Tensor) -> None:
+        """Write this call's keys and values at their slots and positions."""
+        index = (self.slots[:, None], slice(None), self.positions)  # advanced indices -> [B, S, G, Dh]
+        self.cache.k[layer][index] = k_BGSDh.transpose(1, 2)
+        self.cache.v[layer][index] = v_BGSDh.transpose(1, 2)
+
+    def decode_bounds(self, window: int | None) -> tuple[Tensor, Tensor]:
+        """(lo, hi) [B] int64: the keys a causal decode query of each row sees, positions lo .. hi - 1 (its own
+        and those before it, within `window`). Computed and checked against the cache once per call."""
+        if self._bounds is None:
+            if self.positions.shape[1] != 1:
+                raise ValueError(f"decode bounds are for one query a row, not {self.positions.shape[1]}")
+            hi = self.positions[:, 0] + 1
+            lo = (hi - window).clamp(min=0) if window is not None else torch.zeros_like(hi)
+            if not bool((hi <= self.cache.max_len).all() & (lo >= 0).all() & (self.slots >= 0).all()
+                        & (self.slots < self.cache.slots).all()):
+                raise ValueError("decode positions or slots outside the cache")
+            self._bounds = lo.contiguous(), hi.contiguous()
+        return self._bounds
 
     def update(self, layer: int, k_BGSDh: Tensor, v_BGSDh: Tensor) -> tuple[Tensor, Tensor]:
         """Write this call's keys and values; return every row's keys and values 0..length-1, [B, G, L, Dh]."""
+        self.write(layer, k_BGSDh, v_BGSDh)
         k_all, v_all = self.cache.k[layer], self.cache.v[layer]
-        index = (self.slots[:, None], slice(None), self.positions)  # advanced indices -> [B, S, G, Dh]
-        k_all[index] = k_BGSDh.transpose(1, 2)
-        v_all[index] = v_BGSDh.transpose(1, 2)
         if self.contiguous is not None:
             return k_all[self.contiguous, :, : self.length], v_all[self.contiguous, :, : self.length]
         return (k_all[:, :, : self.length].index_select(0, self.slots),
@@ -135,6 +154,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.causal, self.window = cfg.causal, cfg.sliding_window
+        self.kernel_decode = False  # a decode step's attention on the C kernel (prepare_inference, plan.kernel_dense)
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -147,6 +168,12 @@ class Attention(nn.Module):
         k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None and S == 1 and self.kernel_decode and self.causal and not torch.is_grad_enabled():
+            cache.write(self.layer_id, k, v)  # and attend over the slots where they lie: no gather, no mask
+            lo, hi = cache.decode_bounds(self.window)
+            y = cpu_kernel.attend_decode(q.reshape(B, self.n_heads, self.head_dim), cache.cache.k[self.layer_id],
+                                         cache.cache.v[self.layer_id], cache.slots, lo, hi, self.head_dim**-0.5)
+            return self.wo(y.view(B, S, -1))
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
@@ -282,6 +309,8 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, KernelRMSNorm):
                 m.use_kernel = plan.kernel_dense
+            elif isinstance(m, Attention):
+                m.kernel_decode = plan.kernel_dense
         return plan
 
     # ---- forward --------------------------------------------------------------------------

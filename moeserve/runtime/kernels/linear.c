@@ -315,3 +315,59 @@ void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long n, long D, float 
         for (long i = 0; i < D; i++) y[j * D + i] = float_bf16(xf[i] * r * bf16_float(w[i]));
     }
 }
+
+/* Attention of one decode query per row over its slot of the KV cache, in place: row b's query heads
+   q [B, H, Dh] against keys and values [slots, G, max_len, Dh] at slot slots[b], positions lo[b] .. hi[b] - 1
+   (its causal window), query head h reading kv head h / (H / G). One pass with a running maximum (the
+   softmax's rescaling as flash attention does it), scores and sums in float32. SDPA on a CPU cost 54-77 us a
+   call at one query, plus gathering the rows' slots out of the cache and building the mask; this reads the
+   cache where it lies. Each (row, head) is one thread's work, the same operations whatever the batch. */
+#define ATTEND(NAME, T, LOAD8, LOAD1, STORE1)                                                          \
+    void NAME(const T *q, const T *k, const T *v, T *y, const long *slots, const long *lo, const long *hi,  \
+              long B, long H, long G, long Dh, long max_len, float scale, int threads) {               \
+        const long dv = Dh / 8 * 8, per_slot = G * max_len * Dh;                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
+        for (long bh = 0; bh < B * H; bh++) {                                                          \
+            const long b = bh / H, h = bh % H;                                                         \
+            const T *qh = q + bh * Dh;                                                                 \
+            const T *kh = k + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                      \
+            const T *vh = v + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                      \
+            float acc[Dh], qf[Dh], m = -INFINITY, sum = 0.0f;                                          \
+            for (long d = 0; d < Dh; d++) acc[d] = 0.0f, qf[d] = LOAD1(qh, d);                         \
+            for (long t = lo[b]; t < hi[b]; t++) {                                                     \
+                const T *kt = kh + t * Dh, *vt = vh + t * Dh;                                          \
+                v8 dot = {0};                                                                          \
+                for (long d = 0; d < dv; d += 8) dot = fma8(LOAD8(kt, d), *(const v8 *)(qf + d), dot); \
+                float s = 0.0f;                                                                        \
+                for (int l = 0; l < 8; l++) s += dot[l];                                               \
+                for (long d = dv; d < Dh; d++) s += LOAD1(kt, d) * qf[d];                              \
+                s *= scale;                                                                            \
+                if (s > m) { /* a new maximum: what was summed so far is scaled down to it */          \
+                    const float c = expf(m - s);                                                       \
+                    sum *= c;                                                                          \
+                    for (long d = 0; d < Dh; d++) acc[d] *= c;                                         \
+                    m = s;                                                                             \
+                }                                                                                      \
+                const float p = expf(s - m);                                                           \
+                sum += p;                                                                              \
+                for (long d = 0; d < Dh; d++) acc[d] += p * LOAD1(vt, d);                              \
+            }                                                                                          \
+            for (long d = 0; d < Dh; d++) STORE1(y + bh * Dh, d, sum > 0.0f ? acc[d] / sum : 0.0f);    \
+        }                                                                                              \
+    }
+
+#define F32_LOAD8(p, d) (*(const v8 *)((p) + (d)))
+#define F32_LOAD1(p, d) ((p)[d])
+#define F32_STORE1(p, d, x) ((p)[d] = (x))
+#define BF16_LOAD8(p, d) widen_any((p) + (d))
+#define BF16_LOAD1(p, d) bf16_float((p)[d])
+#define BF16_STORE1(p, d, x) ((p)[d] = float_bf16(x))
+
+static inline v8 widen_any(const bf16 *p) { /* 8 bf16 -> 8 float32, on either side of the AVX512-BF16 probe */
+    v8 r;
+    for (int l = 0; l < 8; l++) r[l] = bf16_float(p[l]);
+    return r;
+}
+
+ATTEND(attend_decode, float, F32_LOAD8, F32_LOAD1, F32_STORE1)
+ATTEND(attend_decode_bf16, bf16, BF16_LOAD8, BF16_LOAD1, BF16_STORE1)
