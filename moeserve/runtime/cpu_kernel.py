@@ -1,5 +1,6 @@
 """C kernels for CPU inference (kernels/linear.c): a GEMM written for the few rows of decode, used by the
-experts and the dense layers, and a MoE layer's experts in one call (KernelExperts); float32 and bfloat16.
+experts and the dense layers, a MoE layer's experts in one call (KernelExperts), RMSNorm (KernelRMSNorm) and a
+decode step's attention over the KV cache (attend_decode); float32 and bfloat16.
 
 At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to eight rows (an expert's
 share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because

@@ -1,4 +1,5 @@
-/* y = x w^T, float32, for w [O, I] stored row by row (nn.Linear's layout, no repacking).
+/* y = x w^T, float32 (bfloat16 below), for w [O, I] stored row by row (nn.Linear's layout, no repacking);
+   and below it, a MoE layer's experts in one call, RMSNorm, and a decode step's attention over the KV cache.
 
    oneDNN and MKL stream a weight at memory speed for one row of x, but at two to eight rows (the rows
    one expert receives in a decode step of several sequences) they fall to half of it: their small-M
