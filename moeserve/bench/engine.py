@@ -123,10 +123,10 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 return e.generate_ids(prompts.tolist(), params)[0]
 
             impls = {"moeserve Engine": lambda: ours(engine)}
-            if engine.plan.kernel_experts or engine.plan.kernel_dense:  # the baseline the C kernel replaced
-                pack = onednn_packing_available(device, dtype)
+            if engine.plan.kernel_experts or engine.plan.kernel_dense or engine.plan.kernel_norms:  # the baseline
+                pack = onednn_packing_available(device, dtype)  # the C kernel replaced
                 torch_plan = dataclasses.replace(engine.plan, kernel_experts=False, kernel_dense=False,
-                                                 pack_experts=pack, pack_dense=pack)
+                                                 kernel_norms=False, pack_experts=pack, pack_dense=pack)
                 torch_kernels = Engine.load(path, dtype=dtype, device=device, plan=torch_plan)
                 impls["moeserve Engine, torch's kernels"] = lambda: ours(torch_kernels)
             if compiled:

@@ -56,7 +56,7 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 4  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 5  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
@@ -105,13 +105,15 @@ class DispatchPlan:
     timings: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)  # ms per candidate per count
     kernel_experts: bool = False  # expert weights plain, a layer's experts in one call (cpu_kernel.KernelExperts)
     kernel_dense: bool = False  # the other linear maps too (never with pack_dense)
+    kernel_norms: bool = False  # RMSNorm and decode attention on the C kernel, whatever the GEMMs' layout
 
     def describe(self) -> str:
         grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
         layout = "packed" if self.pack_experts else "plain, C kernel" if self.kernel_experts else "plain"
         return (f"experts {layout}, gather path up to {self.gather_max} "
                 f"token{'s' if self.gather_max != 1 else ''} then {grouped}; dense layers "
-                f"{'packed' if self.pack_dense else 'C kernel' if self.kernel_dense else 'plain'} ({self.source})")
+                f"{'packed' if self.pack_dense else 'C kernel' if self.kernel_dense else 'plain'}"
+                f"{'; norms and decode attention C kernel' if self.kernel_norms else ''} ({self.source})")
 
 
 def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "not measured") -> DispatchPlan:
@@ -338,10 +340,15 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
     crossover = _crossover_text(timings[CONFIGS[name][0]], timings[CONFIGS[name][1]], gather_max, counts)
     reason = (f"experts {name}: {scores[name][0]:.2f}x the best time per token count ({others or 'no other candidate'})"
               f"; {crossover}; {dense_text}")
+    # Norms and decode attention are not timed: one call against torch's six (RMSNorm) or SDPA plus a gather,
+    # faster at every size measured (docs/benchmarks.md), so they go on the kernel wherever it ran here.
+    kernel_norms = any(n.endswith("/kernel") for n in timings)
+    if kernel_norms:
+        reason += "; norms and decode attention on the C kernel"
     if skipped:
         reason += "; not candidates: " + "; ".join(f"{n}: {why}" for n, why in skipped.items())
     return DispatchPlan(dense == "packed", pack_experts, grouped_mm, gather_max, "measured", reason, timings,
-                        kernel_experts=kernel_experts, kernel_dense=dense == "kernel")
+                        kernel_experts=kernel_experts, kernel_dense=dense == "kernel", kernel_norms=kernel_norms)
 
 
 def _geomean_ratio(a: dict[int, float], b: dict[int, float]) -> float:

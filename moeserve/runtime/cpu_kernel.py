@@ -184,7 +184,7 @@ def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tens
 
 class KernelRMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameters, same state_dict) whose no-grad forward runs on the kernel once
-    `use_kernel` is set (Transformer.prepare_inference does, where the plan puts dense layers on the kernel)."""
+    `use_kernel` is set (Transformer.prepare_inference does, where the plan says: DispatchPlan.kernel_norms)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -149,9 +149,10 @@ class Engine:
                 plan = plan_for(shape, self.model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype,
                                 calibration)
             compiled = self._compiled(compile)
-            if compiled and (plan.pack_dense or plan.pack_experts or plan.kernel_dense or plan.kernel_experts):
+            if compiled and (plan.pack_dense or plan.pack_experts or plan.kernel_dense or plan.kernel_experts
+                             or plan.kernel_norms):
                 plan = dataclasses.replace(plan, pack_dense=False, pack_experts=False, kernel_dense=False,
-                                           kernel_experts=False,
+                                           kernel_experts=False, kernel_norms=False,
                                            reason=f"{plan.reason}; plain weights for the compiled decode step")
             self.plan = self.model.prepare_inference(plan)
             model = TorchRunner(self.model, compiled, fallback=compile == "auto")

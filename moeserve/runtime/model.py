@@ -155,7 +155,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.causal, self.window = cfg.causal, cfg.sliding_window
-        self.kernel_decode = False  # a decode step's attention on the C kernel (prepare_inference, plan.kernel_dense)
+        self.kernel_decode = False  # a decode step's attention on the C kernel (prepare_inference, plan.kernel_norms)
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -306,11 +306,14 @@ class Transformer(nn.Module):
                                              f"here: {cpu_kernel.unavailable_reason()}")
             wrap_linears_(self, KernelLinear)
             self.head_kernel = tied
+        if plan.kernel_norms and not cpu_kernel.available():
+            raise cpu_kernel.KernelError(f"the plan runs norms and decode attention on the CPU kernel, which is not "
+                                         f"available here: {cpu_kernel.unavailable_reason()}")
         for m in self.modules():
             if isinstance(m, KernelRMSNorm):
-                m.use_kernel = plan.kernel_dense
+                m.use_kernel = plan.kernel_norms
             elif isinstance(m, Attention):
-                m.kernel_decode = plan.kernel_dense
+                m.kernel_decode = plan.kernel_norms
         return plan
 
     # ---- forward --------------------------------------------------------------------------

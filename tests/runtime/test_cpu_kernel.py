@@ -109,7 +109,8 @@ from moeserve.runtime import cpu_kernel
 from moeserve.runtime.calibration import calibrate, ExpertShape
 print(cpu_kernel.available(), cpu_kernel.unavailable_reason(), sep=" | ")
 plan = calibrate(ExpertShape(16, 24, 4, 2, "swiglu"), torch.float32, max_s=0.5)
-print(plan.kernel_experts, plan.kernel_dense, sorted(plan.timings), plan.reason.split("not candidates: ")[-1], sep=" | ")
+print(plan.kernel_experts, plan.kernel_dense or plan.kernel_norms, sorted(plan.timings),
+      plan.reason.split("not candidates: ")[-1], sep=" | ")
 """
 
 
@@ -203,7 +204,7 @@ def test_the_kernel_runs_the_experts_where_they_lie(monkeypatch):
         fuse_expert_weights(w1, w2, w3, "swiglu", pack=False, kernel=True)
 
 
-KERNEL_PLAN = DispatchPlan(kernel_experts=True, kernel_dense=True, gather_max=1)
+KERNEL_PLAN = DispatchPlan(kernel_experts=True, kernel_dense=True, kernel_norms=True, gather_max=1)
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +253,10 @@ def test_choose_runs_dense_layers_on_the_kernel_only_when_it_is_faster():
     assert tie.pack_dense and not tie.kernel_dense  # within 2%: the torch-native layout
     experts = choose({**base, "gather/kernel": {1: 0.5, 2: 1.0}, "grouped/kernel": {1: 0.6, 2: 0.9}})
     assert experts.kernel_experts and not experts.pack_experts and experts.gather_max == 1
+    # norms and decode attention go on the kernel wherever it ran, whichever layout the GEMMs took
+    assert fast.kernel_norms and slow.kernel_norms and tie.kernel_norms and experts.kernel_norms
+    assert "norms and decode attention on the C kernel" in slow.reason
+    assert not choose({**base, "linear/packed": {1: 0.9, 16: 1.8}}).kernel_norms
 
 
 @requires_kernel
@@ -271,14 +276,16 @@ from moeserve.config import preset
 from moeserve.runtime.calibration import DispatchPlan
 from moeserve.runtime.cpu_kernel import KernelError
 from moeserve.runtime.model import Transformer
-try:
-    Transformer(preset("tiny", router="softmax")).prepare_inference(DispatchPlan(kernel_dense=True))
-except KernelError as e:
-    print(e)
+for plan in (DispatchPlan(kernel_dense=True), DispatchPlan(kernel_norms=True)):
+    try:
+        Transformer(preset("tiny", router="softmax")).prepare_inference(plan)
+    except KernelError as e:
+        print(e)
 """
-    out = _probe({"MOESERVE_CPU_KERNEL": "off", "MOESERVE_CACHE": str(tmp_path)}, code)
-    assert out == ("the plan runs dense layers on the CPU kernel, which is not available here: "
-                   "$MOESERVE_CPU_KERNEL=off")
+    out = _probe({"MOESERVE_CPU_KERNEL": "off", "MOESERVE_CACHE": str(tmp_path)}, code).splitlines()
+    assert out == ["the plan runs dense layers on the CPU kernel, which is not available here: $MOESERVE_CPU_KERNEL=off",
+                   "the plan runs norms and decode attention on the CPU kernel, which is not available here: "
+                   "$MOESERVE_CPU_KERNEL=off"]
 
 
 @requires_kernel
@@ -339,5 +346,8 @@ def test_the_model_runs_its_norms_on_the_kernel_where_the_plan_says():
         cpu_kernel.rms_norm = kernel_rms_norm
     model.prepare_inference(DispatchPlan())
     assert not any(m.use_kernel for m in norms)
+    model.prepare_inference(DispatchPlan(kernel_norms=True))  # dense layers plain, norms on the kernel
+    assert all(m.use_kernel for m in norms) and all(layer.attention.kernel_decode for layer in model.layers)
+    assert not any(isinstance(m, KernelLinear) for m in model.modules())
     with pytest.raises(KernelError, match="a weight of their width"):
         cpu_kernel.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-5)
