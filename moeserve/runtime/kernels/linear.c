@@ -75,14 +75,22 @@ ROWS(1, 4) ROWS(2, 4) ROWS(3, 4) ROWS(4, 3) ROWS(5, 2) ROWS(6, 2) ROWS(7, 1) ROW
 typedef void (*rows_fn)(const float *, long, const float *, long, float *, long, long, long, long);
 static const rows_fn ROWS_FOR[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
+enum { BLOCK = 48, CHUNK = 6 }; /* past 8 rows: blocks of 48 rows of w stay in L2 while x goes 6 rows at a time */
+
+/* Thread t of T's rows [*o0, *o1) of w's O: blocks of 12, a multiple of every R. Whether it has any. */
+static int thread_rows(long O, int t, int T, long *o0, long *o1) {
+    const long per = (O + T - 1) / T, part = (per + 11) / 12 * 12;
+    *o0 = t * part;
+    *o1 = *o0 + part < O ? *o0 + part : O;
+    return *o0 < *o1;
+}
+
 /* Thread t of T's share of x [n, I] (row stride ldx) @ w [O, I]^T (row stride ldw) -> y [n, O] (row stride
-   ldy): w's rows split in blocks of 12 (a multiple of every R). */
+   ldy). */
 static void share(const float *x, long ldx, const float *w, long ldw, float *y, long ldy, long n, long O, long I,
                   int t, int T) {
-    enum { BLOCK = 48, CHUNK = 6 };
-    const long per = (O + T - 1) / T, part = (per + 11) / 12 * 12;
-    const long o0 = t * part, o1 = o0 + part < O ? o0 + part : O;
-    if (o0 >= o1 || n == 0) return;
+    long o0, o1;
+    if (!thread_rows(O, t, T, &o0, &o1) || n == 0) return;
     if (n <= 8) {
         ROWS_FOR[n](x, ldx, w, ldw, y, ldy, o0, o1, I);
         return;
@@ -231,10 +239,8 @@ static const rowsb_fn ROWSB_FOR[9] = {0, rowsb_1, rowsb_2, rowsb_3, rowsb_4, row
 
 static void share_b(const bf16 *x, long ldx, const bf16 *w, long ldw, float *yf, bf16 *yb, long ldy, long n, long O,
                     long I, int t, int T) {
-    enum { BLOCK = 48, CHUNK = 6 };
-    const long per = (O + T - 1) / T, part = (per + 11) / 12 * 12;
-    const long o0 = t * part, o1 = o0 + part < O ? o0 + part : O;
-    if (o0 >= o1 || n == 0) return;
+    long o0, o1;
+    if (!thread_rows(O, t, T, &o0, &o1) || n == 0) return;
     if (n <= 8) {
         ROWSB_FOR[n](x, ldx, w, ldw, yf, yb, ldy, o0, o1, I);
         return;
