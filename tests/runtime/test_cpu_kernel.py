@@ -319,7 +319,7 @@ def test_rms_norm_equals_torchs(D, dtype):
 
 
 @requires_kernel
-def test_the_model_runs_its_norms_on_the_kernel_where_the_plan_says():
+def test_the_model_runs_its_norms_on_the_kernel_where_the_plan_says(monkeypatch):
     from moeserve.config import preset
     from moeserve.runtime.cpu_kernel import KernelRMSNorm
     from moeserve.runtime.model import Transformer
@@ -334,16 +334,14 @@ def test_the_model_runs_its_norms_on_the_kernel_where_the_plan_says():
     x = torch.randn(2, 3, model.cfg.d_model)
     norm, calls = norms[0], []
     kernel_rms_norm = cpu_kernel.rms_norm
-    try:
-        cpu_kernel.rms_norm = lambda *a: calls.append(1) or kernel_rms_norm(*a)
-        with torch.no_grad():
-            torch.testing.assert_close(norm(x), F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
-        assert calls == [1]
-        x.requires_grad_(True)
-        norm(x).sum().backward()  # with grad: torch's norm, autograd as ever
-        assert calls == [1] and x.grad is not None
-    finally:
-        cpu_kernel.rms_norm = kernel_rms_norm
+    monkeypatch.setattr(cpu_kernel, "rms_norm", lambda *a: calls.append(1) or kernel_rms_norm(*a))
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
+    assert calls == [1]
+    x.requires_grad_(True)
+    norm(x).sum().backward()  # with grad: torch's norm, autograd as ever
+    assert calls == [1] and x.grad is not None
+    monkeypatch.undo()
     model.prepare_inference(DispatchPlan())
     assert not any(m.use_kernel for m in norms)
     model.prepare_inference(DispatchPlan(kernel_norms=True))  # dense layers plain, norms on the kernel

@@ -1,6 +1,6 @@
 """Decode attention on the C kernel (cpu_kernel.attend_decode): against SDPA on the same keys for every row's
 slot and causal window, grouped-query heads, float32 and bfloat16; a row's result the same whatever rows
-share the call; and a model whose plan puts dense layers on the kernel attends with it at decode steps,
+share the call; and a model whose plan puts norms and attention on the kernel attends with it at decode steps,
 giving the plain model's tokens, with and without a sliding window."""
 
 from __future__ import annotations
