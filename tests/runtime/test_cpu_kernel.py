@@ -6,6 +6,7 @@ gives the plain model's logits and tokens, alone and in a batch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -29,6 +30,17 @@ requires_kernel = pytest.mark.skipif(not cpu_kernel.available(),
 ROWS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 40)  # every one-pass row count, the blocked path and its tails
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's (and so the kernel's) thread count set to n for the block, then put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).float()
 
@@ -41,12 +53,8 @@ def test_equals_a_double_precision_matmul(n, O, I, threads):
     """Tolerance: fp32 sums of I products of N(0, 1) terms, |y| ~ sqrt(I) <= 15; error ~ I * 2^-24 * |y|."""
     g = torch.Generator().manual_seed(n * 1000 + O)
     x, w = torch.randn(n, I, generator=g), torch.randn(O, I, generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = cpu_kernel.linear(x, w)
-    finally:
-        torch.set_num_threads(before)
     assert y.shape == (n, O) and y.dtype == torch.float32
     torch.testing.assert_close(y, exact(x, w), atol=2e-5 * I**0.5, rtol=0)
 
@@ -61,12 +69,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
     for n in (2, 3, 5, 8, 9, 17, 40):
         assert torch.equal(cpu_kernel.linear(x[:n], w), alone[:n]), n
         assert torch.equal(cpu_kernel.linear(x[n - 1:2 * n - 1], w), alone[n - 1:2 * n - 1]), n
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         assert torch.equal(cpu_kernel.linear(x, w), alone)
-    finally:
-        torch.set_num_threads(before)
 
 
 @requires_kernel

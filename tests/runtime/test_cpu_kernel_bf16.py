@@ -17,7 +17,7 @@ from moeserve.runtime.engine import Engine
 from moeserve.runtime.experts import fuse_expert_weights, moe_grouped, moe_reference
 from moeserve.tokenizer import ByteTokenizer
 
-from .test_cpu_kernel import KERNEL_PLAN, ROWS, _probe, requires_kernel
+from .test_cpu_kernel import KERNEL_PLAN, ROWS, _probe, requires_kernel, torch_threads
 from .test_engine import PROMPTS, make_engine
 
 BF16 = torch.bfloat16
@@ -40,12 +40,8 @@ def assert_rounded(y: torch.Tensor, want: torch.Tensor, I: int) -> None:
 def test_equals_the_exact_product_to_bf16_rounding(n, O, I, threads):
     g = torch.Generator().manual_seed(n * 1000 + O)
     x, w = torch.randn(n, I, generator=g).to(BF16), torch.randn(O, I, generator=g).to(BF16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = cpu_kernel.linear(x, w)
-    finally:
-        torch.set_num_threads(before)
     assert y.shape == (n, O)
     assert_rounded(y, exact(x, w), I)
 

@@ -110,6 +110,12 @@ void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, lon
     share(x, ldx, w, ldw, y, ldy, n, O, I, omp_get_thread_num(), omp_get_num_threads());
 }
 
+/* starts[e] = the first of expert e's rows, counts[e] of them, in rows sorted by expert; starts[E] = all rows. */
+static void expert_starts(const long *counts, long E, long *starts) {
+    starts[0] = 0;
+    for (long e = 0; e < E; e++) starts[e + 1] = starts[e] + counts[e];
+}
+
 /* One MoE layer's experts in one call, so that the dozens of small torch operations around each expert's two
    GEMMs (slices, the activation, their launches on the thread pool) become two barriers. x [N, D]: the routed
    rows sorted by expert, counts[e] of them for expert e; w1 + e * s1 and w3 + e * s3 expert e's [F, D] (w3 NULL
@@ -118,8 +124,7 @@ void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, lon
 void experts_ffn(const float *x, const long *counts, const float *w1, const float *w3, const float *w2, long s1,
                  long s3, long s2, float *h, float *y, long E, long D, long F, int threads) {
     long starts[E + 1];
-    starts[0] = 0;
-    for (long e = 0; e < E; e++) starts[e + 1] = starts[e] + counts[e];
+    expert_starts(counts, E, starts);
     const int swiglu = w3 != 0;
     const long H = swiglu ? 2 * F : F;
 #pragma omp parallel num_threads(threads)
@@ -265,8 +270,7 @@ void linear_nt_bf16(const bf16 *x, long ldx, const bf16 *w, long ldw, bf16 *y, l
 void experts_ffn_bf16(const bf16 *x, const long *counts, const bf16 *w1, const bf16 *w3, const bf16 *w2, long s1,
                       long s3, long s2, float *h, bf16 *hb, bf16 *y, long E, long D, long F, int threads) {
     long starts[E + 1];
-    starts[0] = 0;
-    for (long e = 0; e < E; e++) starts[e + 1] = starts[e] + counts[e];
+    expert_starts(counts, E, starts);
     const int swiglu = w3 != 0;
     const long H = swiglu ? 2 * F : F;
 #pragma omp parallel num_threads(threads)
