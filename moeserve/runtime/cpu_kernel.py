@@ -157,11 +157,16 @@ def rms_norm(x: Tensor, w_D: Tensor, eps: float) -> Tensor:
 
 
 def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tensor, lo_B: Tensor, hi_B: Tensor,
-                  scale: float) -> Tensor:
+                  scale: float, new_kv: tuple[Tensor, Tensor] | None = None,
+                  rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of one query per row (a decode step) over the KV cache where it lies: row b's heads q [B, H, Dh]
     against keys and values [slots, G, max_len, Dh] of slot slots_B[b] at positions lo_B[b] .. hi_B[b] - 1
     (int64), query head h reading kv head h // (H // G); -> [B, H, Dh]. The positions are the caller's to have
-    checked against the cache (CacheRows.decode_bounds does, once a step): this reads what it is told to."""
+    checked against the cache (CacheRows.decode_bounds does, once a step): this reads what it is told to.
+
+    new_kv = (k, v) [B, G, Dh]: this step's keys and values, written first at position hi_B[b] - 1 of each row's
+    slot (CacheRows.write's job). rope = (cos, sin) [B, Dh]: q and the new keys rotated first, as apply_rope
+    rotates them (the same roundings, in the queries' dtype). A layer's decode attention in one call."""
     lib = _library()
     if isinstance(lib, str):
         raise KernelError(f"the CPU kernel is not available: {lib}")
@@ -174,11 +179,22 @@ def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tens
     for t in (slots_B, lo_B, hi_B):
         if t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous():
             raise KernelError(f"attend_decode: slots and bounds are {B} contiguous int64s, not {t.dtype} {list(t.shape)}")
+    extra = []
+    for name, pair, shape in (("new_kv", new_kv, (B, G, Dh)), ("rope", rope, (B, Dh))):
+        for t in pair or ():
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise KernelError(f"attend_decode: {name} takes {dtype} {list(shape)}, not {t.dtype} {list(t.shape)}")
+        extra.append(None if pair is None else [t.contiguous() for t in pair])
+    (kv, cs) = extra
+    if cs is not None and Dh % 2:
+        raise KernelError(f"attend_decode: rotate-half RoPE needs an even head dim, not {Dh}")
     q_BHD = q_BHD.contiguous()
     y = torch.empty_like(q_BHD)
     fn = lib.attend_decode if dtype == torch.float32 else lib.attend_decode_bf16
-    fn(q_BHD.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), y.data_ptr(), slots_B.data_ptr(), lo_B.data_ptr(),
-       hi_B.data_ptr(), B, H, G, Dh, L, scale, torch.get_num_threads())
+    fn(q_BHD.data_ptr(), *(None, None) if kv is None else (kv[0].data_ptr(), kv[1].data_ptr()),
+       *(None, None) if cs is None else (cs[0].data_ptr(), cs[1].data_ptr()), k_cache.data_ptr(), v_cache.data_ptr(),
+       y.data_ptr(), slots_B.data_ptr(), lo_B.data_ptr(), hi_B.data_ptr(), B, H, G, Dh, L, scale,
+       torch.get_num_threads())
     return y
 
 
@@ -252,6 +268,29 @@ class KernelExperts:
         return y
 
 
+    def moe(self, x_TD: Tensor, ids_TK: Tensor, gates_TK: Tensor) -> Tensor:
+        """The layer's output for routed tokens: y_t = sum_k gates[t, k] * expert_{ids[t, k]}(x_t), the sorting by
+        expert, the gather and the gated sum back in the same call (moe_fused's torch operations, the same
+        roundings in the same order). ids int64 [T, K]; gates in x's dtype."""
+        T, D = x_TD.shape
+        if x_TD.dtype != self.dtype or D != self._D or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
+            raise KernelError(f"routed experts: {self.dtype} rows of {self._D} and [T, K] ids, not {x_TD.dtype} "
+                              f"{list(x_TD.shape)} and {list(ids_TK.shape)}")
+        if gates_TK.shape != ids_TK.shape:
+            raise KernelError(f"gates {list(gates_TK.shape)} for ids {list(ids_TK.shape)}")
+        x_TD, gates_TK = x_TD.contiguous(), gates_TK.to(self.dtype).contiguous()
+        ids_TK = ids_TK.to(torch.int64).contiguous()
+        out = torch.empty_like(x_TD)
+        fn = self.lib.moe_ffn if self.dtype == torch.float32 else self.lib.moe_ffn_bf16
+        status = fn(x_TD.data_ptr(), ids_TK.data_ptr(), gates_TK.data_ptr(), T, ids_TK.shape[1], *self._weights,
+                    out.data_ptr(), self._E, self._D, self._F, torch.get_num_threads())
+        if status == -1:
+            raise KernelError(f"expert ids outside [0, {self._E}): {sorted(set(ids_TK.flatten().tolist()))}")
+        if status != 0:
+            raise MemoryError(f"routed experts: no memory for the scratch of {T} x {ids_TK.shape[1]} rows")
+        return out
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The built and checked library, or why there is none (once per process)."""
@@ -278,7 +317,11 @@ def _library() -> ctypes.CDLL | str:
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
     for fn in (lib.attend_decode, lib.attend_decode_bf16):
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
+    for fn in (lib.moe_ffn, lib.moe_ffn_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+                       + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int])
     lib.bf16_native.restype = ctypes.c_int
     lib.bf16_native.argtypes = []
     return _self_check(lib)

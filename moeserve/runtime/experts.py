@@ -227,16 +227,10 @@ def _rows_contiguous(w_EIJ: Tensor) -> Tensor:
 
 
 def moe_fused(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
-    """Any token count on the C kernel: assignments sorted by expert, every expert of the layer in one call
-    (cpu_kernel.KernelExperts), one scatter back. The few torch operations left do not grow with the
-    number of experts hit, which at a decode step of 8 sequences is most of them."""
-    T, K = expert_ids_TK.shape
-    ids_N = expert_ids_TK.reshape(-1)
-    order = ids_N.argsort(stable=True)
-    tok_N = order // K
-    y_ND = w.fused(x_TD[tok_N], torch.bincount(ids_N, minlength=w.n_experts))
-    gates_N = gates_TK.reshape(-1)[order].to(y_ND.dtype)
-    return torch.zeros_like(x_TD).index_add_(0, tok_N, y_ND * gates_N[:, None])
+    """Any token count on the C kernel: the layer's routed experts in one call (cpu_kernel.KernelExperts.moe:
+    assignments sorted by expert, every expert hit, the gated sum back). No torch operation around it grows
+    with the number of experts hit, which at a decode step of 8 sequences is most of them."""
+    return w.fused.moe(x_TD, expert_ids_TK, gates_TK)
 
 
 def moe_gather(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:

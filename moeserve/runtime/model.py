@@ -164,16 +164,20 @@ class Attention(nn.Module):
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 cache: CacheRows | None = None) -> Tensor:
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
         if cache is not None and S == 1 and self.kernel_decode and self.causal and not torch.is_grad_enabled():
-            cache.write(self.layer_id, k, v)  # and attend over the slots where they lie: no gather, no mask
+            # RoPE, the cache write and attention over the slots where they lie, in one call: no gather, no mask
             lo, hi = cache.decode_bounds(self.window)
-            y = cpu_kernel.attend_decode(q.reshape(B, self.n_heads, self.head_dim), cache.cache.k[self.layer_id],
-                                         cache.cache.v[self.layer_id], cache.slots, lo, hi, self.head_dim**-0.5)
+            y = cpu_kernel.attend_decode(q.view(B, self.n_heads, self.head_dim), cache.cache.k[self.layer_id],
+                                         cache.cache.v[self.layer_id], cache.slots, lo, hi, self.head_dim**-0.5,
+                                         new_kv=(k.view(B, self.n_kv_heads, self.head_dim),
+                                                 v.view(B, self.n_kv_heads, self.head_dim)),
+                                         rope=(cos.reshape(B, self.head_dim), sin.reshape(B, self.head_dim)))
             return self.wo(y.view(B, S, -1))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,

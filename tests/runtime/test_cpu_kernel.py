@@ -208,6 +208,50 @@ def test_the_kernel_runs_the_experts_where_they_lie(monkeypatch):
         fuse_expert_weights(w1, w2, w3, "swiglu", pack=False, kernel=True)
 
 
+def routed_in_torch(k: cpu_kernel.KernelExperts, x_TD, ids_TK, gates_TK):
+    """The torch operations KernelExperts.moe replaced around the experts call (sort, bincount, gather, gated
+    scatter-add): what it must equal bit for bit."""
+    T, K = ids_TK.shape
+    order = ids_TK.reshape(-1).argsort(stable=True)
+    y_ND = k(x_TD[order // K], torch.bincount(ids_TK.reshape(-1), minlength=k.w1.shape[0]))
+    gates_N = gates_TK.reshape(-1)[order].to(y_ND.dtype)
+    return torch.zeros_like(x_TD).index_add_(0, order // K, y_ND * gates_N[:, None])
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+@pytest.mark.parametrize("T,K,E", [(1, 2, 8), (5, 2, 8), (16, 3, 6), (40, 1, 4), (3, 4, 4), (70, 2, 8), (6, 4, 2)])
+def test_the_routed_experts_call_is_the_torch_operations_it_replaced(T, K, E, act, dtype):
+    g = torch.Generator().manual_seed(T * 10 + K)
+    D, Fh = 40, 72
+    w1, w2 = torch.randn(E, Fh, D, generator=g).to(dtype), torch.randn(E, D, Fh, generator=g).to(dtype)
+    k = cpu_kernel.KernelExperts(w1, w2, torch.randn(E, Fh, D, generator=g).to(dtype) if act == "swiglu" else None)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if K <= E else (
+        torch.randint(0, E, (T, K), generator=g))  # a token's expert more than once: the order of its sum matters
+    gates = torch.rand(T, K, generator=g).to(dtype)
+    y = k.moe(x, ids, gates)
+    assert y.dtype == dtype and torch.equal(y, routed_in_torch(k, x, ids, gates))
+    if dtype == torch.float32 and act == "swiglu":
+        torch.testing.assert_close(y, moe_reference(x, ids, gates, k.w1, k.w2, k.w3), atol=1e-3, rtol=1e-4)
+
+
+@requires_kernel
+def test_the_routed_experts_call_refuses_what_it_would_misread():
+    E, D, Fh = 4, 16, 24
+    k = cpu_kernel.KernelExperts(torch.randn(E, Fh, D), torch.randn(E, D, Fh), torch.randn(E, Fh, D))
+    x, gates = torch.randn(2, D), torch.rand(2, 2)
+    for bad in ([[0, 4], [1, 2]], [[0, 1], [-1, 2]]):  # it would read an expert past the stack
+        with pytest.raises(KernelError, match=r"expert ids outside \[0, 4\)"):
+            k.moe(x, torch.tensor(bad), gates)
+    with pytest.raises(KernelError, match=r"gates \[2, 1\] for ids \[2, 2\]"):
+        k.moe(x, torch.tensor([[0, 1], [1, 2]]), gates[:, :1])
+    with pytest.raises(KernelError, match=r"float32 rows of 16 and \[T, K\] ids, not torch.float32 \[2, 15\]"):
+        k.moe(torch.randn(2, 15), torch.tensor([[0, 1], [1, 2]]), gates)
+    assert k.moe(x, torch.tensor([[0, 1], [1, 2]], dtype=torch.int32), gates).shape == (2, D)  # ids widened
+
+
 KERNEL_PLAN = DispatchPlan(kernel_experts=True, kernel_dense=True, kernel_norms=True, gather_max=1)
 
 

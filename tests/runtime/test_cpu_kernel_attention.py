@@ -1,6 +1,7 @@
 """Decode attention on the C kernel (cpu_kernel.attend_decode): against SDPA on the same keys for every row's
 slot and causal window, grouped-query heads, float32 and bfloat16; a row's result the same whatever rows
-share the call; and a model whose plan puts norms and attention on the kernel attends with it at decode steps,
+share the call; RoPE and the cache write in the same call bit for bit torch's (apply_rope, CacheRows.write);
+and a model whose plan puts norms and attention on the kernel attends with it at decode steps,
 giving the plain model's tokens, with and without a sliding window."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.cpu_kernel import KernelError
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.model import KVCache
+from moeserve.runtime.model import KVCache, apply_rope, rope_tables
 from moeserve.tokenizer import ByteTokenizer
 
 from .test_cpu_kernel import KERNEL_PLAN, requires_kernel
@@ -49,6 +50,36 @@ def test_equals_sdpa_on_each_rows_slot_and_window(H, G, Dh, dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,G,Dh", [(4, 4, 16), (6, 2, 36), (8, 1, 10)])
+def test_rope_and_the_cache_write_in_the_same_call_are_torchs(H, G, Dh, dtype):
+    """new_kv and rope: the cache afterwards holds what apply_rope + CacheRows.write put there, and the output is
+    attention over it with apply_rope's query, bit for bit, in either dtype."""
+    g = torch.Generator().manual_seed(H * 10 + Dh)
+    n_slots, L, B = 5, 40, 3
+    cache = KVCache(1, n_slots, L, G, Dh, dtype)
+    for t in (*cache.k, *cache.v):
+        t.copy_(torch.randn(t.shape, generator=g))
+    rows = cache.rows([4, 0, 2], [16, 0, 39], 1)
+    q, k, v = (torch.randn(B, n, 1, Dh, generator=g).to(dtype) for n in (H, G, G))  # [B, heads, S=1, Dh]
+    cos, sin = (t[rows.positions][:, None].to(dtype) for t in rope_tables(Dh, L, 10000.0))  # as the model's forward
+    lo, hi = rows.decode_bounds(None)
+    want_k, want_v = cache.k[0].clone(), cache.v[0].clone()
+    k_cache, v_cache = cache.k[0].clone(), cache.v[0].clone()
+    cache.k[0], cache.v[0] = want_k, want_v
+    rows.write(0, apply_rope(k, cos, sin), v)
+    want = cpu_kernel.attend_decode(apply_rope(q, cos, sin)[:, :, 0], want_k, want_v, rows.slots, lo, hi, Dh**-0.5)
+    y = cpu_kernel.attend_decode(q[:, :, 0], k_cache, v_cache, rows.slots, lo, hi, Dh**-0.5,
+                                 new_kv=(k[:, :, 0], v[:, :, 0]), rope=(cos.reshape(B, Dh), sin.reshape(B, Dh)))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(y, want)
+    unrotated = cpu_kernel.attend_decode(q[:, :, 0], k_cache, v_cache, rows.slots, lo, hi, Dh**-0.5,
+                                         new_kv=(k[:, :, 0], v[:, :, 0]))  # no rope: the keys written as given
+    assert torch.equal(k_cache[rows.slots, :, rows.positions[:, 0]], k[:, :, 0])
+    assert unrotated.shape == y.shape and not torch.equal(unrotated, y)
+
+
+@requires_kernel
 def test_what_it_cannot_take_is_named():
     k = torch.randn(2, 2, 8, 4)
     q, idx = torch.randn(1, 3, 4), torch.zeros(1, dtype=torch.long)
@@ -56,6 +87,14 @@ def test_what_it_cannot_take_is_named():
         cpu_kernel.attend_decode(q, k, k, idx, idx, idx + 1, 0.5)
     with pytest.raises(KernelError, match="1 contiguous int64s, not torch.int32"):
         cpu_kernel.attend_decode(torch.randn(1, 2, 4), k, k, idx.int(), idx, idx + 1, 0.5)
+    q = torch.randn(1, 2, 4)
+    with pytest.raises(KernelError, match=r"new_kv takes torch.float32 \[1, 2, 4\], not torch.float32 \[1, 4\]"):
+        cpu_kernel.attend_decode(q, k, k, idx, idx, idx + 1, 0.5, new_kv=(torch.randn(1, 4), torch.randn(1, 4)))
+    with pytest.raises(KernelError, match=r"rope takes torch.float32 \[1, 4\], not torch.bfloat16"):
+        cpu_kernel.attend_decode(q, k, k, idx, idx, idx + 1, 0.5, rope=(torch.randn(1, 4).bfloat16(),) * 2)
+    odd = torch.randn(2, 2, 8, 5)
+    with pytest.raises(KernelError, match="even head dim, not 5"):
+        cpu_kernel.attend_decode(torch.randn(1, 2, 5), odd, odd, idx, idx, idx + 1, 0.5, rope=(torch.randn(1, 5),) * 2)
     cache = KVCache(1, 2, 8, 2, 4, torch.float32)
     rows = cache.rows([1], [7], 1)
     rows.positions = rows.positions + 1  # past the cache: refused before anything reads it
@@ -74,7 +113,7 @@ def test_a_model_on_the_kernel_attends_with_it_and_gives_the_same_tokens(window,
     assert not any(layer.attention.kernel_decode for layer in plain.model.layers)
     calls = []
     attend = cpu_kernel.attend_decode
-    monkeypatch.setattr(cpu_kernel, "attend_decode", lambda *a: calls.append(a[0].shape[0]) or attend(*a))
+    monkeypatch.setattr(cpu_kernel, "attend_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
     alone = [kern.generate([p], max_new_tokens=12)[0] for p in PROMPTS]
     assert calls and set(calls) == {1}  # every decode step of one row, every layer
     assert kern.generate(PROMPTS, max_new_tokens=12) == alone  # and in a batch: the same tokens

@@ -13,6 +13,8 @@
    on which other rows share the call, so batching never changes a sequence's logits. */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef float v8 __attribute__((vector_size(32), aligned(4))); /* unaligned loads: mmap'd weights */
 
@@ -296,6 +298,78 @@ void experts_ffn_bf16(const bf16 *x, const long *counts, const bf16 *w1, const b
     }
 }
 
+/* A MoE layer's routed experts whole: the T tokens' K assignments each (ids, gates [T, K]) sorted by expert, the
+   rows gathered, the experts run (experts_ffn), and each token's outputs summed back with their gates. In torch
+   that was a dozen operations around the one call (argsort, bincount, a gather, a scatter-add, ...), ~40 us of a
+   decode step's layer. The sums are torch's (the tests hold the torch operations it replaced): the assignments
+   in order of expert, stably, each product rounded to the output's dtype and added to the token's row in that
+   order (in bf16, summed in float32 and rounded once, as torch's index_add_ does).
+   Returns -1, having read and written nothing, where an id lies outside [0, E). */
+static int sort_by_expert(const long *ids, long N, long E, long *counts, long *order) {
+    long starts[E + 1];
+    for (long e = 0; e < E; e++) counts[e] = 0;
+    for (long n = 0; n < N; n++) {
+        if (ids[n] < 0 || ids[n] >= E) return -1;
+        counts[ids[n]]++;
+    }
+    expert_starts(counts, E, starts);
+    for (long n = 0; n < N; n++) order[starts[ids[n]]++] = n; /* stable: argsort(stable=True) */
+    return 0;
+}
+
+/* The rows of x [n_tok, D] (elements of `size` bytes) in that order into xs [N, D], row j being assignment order[j]'s
+   token. -1 (nothing gathered) for an id outside [0, E). */
+static int gather_by_expert(const void *x, const long *ids, long N, long K, long E, long D, size_t size, long *counts,
+                            long *order, void *xs) {
+    if (sort_by_expert(ids, N, E, counts, order)) return -1;
+    for (long j = 0; j < N; j++) memcpy((char *)xs + j * D * size, (const char *)x + order[j] / K * D * size, D * size);
+    return 0;
+}
+
+int moe_ffn(const float *x, const long *ids, const float *gates, long n_tok, long K, const float *w1, const float *w3,
+            const float *w2, long s1, long s3, long s2, float *out, long E, long D, long F, int threads) {
+    const long N = n_tok * K;
+    long counts[E], *order = malloc((N + 1) * sizeof(long));
+    float *xs = malloc((N * D + 1) * sizeof(float)), *ys = malloc((N * D + 1) * sizeof(float)),
+          *h = malloc((N * (w3 ? 2 : 1) * F + 1) * sizeof(float));
+    int status = !(order && xs && ys && h) ? -2 : gather_by_expert(x, ids, N, K, E, D, sizeof(float), counts, order, xs);
+    if (status == 0) {
+        experts_ffn(xs, counts, w1, w3, w2, s1, s3, s2, h, ys, E, D, F, threads);
+        memset(out, 0, n_tok * D * sizeof(float));
+        for (long j = 0; j < N; j++) {
+            float *o = out + order[j] / K * D;
+            const float g = gates[order[j]];
+            for (long d = 0; d < D; d++) o[d] = o[d] + ys[j * D + d] * g; /* two roundings: built without contraction */
+        }
+    }
+    free(order), free(xs), free(ys), free(h);
+    return status;
+}
+
+static inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
+
+int moe_ffn_bf16(const bf16 *x, const long *ids, const bf16 *gates, long n_tok, long K, const bf16 *w1, const bf16 *w3,
+                 const bf16 *w2, long s1, long s3, long s2, bf16 *out, long E, long D, long F, int threads) {
+    const long N = n_tok * K;
+    long counts[E], *order = malloc((N + 1) * sizeof(long));
+    bf16 *xs = malloc((N * D + 1) * sizeof(bf16)), *ys = malloc((N * D + 1) * sizeof(bf16)),
+         *hb = malloc((N * F + 1) * sizeof(bf16));
+    float *h = malloc((N * (w3 ? 2 : 1) * F + 1) * sizeof(float)), *sum = calloc(n_tok * D + 1, sizeof(float));
+    int status = !(order && xs && ys && hb && h && sum) ? -2
+                 : gather_by_expert(x, ids, N, K, E, D, sizeof(bf16), counts, order, xs);
+    if (status == 0) {
+        experts_ffn_bf16(xs, counts, w1, w3, w2, s1, s3, s2, h, hb, ys, E, D, F, threads);
+        for (long j = 0; j < N; j++) { /* each product rounded to bf16, the sum in float32 (torch's bf16 index_add_) */
+            float *o = sum + order[j] / K * D;
+            const float g = bf16_float(gates[order[j]]);
+            for (long d = 0; d < D; d++) o[d] += round_bf16(bf16_float(ys[j * D + d]) * g);
+        }
+        for (long i = 0; i < n_tok * D; i++) out[i] = float_bf16(sum[i]);
+    }
+    free(order), free(xs), free(ys), free(hb), free(h), free(sum);
+    return status;
+}
+
 /* RMSNorm of n rows of D, one thread: y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (bf16 rows widened,
    the result rounded once). torch's rms_norm on a CPU is half a dozen operations, ~45 us for one row of 512,
    and a decode step makes two per layer; this is a few microseconds, most of it the call. The sum of squares
@@ -332,40 +406,67 @@ void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long n, long D, float 
    (its causal window), query head h reading kv head h / (H / G). One pass with a running maximum (the
    softmax's rescaling as flash attention does it), scores and sums in float32. SDPA on a CPU cost 54-77 us a
    call at one query, plus gathering the rows' slots out of the cache and building the mask; this reads the
-   cache where it lies. Each (row, head) is one thread's work, the same operations whatever the batch. */
-#define ATTEND(NAME, T, LOAD8, LOAD1, STORE1)                                                          \
-    void NAME(const T *q, const T *k, const T *v, T *y, const long *slots, const long *lo, const long *hi,  \
-              long B, long H, long G, long Dh, long max_len, float scale, int threads) {               \
-        const long dv = Dh / 8 * 8, per_slot = G * max_len * Dh;                                       \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
-        for (long bh = 0; bh < B * H; bh++) {                                                          \
-            const long b = bh / H, h = bh % H;                                                         \
-            const T *qh = q + bh * Dh;                                                                 \
-            const T *kh = k + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                      \
-            const T *vh = v + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                      \
-            float acc[Dh], qf[Dh], m = -INFINITY, sum = 0.0f;                                          \
-            for (long d = 0; d < Dh; d++) acc[d] = 0.0f, qf[d] = LOAD1(qh, d);                         \
-            for (long t = lo[b]; t < hi[b]; t++) {                                                     \
-                const T *kt = kh + t * Dh, *vt = vh + t * Dh;                                          \
-                v8 dot = {0};                                                                          \
-                for (long d = 0; d < dv; d += 8) dot = fma8(LOAD8(kt, d), *(const v8 *)(qf + d), dot); \
-                float s = 0.0f;                                                                        \
-                for (int l = 0; l < 8; l++) s += dot[l];                                               \
-                for (long d = dv; d < Dh; d++) s += LOAD1(kt, d) * qf[d];                              \
-                s *= scale;                                                                            \
-                if (s > m) { /* a new maximum: what was summed so far is scaled down to it */          \
-                    const float c = expf(m - s);                                                       \
-                    sum *= c;                                                                          \
-                    for (long d = 0; d < Dh; d++) acc[d] *= c;                                         \
-                    m = s;                                                                             \
+   cache where it lies. Each (row, head) is one thread's work, the same operations whatever the batch.
+
+   With kn and vn (this step's keys and values [B, G, Dh]), they are first written at position hi[b] - 1 of
+   each row's slot; with cs and sn (the rows' RoPE tables [B, Dh]), q and kn are rotated first (rotate-half:
+   x cos + [-x2, x1] sin), rounded where torch's apply_rope rounds (each product and the sum, in T). That was a
+   dozen torch operations and two indexed writes per layer around this call. */
+#define ATTEND(NAME, T, LOAD8, LOAD1, STORE1, ROUND)                                                   \
+    void NAME(const T *q, const T *kn, const T *vn, const T *cs, const T *sn, T *k, T *v, T *y, const long *slots, \
+              const long *lo, const long *hi, long B, long H, long G, long Dh, long max_len, float scale,          \
+              int threads) {                                                                           \
+        const long dv = Dh / 8 * 8, per_slot = G * max_len * Dh, half = Dh / 2;                        \
+        _Pragma("omp parallel num_threads(threads)")                                                   \
+        {                                                                                              \
+            if (kn) {                                                                                  \
+                _Pragma("omp for schedule(static)")                                                    \
+                for (long bg = 0; bg < B * G; bg++) {                                                  \
+                    const long b = bg / G, at = slots[b] * per_slot + (bg % G) * max_len * Dh + (hi[b] - 1) * Dh; \
+                    const T *kb = kn + bg * Dh, *cb = cs + b * Dh, *sb = sn + b * Dh;                    \
+                    for (long d = 0; d < Dh; d++) {                                                    \
+                        v[at + d] = vn[bg * Dh + d];                                                   \
+                        if (cs) STORE1(k + at, d, ROPE(kb, cb, sb, d, LOAD1, ROUND));                    \
+                        else k[at + d] = kb[d];                                                        \
+                    }                                                                                  \
                 }                                                                                      \
-                const float p = expf(s - m);                                                           \
-                sum += p;                                                                              \
-                for (long d = 0; d < Dh; d++) acc[d] += p * LOAD1(vt, d);                              \
+            } /* the loop's end is a barrier: every key is written before any query reads */           \
+            _Pragma("omp for schedule(static)")                                                        \
+            for (long bh = 0; bh < B * H; bh++) {                                                      \
+                const long b = bh / H, h = bh % H;                                                     \
+                const T *qh = q + bh * Dh, *cb = cs + b * Dh, *sb = sn + b * Dh;                         \
+                const T *kh = k + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                  \
+                const T *vh = v + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                  \
+                float acc[Dh], qf[Dh], m = -INFINITY, sum = 0.0f;                                      \
+                for (long d = 0; d < Dh; d++) acc[d] = 0.0f, qf[d] = cs ? ROPE(qh, cb, sb, d, LOAD1, ROUND) : LOAD1(qh, d); \
+                for (long t = lo[b]; t < hi[b]; t++) {                                                 \
+                    const T *kt = kh + t * Dh, *vt = vh + t * Dh;                                      \
+                    v8 dot = {0};                                                                      \
+                    for (long d = 0; d < dv; d += 8) dot = fma8(LOAD8(kt, d), *(const v8 *)(qf + d), dot); \
+                    float s = 0.0f;                                                                    \
+                    for (int l = 0; l < 8; l++) s += dot[l];                                           \
+                    for (long d = dv; d < Dh; d++) s += LOAD1(kt, d) * qf[d];                          \
+                    s *= scale;                                                                        \
+                    if (s > m) { /* a new maximum: what was summed so far is scaled down to it */      \
+                        const float c = expf(m - s);                                                   \
+                        sum *= c;                                                                      \
+                        for (long d = 0; d < Dh; d++) acc[d] *= c;                                     \
+                        m = s;                                                                         \
+                    }                                                                                  \
+                    const float p = expf(s - m);                                                       \
+                    sum += p;                                                                          \
+                    for (long d = 0; d < Dh; d++) acc[d] += p * LOAD1(vt, d);                          \
+                }                                                                                      \
+                for (long d = 0; d < Dh; d++) STORE1(y + bh * Dh, d, sum > 0.0f ? acc[d] / sum : 0.0f); \
             }                                                                                          \
-            for (long d = 0; d < Dh; d++) STORE1(y + bh * Dh, d, sum > 0.0f ? acc[d] / sum : 0.0f);    \
         }                                                                                              \
     }
+
+/* Element d of x (one head) rotated: x[d] cos[d] + (d < Dh/2 ? -x[d + Dh/2] : x[d - Dh/2]) sin[d], in float32,
+   each product and the sum rounded to T as torch rounds them. */
+#define ROPE(x, c, s, d, LOAD1, ROUND)                                                                 \
+    ROUND(ROUND(LOAD1(x, d) * LOAD1(c, d))                                                             \
+          + ROUND(((d) < half ? -LOAD1(x, (d) + half) : LOAD1(x, (d) - half)) * LOAD1(s, d)))
 
 #define F32_LOAD8(p, d) (*(const v8 *)((p) + (d)))
 #define F32_LOAD1(p, d) ((p)[d])
@@ -380,5 +481,6 @@ static inline v8 widen_any(const bf16 *p) { /* 8 bf16 -> 8 float32, on either si
     return r;
 }
 
-ATTEND(attend_decode, float, F32_LOAD8, F32_LOAD1, F32_STORE1)
-ATTEND(attend_decode_bf16, bf16, BF16_LOAD8, BF16_LOAD1, BF16_STORE1)
+#define F32_ROUND(x) (x)
+ATTEND(attend_decode, float, F32_LOAD8, F32_LOAD1, F32_STORE1, F32_ROUND)
+ATTEND(attend_decode_bf16, bf16, BF16_LOAD8, BF16_LOAD1, BF16_STORE1, round_bf16)
