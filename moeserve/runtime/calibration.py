@@ -26,8 +26,8 @@ packed with a loop, packed for the gather path with grouped_mm beyond) is timed 
 C kernel where it builds. The winner is
 the configuration whose times are closest to the best measured time at every count (geometric mean of
 time / best), so that one fast at decode but slow at prefill cannot win on a sum that the largest count
-dominates. Within 2% of the winner, the simpler configuration (plain before packed, a loop before
-grouped_mm) is kept: that is noise.
+dominates. Within 2% of the winner, the simpler configuration (plain before the kernel before packed, a
+loop before grouped_mm; see CONFIGS) is kept: that is noise.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 5  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 6  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
@@ -74,14 +74,17 @@ MAX_S = 20.0  # a model so large that the ladder takes longer stops at the count
 MIN_ROUNDS, MAX_ROUNDS = 3, 25
 TIE = 1.02  # within 2% of the best score, the simpler configuration wins
 
-# configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first. The last
+# configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first: what a tie
+# goes to. The C kernel reads the weights where they lie (a checkpoint's mapped pages: no copy at load), so it
+# comes before packing, which copies every expert at load (3.4 s and 2.6 GB more for the 644M Mixtral); the
+# two tied on that shape (1.16x each, the kernel 25% faster at one token, packing 1.7x at 512). The last
 # holds the experts twice over (packed for the gather path, stacked plain for grouped_mm): a third more memory
 # than "packed", so it is taken only where it beats every other by more than the tie margin.
 CONFIGS: dict[str, tuple[str, str, bool, bool]] = {
     "plain": ("gather/plain", "grouped/plain", False, False),
+    "kernel": ("gather/kernel", "grouped/kernel", False, False),
     "plain + grouped_mm": ("gather/plain", "grouped_mm/plain", False, True),
     "packed": ("gather/packed", "grouped/packed", True, False),
-    "kernel": ("gather/kernel", "grouped/kernel", False, False),
     "packed + grouped_mm": ("gather/packed", "grouped_mm/plain", True, True),
 }
 
