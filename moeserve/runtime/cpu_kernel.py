@@ -267,11 +267,11 @@ class KernelExperts:
                                       hb.data_ptr(), y.data_ptr(), self._E, self._D, self._F, torch.get_num_threads())
         return y
 
-
     def moe(self, x_TD: Tensor, ids_TK: Tensor, gates_TK: Tensor) -> Tensor:
         """The layer's output for routed tokens: y_t = sum_k gates[t, k] * expert_{ids[t, k]}(x_t), the sorting by
-        expert, the gather and the gated sum back in the same call (moe_fused's torch operations, the same
-        roundings in the same order). ids int64 [T, K]; gates in x's dtype."""
+        expert, the gather and the gated sum back in the same call, in place of the dozen torch operations around
+        __call__ that were there before (the tests hold them: the same roundings in the same order). ids int64
+        [T, K] (other integer dtypes are widened); gates in x's dtype."""
         T, D = x_TD.shape
         if x_TD.dtype != self.dtype or D != self._D or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
             raise KernelError(f"routed experts: {self.dtype} rows of {self._D} and [T, K] ids, not {x_TD.dtype} "

@@ -439,7 +439,7 @@ void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long n, long D, float 
                 _Pragma("omp for schedule(static)")                                                    \
                 for (long bg = 0; bg < B * G; bg++) {                                                  \
                     const long b = bg / G, at = slots[b] * per_slot + (bg % G) * max_len * Dh + (hi[b] - 1) * Dh; \
-                    const T *kb = kn + bg * Dh, *cb = cs + b * Dh, *sb = sn + b * Dh;                    \
+                    const T *kb = kn + bg * Dh, *cb = cs ? cs + b * Dh : 0, *sb = sn ? sn + b * Dh : 0; \
                     for (long d = 0; d < Dh; d++) {                                                    \
                         v[at + d] = vn[bg * Dh + d];                                                   \
                         if (cs) STORE1(k + at, d, ROPE(kb, cb, sb, d, LOAD1, ROUND));                    \
@@ -450,7 +450,7 @@ void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long n, long D, float 
             _Pragma("omp for schedule(static)")                                                        \
             for (long bh = 0; bh < B * H; bh++) {                                                      \
                 const long b = bh / H, h = bh % H;                                                     \
-                const T *qh = q + bh * Dh, *cb = cs + b * Dh, *sb = sn + b * Dh;                         \
+                const T *qh = q + bh * Dh, *cb = cs ? cs + b * Dh : 0, *sb = sn ? sn + b * Dh : 0;  \
                 const T *kh = k + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                  \
                 const T *vh = v + slots[b] * per_slot + (h / (H / G)) * max_len * Dh;                  \
                 float acc[Dh], qf[Dh], m = -INFINITY, sum = 0.0f;                                      \
