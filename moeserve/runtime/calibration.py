@@ -23,11 +23,15 @@ measured on a GPU yet.
 How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
 packed with a loop, packed for the gather path with grouped_mm beyond) is timed at token counts 1, 2, 4,
 ..., 512 on the path it would take there (gather up to its own crossover, grouped beyond), and the
-C kernel where it builds. The winner is
-the configuration whose times are closest to the best measured time at every count (geometric mean of
-time / best), so that one fast at decode but slow at prefill cannot win on a sum that the largest count
-dominates. Within 2% of the winner, the simpler configuration (plain before the kernel before packed, a
-loop before grouped_mm; see CONFIGS) is kept: that is noise.
+C kernel where it builds. The winner is the configuration with the least mean time per token over the
+ladder, as if the same number of tokens went through the layer at every count: a server reads prompts in
+chunks of tens to hundreds of tokens and generates as many tokens again one step at a time, at batch sizes
+of 1 to tens. A sum of raw times would let the 512-token count decide alone; a geometric mean of time /
+best (what version 5 scored) weighed a 2 ms decode step and a 150 ms prefill alike, so that on the 644M
+Mixtral (fp32, AVX512 EPYC) the C kernel, 1.4x faster at one token and 1.4-2x slower at 256-512, tied with
+packed weights and the measurement's noise chose between them from one run to the next. Within 2% of the
+winner, the simpler configuration (plain before the kernel before packed, a loop before grouped_mm; see
+CONFIGS) is kept: that is noise.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import statistics
 import time
@@ -56,7 +59,7 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 6  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 7  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
@@ -76,8 +79,7 @@ TIE = 1.02  # within 2% of the best score, the simpler configuration wins
 
 # configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first: what a tie
 # goes to. The C kernel reads the weights where they lie (a checkpoint's mapped pages: no copy at load), so it
-# comes before packing, which copies every expert at load (3.4 s and 2.6 GB more for the 644M Mixtral); the
-# two tied on that shape (1.16x each, the kernel 25% faster at one token, packing 1.7x at 512). The last
+# comes before packing, which copies every expert at load (3.4 s and 2.6 GB more for the 644M Mixtral). The last
 # holds the experts twice over (packed for the gather path, stacked plain for grouped_mm): a third more memory
 # than "packed", so it is taken only where it beats every other by more than the tie margin.
 CONFIGS: dict[str, tuple[str, str, bool, bool]] = {
@@ -324,8 +326,7 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
             if g[T] > m[T]:
                 break
             gather_max = T
-        ratios = [(g[T] if T <= gather_max else m[T]) / best[T] for T in counts]
-        scores[name] = (math.exp(statistics.fmean(math.log(r) for r in ratios)), gather_max)
+        scores[name] = (per_token_ratio({T: g[T] if T <= gather_max else m[T] for T in counts}, best), gather_max)
     top = min(s for s, _ in scores.values())
     name = next(n for n, (s, _) in scores.items() if s <= top * TIE)
     _, _, pack_experts, grouped_mm = CONFIGS[name]
@@ -333,7 +334,7 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
     gather_max = scores[name][1]
 
     dense, dense_text = "plain", "dense layers plain (neither packing nor the C kernel runs this dtype here)"
-    ratios = {n: _geomean_ratio(timings[f"linear/{n}"], timings["linear/plain"])
+    ratios = {n: per_token_ratio(timings[f"linear/{n}"], timings["linear/plain"])
               for n in ("packed", "kernel") if f"linear/{n}" in timings}
     if ratios:
         best = min(ratios.values())
@@ -341,7 +342,7 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
         dense_text = f"dense layers {dense} ({', '.join(f'{n}/plain time {r:.2f}x' for n, r in ratios.items())})"
     others = "; ".join(f"{n} {s:.2f}x" for n, (s, _) in scores.items() if n != name)
     crossover = _crossover_text(timings[CONFIGS[name][0]], timings[CONFIGS[name][1]], gather_max, counts)
-    reason = (f"experts {name}: {scores[name][0]:.2f}x the best time per token count ({others or 'no other candidate'})"
+    reason = (f"experts {name}: {scores[name][0]:.2f}x the best time per token ({others or 'no other candidate'})"
               f"; {crossover}; {dense_text}")
     # Norms and decode attention are not timed: one call against torch's six (RMSNorm) or SDPA plus a gather,
     # faster at every size measured (docs/benchmarks.md), so they go on the kernel wherever it ran here.
@@ -354,8 +355,10 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
                         kernel_experts=kernel_experts, kernel_dense=dense == "kernel", kernel_norms=kernel_norms)
 
 
-def _geomean_ratio(a: dict[int, float], b: dict[int, float]) -> float:
-    return math.exp(statistics.fmean(math.log(a[T] / b[T]) for T in a))
+def per_token_ratio(a: dict[int, float], b: dict[int, float]) -> float:
+    """Mean time per token of `a` over the counts it was timed at, against `b`'s over the same counts: the
+    time each takes for the same number of tokens at every count (module docstring)."""
+    return sum(a[T] / T for T in a) / sum(b[T] / T for T in a)
 
 
 def _crossover_text(gather: dict[int, float], grouped: dict[int, float], gather_max: int, counts: list[int]) -> str:
