@@ -131,10 +131,21 @@ static void expert_starts(const long *counts, long E, long *starts) {
 }
 
 /* One MoE layer's experts in one call, so that the dozens of small torch operations around each expert's two
-   GEMMs (slices, the activation, their launches on the thread pool) become two barriers. x [N, D]: the routed
+   GEMMs (slices, the activation, their launches on the thread pool) become one barrier. x [N, D]: the routed
    rows sorted by expert, counts[e] of them for expert e; w1 + e * s1 and w3 + e * s3 expert e's [F, D] (w3 NULL
    for gelu), w2 + e * s2 its [D, F]: the stacked weights where the checkpoint put them (no [w1; w3] copy to
-   make at load); h [N, F or 2F] scratch (gate columns, then up); y [N, D] out. */
+   make at load); h [N, F or 2F] scratch (gate columns, then up); y [N, D] out.
+
+   Each thread activates the columns of h it computed itself (the rows of w1 and w3 that thread_rows gives it), so
+   that only the second GEMMs, which read all of h, wait for the other threads: every expert's first GEMMs, one
+   barrier, every expert's second. A decode step's two experts were four barriers, each a point where the faster
+   thread stood idle and memory with it. */
+static void activate(float *g, long F, long c0, long c1, int swiglu) { /* columns c0..c1-1 of a row of h, in place */
+    for (long c = c0; c < c1; c++)
+        g[c] = swiglu ? g[c] / (1.0f + expf(-g[c])) * g[c + F]
+                      : 0.5f * g[c] * (1.0f + erff(g[c] * 0.70710678118654752f));
+}
+
 void experts_ffn(const float *x, const long *counts, const float *w1, const float *w3, const float *w2, long s1,
                  long s3, long s2, float *h, float *y, long E, long D, long F, int threads) {
     long starts[E + 1];
@@ -144,21 +155,20 @@ void experts_ffn(const float *x, const long *counts, const float *w1, const floa
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        long c0, c1;
+        const int mine = thread_rows(F, t, T, &c0, &c1);
         for (long e = 0; e < E; e++) {
             const long r0 = starts[e], n = starts[e + 1] - r0;
-            if (n == 0) continue;
+            if (n == 0 || !mine) continue;
             float *he = h + r0 * H;
             share(x + r0 * D, D, w1 + e * s1, D, he, H, n, F, D, t, T);
             if (swiglu) share(x + r0 * D, D, w3 + e * s3, D, he + F, H, n, F, D, t, T);
+            for (long j = 0; j < n; j++) activate(he + j * H, F, c0, c1, swiglu);
+        }
 #pragma omp barrier
-            for (long j = 0; j < n; j++) { /* the activation, into the first F columns; threads split them */
-                float *g = he + j * H;
-                for (long c = t * F / T; c < (t + 1) * F / T; c++)
-                    g[c] = swiglu ? g[c] / (1.0f + expf(-g[c])) * g[c + F]
-                                  : 0.5f * g[c] * (1.0f + erff(g[c] * 0.70710678118654752f));
-            }
-#pragma omp barrier
-            share(he, H, w2 + e * s2, F, y + r0 * D, D, n, D, F, t, T);
+        for (long e = 0; e < E; e++) {
+            const long r0 = starts[e], n = starts[e + 1] - r0;
+            if (n) share(h + r0 * H, H, w2 + e * s2, F, y + r0 * D, D, n, D, F, t, T);
         }
     }
 }
@@ -294,22 +304,23 @@ void experts_ffn_bf16(const bf16 *x, const long *counts, const bf16 *w1, const b
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        long c0, c1;
+        const int mine = thread_rows(F, t, T, &c0, &c1);
         for (long e = 0; e < E; e++) {
             const long r0 = starts[e], n = starts[e + 1] - r0;
-            if (n == 0) continue;
+            if (n == 0 || !mine) continue;
             float *he = h + r0 * H;
-            bf16 *hbe = hb + r0 * F;
             share_b(x + r0 * D, D, w1 + e * s1, D, he, 0, H, n, F, D, t, T);
             if (swiglu) share_b(x + r0 * D, D, w3 + e * s3, D, he + F, 0, H, n, F, D, t, T);
-#pragma omp barrier
             for (long j = 0; j < n; j++) {
-                const float *g = he + j * H;
-                for (long c = t * F / T; c < (t + 1) * F / T; c++)
-                    hbe[j * F + c] = float_bf16(swiglu ? g[c] / (1.0f + expf(-g[c])) * g[c + F]
-                                                       : 0.5f * g[c] * (1.0f + erff(g[c] * 0.70710678118654752f)));
+                activate(he + j * H, F, c0, c1, swiglu);
+                for (long c = c0; c < c1; c++) hb[(r0 + j) * F + c] = float_bf16(he[j * H + c]);
             }
+        }
 #pragma omp barrier
-            share_b(hbe, F, w2 + e * s2, F, 0, y + r0 * D, D, n, D, F, t, T);
+        for (long e = 0; e < E; e++) {
+            const long r0 = starts[e], n = starts[e + 1] - r0;
+            if (n) share_b(hb + r0 * F, F, w2 + e * s2, F, 0, y + r0 * D, D, n, D, F, t, T);
         }
     }
 }
