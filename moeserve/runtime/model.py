@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from moeserve.config import MoEConfig
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.calibration import DispatchPlan, default_plan
-from moeserve.runtime.cpu_kernel import KernelLinear, KernelRMSNorm
+from moeserve.runtime.cpu_kernel import KernelDecodeBlock, KernelLinear, KernelRMSNorm
 from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
@@ -202,14 +202,29 @@ class Block(nn.Module):
             self.ffn: nn.Module = MoELayer(cfg, experts_factory(layer_id) if experts_factory is not None else None)
         else:
             self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.expert_act)
+        self.decode_kernel: KernelDecodeBlock | None = None  # a decode step's attention half in one C call
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 token_mask: Tensor | None = None, cache: CacheRows | None = None) -> tuple[Tensor, MoEAux | None]:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, cache)
+        if (self.decode_kernel is not None and cache is not None and x.shape[1] == 1 and not torch.is_grad_enabled()
+                and x.dtype == self.decode_kernel.dtype):
+            h, hn = self._decode_attention(x, cos, sin, cache)
+        else:
+            h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, cache)
+            hn = self.ffn_norm(h)
         if isinstance(self.ffn, MoELayer):
-            y, aux = self.ffn(self.ffn_norm(h), token_mask)
+            y, aux = self.ffn(hn, token_mask)
             return h + y, aux
-        return h + self.ffn(self.ffn_norm(h)), None
+        return h + self.ffn(hn), None
+
+    def _decode_attention(self, x_B1D: Tensor, cos: Tensor, sin: Tensor, cache: CacheRows) -> tuple[Tensor, Tensor]:
+        """(h, ffn_norm(h)) of a decode step, h = x + attention(attention_norm(x)), in one call of the C kernel."""
+        a, B = self.attention, x_B1D.shape[0]
+        lo, hi = cache.decode_bounds(a.window)
+        h, hn = self.decode_kernel(x_B1D.view(B, -1), (cos.reshape(B, a.head_dim), sin.reshape(B, a.head_dim)),
+                                   cache.cache.k[a.layer_id], cache.cache.v[a.layer_id], cache.slots, lo, hi,
+                                   a.head_dim**-0.5)
+        return h.view_as(x_B1D), hn.view_as(x_B1D)
 
 
 @dataclass
@@ -318,7 +333,17 @@ class Transformer(nn.Module):
                 m.use_kernel = plan.kernel_norms
             elif isinstance(m, Attention):
                 m.kernel_decode = plan.kernel_norms
+        for block in self.layers:  # the attention half of a decode layer in one call, where all of it is on the kernel
+            block.decode_kernel = self._decode_kernel(block) if plan.kernel_dense and plan.kernel_norms else None
         return plan
+
+    def _decode_kernel(self, block: Block) -> KernelDecodeBlock | None:
+        a, norms = block.attention, (block.attention_norm, block.ffn_norm)
+        if not a.causal or not all(isinstance(n, KernelRMSNorm) and n.weight is not None for n in norms):
+            return None  # LayerNorm, or an encoder's attention: the calls one by one
+        eps = [n.eps if n.eps is not None else torch.finfo(n.weight.dtype).eps for n in norms]
+        return KernelDecodeBlock(((norms[0].weight, eps[0]), (norms[1].weight, eps[1])),
+                                 (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
