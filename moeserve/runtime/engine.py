@@ -211,8 +211,11 @@ class Engine:
         return self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.extra.get("eos_token_id")
 
     # ---- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
     def run(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> ModelOutput:
-        """The runner's forward on a whole batch, its expert load counted (callers hold no lock: this takes it)."""
+        """The runner's forward on a whole batch, its expert load counted (callers hold no lock: this takes it).
+        Never with autograd: with it, every layer takes the training path (a loop over experts in torch, no C
+        kernel, no packed weights) and records a graph nobody asked for, 2-4x slower at a short prompt."""
         with self._lock:
             out = self.runner.forward(input_ids.to(self.device),
                                       None if attention_mask is None else attention_mask.to(self.device))

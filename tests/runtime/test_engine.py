@@ -230,3 +230,15 @@ def test_tiny_temperature_and_top_p_are_greedy_not_nan():
     greedy = eng.complete(["ab"], [SamplingParams(6, 0.0)])[0].token_ids
     assert eng.complete(["ab"], [SamplingParams(6, 1e-300)])[0].token_ids == greedy
     assert eng.complete(["ab"], [SamplingParams(6, 1.0, top_p=5e-324, seed=3)])[0].token_ids == greedy
+
+
+def test_run_never_records_a_graph():
+    """Engine.run called as it is (no inference_mode around it) takes the inference path: with autograd on,
+    every layer took the training path (torch's loop over experts, no packed weights or C kernel) and recorded
+    a graph, 2-4x slower at a short prompt."""
+    engine = make_engine()
+    assert torch.is_grad_enabled()
+    out = engine.run(torch.tensor([engine.encode("def f(x):")]))
+    assert out.logits.is_inference() and not out.logits.requires_grad
+    torch.testing.assert_close(out.logits.float(), engine.forward(torch.tensor([engine.encode("def f(x):")])),
+                               atol=0, rtol=0)
