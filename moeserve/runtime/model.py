@@ -347,13 +347,17 @@ class Transformer(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                cache: CacheRows | None = None, last_only: bool = False) -> ModelOutput:
+                cache: CacheRows | None = None, last_only: bool = False,
+                lengths: list[int] | None = None) -> ModelOutput:
         """input_ids [B, S]. Without a cache: positions 0..S-1, and attention_mask [B, S] (1 real, 0 padding;
         padding is never attended to and never routed to an expert). With one: the tokens sit at
         `cache.positions` of their slots and attend to everything their sequence wrote before them.
         Pure: the logits and each MoE layer's aux come back; nothing is left in the modules, and
         nothing here waits for the device (with a cache the host has said where every row is).
-        last_only: logits of each row's last token only, [B, 1, V] (a prefill needs no more)."""
+        last_only: logits of each row's last token only, [B, 1, V] (a prefill needs no more). lengths (causal
+        cached calls): row b's first lengths[b] tokens are real and the rest padding at its end, which no real
+        token attends to and no expert sees; its keys land past the row's end, where the row's next tokens
+        overwrite them before anything reads there. last_only then gives each row's last real token."""
         B, S = input_ids.shape
         x = self.tok_embeddings(input_ids)
         token_mask = None
@@ -367,7 +371,12 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[:S].to(x.dtype), self.rope_sin[:S].to(x.dtype)  # [S, Dh]
         else:
             if attention_mask is not None:
-                raise ValueError("a cached call has no padding: each row's tokens are real")
+                raise ValueError("a cached call marks its padding with lengths, not an attention mask")
+            if lengths is not None:
+                if not self.cfg.causal or len(lengths) != B or not all(0 < n <= S for n in lengths):
+                    raise ValueError(f"lengths {lengths}: one per row, 1..{S}, and only for a causal model")
+                token_mask = torch.arange(S, device=x.device)[None, :] < torch.tensor(lengths, device=x.device)[:, None]
+                token_mask = None if min(lengths) == S else token_mask
             mask = self._cache_mask(cache)
             pos = cache.positions
             cos, sin = self.rope_cos[pos][:, None].to(x.dtype), self.rope_sin[pos][:, None].to(x.dtype)  # [B, 1, S, Dh]
@@ -377,7 +386,9 @@ class Transformer(nn.Module):
             x, a = block(x, cos, sin, mask, is_causal, token_mask, cache)
             if a is not None:
                 aux.append(a)
-        x = self.norm(x[:, -1:] if last_only else x)
+        if last_only:
+            x = x[:, -1:] if lengths is None else x[torch.arange(B, device=x.device), torch.tensor(lengths) - 1][:, None]
+        x = self.norm(x)
         if self.cfg.task == "classify":
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
         if self.head_packed is not None and not torch.is_grad_enabled():

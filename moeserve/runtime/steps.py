@@ -171,18 +171,20 @@ class StepEngine:
                 return
             group, n = self._prefill_group(budget)
             slots, starts = [s.slot for s in group], [s.prefilled for s in group]
-            ids = torch.tensor([s.prompt[s.prefilled:s.prefilled + n] for s in group], device=self.runner.device)
+            takes = [min(n, len(s.prompt) - s.prefilled) for s in group]  # a shorter row: its padding at its end
+            ids = torch.tensor([s.prompt[s.prefilled:s.prefilled + t] + [0] * (n - t) for s, t in zip(group, takes)],
+                               device=self.runner.device)
             scored = group[0].params.prompt_logprobs is not None  # then alone: logits at every position
             if len(group) == 1:
                 out = self.runner.prefill(self.cache, slots[0], ids[0], starts[0], all_logits=scored)
             else:
-                out = self.runner.prefill_rows(self.cache, slots, ids, starts)
+                out = self.runner.prefill_rows(self.cache, slots, ids, starts, None if min(takes) == n else takes)
             self._account(out.aux)
             if scored:
                 self._score_prompt(group[0], out.logits[0, -n:])
             budget -= n * len(group)
             for b, seq in enumerate(group):
-                seq.prefilled += n
+                seq.prefilled += takes[b]
                 if seq.prefilled < len(seq.prompt):
                     continue
                 self.prefilling.remove(seq)
@@ -211,9 +213,13 @@ class StepEngine:
             pending += len(seq.prompt)
 
     def _prefill_group(self, budget: float) -> tuple[list[Sequence], int]:
-        """The first prefilling sequence's next chunk of n tokens, and the others whose whole remaining prompt
-        is n tokens too, within the budget: one model call for them all (each row exactly the call it would
-        have had alone, so a prompt's cache does not depend on its company). Rows that ask for prompt
+        """The sequences prefilled in one model call and its length n: the first prefilling sequence's next
+        chunk, and others while the call's n tokens a row fit the budget, each taking up to n tokens of its
+        prompt. In a causal model a shorter row is padded at its end (no real token attends to padding, no
+        expert sees it), and n grows to a longer row's remaining prompt where the budget allows: a model call
+        reads every expert's weights whatever its rows, so prompts arriving together share one read instead
+        of one each (on the 644M Mixtral, 8 prompts of ~70 tokens were 8 calls of ~300 ms, stalling every
+        running stream for 2 s). Elsewhere, only rows of exactly n tokens join. Rows that ask for prompt
         log-probabilities, or a runner that cannot write several slots at once, go alone."""
         head = self.prefilling[0]
         scored = head.params.prompt_logprobs is not None
@@ -221,11 +227,18 @@ class StepEngine:
         group = [head]
         if scored or not hasattr(self.runner, "prefill_rows"):
             return group, n
+        pad = self.runner.cfg.causal
         for seq in self.prefilling[1:]:
-            if (len(group) + 1) * n > budget:
-                break
-            if seq.params.prompt_logprobs is None and len(seq.prompt) - seq.prefilled == n:
-                group.append(seq)
+            rest = len(seq.prompt) - seq.prefilled
+            if seq.params.prompt_logprobs is not None or (not pad and rest != n):
+                continue
+            m = int(min(max(n, rest), budget // (len(group) + 1)))  # the call's length with seq in it
+            if m < n:
+                break  # the budget holds no more rows of n tokens
+            if any(s.prefilled + m > self.max_len for s in (*group, seq)):
+                continue  # a padded row's keys would fall past its slot
+            group.append(seq)
+            n = m
         return group, n
 
     def _score_prompt(self, seq: Sequence, logits_NV: Tensor) -> None:

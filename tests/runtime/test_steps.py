@@ -6,8 +6,10 @@ same steps gives the torch runner's tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams
+from moeserve.runtime.model import KVCache
 from moeserve.runtime.steps import Sequence
 
 from .test_engine import PROMPTS, make_engine
@@ -167,28 +169,35 @@ class CallLog:
         self.calls.append(("prefill", 1, ids_S.shape[0]))
         return self.runner.prefill(cache, slot, ids_S, start, all_logits)
 
-    def prefill_rows(self, cache, slots, ids_BS, starts):
-        self.calls.append(("prefill_rows", *ids_BS.shape))
-        return self.runner.prefill_rows(cache, slots, ids_BS, starts)
+    def prefill_rows(self, cache, slots, ids_BS, starts, lengths=None):
+        self.calls.append(("prefill_rows", *ids_BS.shape, lengths))
+        return self.runner.prefill_rows(cache, slots, ids_BS, starts, lengths)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
-def test_prompts_of_equal_length_are_prefilled_in_one_call_with_their_own_tokens(engine, kind):
-    """Equal-length prompts share one model call (within the step's prompt budget while others run); each
-    gets the tokens it gets alone."""
+def test_prompts_arriving_together_are_prefilled_in_one_call_with_their_own_tokens(engine, kind):
+    """Prompts share one model call (within the step's prompt budget while others run), a shorter one padded at
+    its end, the call as long as its longest row; each gets the tokens it gets alone."""
     prompts = ["def alpha(x):", "class Beta(A)", "import gamma.", "x = 1"]  # bytes: 13, 13, 13 and 5
     ids = [engine.encode(p) for p in prompts]
     assert len(ids[0]) == len(ids[1]) == len(ids[2]) != len(ids[3])
     params = [GREEDY if kind == "greedy" else sampled(i) for i in range(4)]
     want = [alone(engine, p, sp) for p, sp in zip(prompts, params)]
+    L, short = len(ids[0]), len(ids[3])
 
     steps = engine.step_engine(slots=4)
     steps.runner = log = CallLog(steps.runner)
     seqs = [Sequence(i, sp) for i, sp in zip(ids, params)]
     steps.run(seqs)
     assert [s.out for s in seqs] == want
-    L = len(ids[0])
-    assert log.calls == [("prefill_rows", 3, L), ("prefill", 1, len(ids[3]))]
+    assert log.calls == [("prefill_rows", 4, L, [L, L, L, short])]
+
+    steps = engine.step_engine(slots=4)  # the short one first: the call grows to the longer row's length
+    steps.runner = log = CallLog(steps.runner)
+    seqs = [Sequence(ids[3], params[3]), Sequence(ids[0], params[0])]
+    steps.run(seqs)
+    assert [s.out for s in seqs] == [want[3], want[0]]
+    assert log.calls == [("prefill_rows", 2, L, [short, L])]
 
     # while a sequence runs, the budget of 2 prompts per step splits the three: two rows, then one
     steps = engine.step_engine(slots=4, prefill_chunk=2 * L)
@@ -201,4 +210,28 @@ def test_prompts_of_equal_length_are_prefilled_in_one_call_with_their_own_tokens
         steps.add(s)
     steps.run([])
     assert [s.out for s in [*seqs, first]] == want[:3] + [want[3]]
-    assert log.calls == [("prefill", 1, len(ids[3])), ("prefill_rows", 2, L), ("prefill", 1, L)]
+    assert log.calls == [("prefill", 1, short), ("prefill_rows", 2, L, None), ("prefill", 1, L)]
+
+
+def test_padded_rows_are_their_prompts_alone_and_refused_where_padding_would_be_seen():
+    """A row padded at its end in a cached call: the logits of its last real token and its cache rows are those
+    of the row prefilled alone; padding is not routed (the expert counts are the real tokens'). Lengths are
+    checked, and a bidirectional model, which would attend to padding, is refused."""
+    engine = make_engine()
+    model, runner = engine.model, engine.runner
+    a, b = engine.encode("import os, sys"), engine.encode("x = 1")
+    cache = runner.new_cache(4, 64)
+    with torch.inference_mode():
+        out = runner.prefill_rows(cache, [0, 1], torch.tensor([a, b + [0] * (len(a) - len(b))]), [0, 0],
+                                  [len(a), len(b)])
+        alone = runner.prefill(cache, 3, torch.tensor(b), 0)
+        torch.testing.assert_close(out.logits[1], alone.logits[0], atol=1e-5, rtol=0)
+        for k in cache.k:
+            torch.testing.assert_close(k[1, :, :len(b)], k[3, :, :len(b)], atol=1e-6, rtol=0)
+        assert [int(x.counts.sum()) for x in out.aux] == [(len(a) + len(b)) * model.cfg.top_k] * len(out.aux)
+        with pytest.raises(ValueError, match=r"lengths \[5, 0\]: one per row, 1..5, and only for a causal model"):
+            model(torch.zeros(2, 5, dtype=torch.long), cache=cache.rows([0, 1], [0, 0], 5), lengths=[5, 0])
+        encoder = make_engine(causal=False).model
+        with pytest.raises(ValueError, match="only for a causal model"):
+            encoder(torch.zeros(2, 5, dtype=torch.long), cache=KVCache.for_model(encoder, 2, 8).rows([0, 1], [0, 0], 5),
+                    lengths=[5, 3])
