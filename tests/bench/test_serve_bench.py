@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.bench.serve import SCHEMA_FILE, arrival_times
+from moeserve.bench.serve import SCHEMA_FILE, ServeBenchConfig, arrival_times, distinct_prompts
 from moeserve.bench.stats import percentile
 from moeserve.cli import main
 from moeserve.runtime.engine import Engine
@@ -212,3 +212,12 @@ def test_prompt_sizing_shortens_a_refused_sample_and_names_other_refusals(tiny_c
         assert chars_per_token(cfg, "tiny", "x" * 2000) == 31 / 32  # 2000 -> 500 -> 125 -> 31 characters, + <bos>
         with pytest.raises(BenchError, match=r"answered 404 \(.*'other'.*\) to a 2000-character prompt"):
             chars_per_token(cfg, "other", "x" * 2000)
+
+
+def test_no_prompt_is_sent_twice_within_a_level():
+    """A repeated prompt would be answered from a server's prompt cache (llama-server keeps one by default):
+    as many distinct prompts as the largest level sends, 4096 for a closed level whose count is not set."""
+    assert distinct_prompts(ServeBenchConfig("u", concurrency=(8,))) == 4096
+    assert distinct_prompts(ServeBenchConfig("u", concurrency=(8,), requests=100)) == 100
+    assert distinct_prompts(ServeBenchConfig("u", concurrency=(), rates=(2.0,), duration_s=30)) == 60
+    assert distinct_prompts(ServeBenchConfig("u", concurrency=(), rates=(float("inf"),), requests=5000)) == 4096
