@@ -3,11 +3,12 @@ and leave at any step (continuous batching).
 
 A step (1) drops cancelled sequences, (2) admits waiting sequences into free slots and prefills
 them, at most `prefill_chunk` prompt tokens per step while others are decoding (a long prompt is
-written over several steps, so running streams keep flowing), prompts of equal length in one model
-call, and (3) decodes one token for every running sequence in one model call. A sequence leaves the
-step it ends (end-of-sequence, its token budget, a stop string, cancellation) and its slot is free
-for the next step. When a prompt's prefill ends, waiting sequences with the same prompt (a request's
-n choices) start from a copy of its cache rows instead of prefilling it again.
+written over several steps, so running streams keep flowing), prompts admitted together in one model
+call (in a causal model the shorter padded at their end), and (3) decodes one token for every running
+sequence in one model call. A sequence leaves the step it ends (end-of-sequence, its token budget, a
+stop string, cancellation) and its slot is free for the next step. When a prompt's prefill ends, waiting
+sequences with the same prompt (a request's n choices) start from a copy of its cache rows instead of
+prefilling it again.
 
 Everything that makes a sequence's tokens its own lives on the sequence: its seeded generator, its
 incremental decoder (text is decoded once per token, not re-decoded in full), its stop strings, the
