@@ -218,7 +218,8 @@ class KernelDecodeBlock:
         want = {"attention norm": (n1, (D,)), "FFN norm": (n2, (D,)), "wq": (wq, (H * Dh, D)),
                 "wk": (wk, (G * Dh, D)), "wv": (wv, (G * Dh, D)), "wo": (wo, (D, H * Dh))}
         for name, (t, shape) in want.items():
-            if t.dtype != dtype or dtype not in DTYPES or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cpu:
+            if (t.dtype != dtype or dtype not in DTYPES or tuple(t.shape) != shape or not t.is_contiguous()
+                    or not t.is_cpu):
                 raise KernelError(f"decode block: {name} must be a contiguous {dtype} CPU tensor of shape "
                                   f"{list(shape)} (float32 or bfloat16), not {t.dtype} {list(t.shape)}")
         if H % G or Dh % 2:

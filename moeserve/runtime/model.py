@@ -386,8 +386,10 @@ class Transformer(nn.Module):
             x, a = block(x, cos, sin, mask, is_causal, token_mask, cache)
             if a is not None:
                 aux.append(a)
-        if last_only:
-            x = x[:, -1:] if lengths is None else x[torch.arange(B, device=x.device), torch.tensor(lengths) - 1][:, None]
+        if last_only and lengths is not None:
+            x = x[torch.arange(B, device=x.device), torch.tensor(lengths, device=x.device) - 1][:, None]
+        elif last_only:
+            x = x[:, -1:]
         x = self.norm(x)
         if self.cfg.task == "classify":
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)

@@ -171,7 +171,8 @@ def test_the_decode_block_is_the_calls_it_replaced(kv_heads, window, dtype, monk
         layer.decode_kernel = block
     calls = []
     call = KernelDecodeBlock.__call__
-    monkeypatch.setattr(KernelDecodeBlock, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or call(self, x, *a))
+    monkeypatch.setattr(KernelDecodeBlock, "__call__",
+                        lambda self, x, *a: calls.append(x.shape[0]) or call(self, x, *a))
     assert [kern.generate([p], max_new_tokens=10)[0] for p in PROMPTS] == unfused
     assert len(calls) == len(PROMPTS) * 9 * len(blocks) and set(calls) == {1}  # 9 decode steps after each prefill
     assert kern.generate(PROMPTS, max_new_tokens=10) == unfused  # rows at different positions in one call
