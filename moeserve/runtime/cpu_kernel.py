@@ -157,6 +157,13 @@ def rms_norm(x: Tensor, w_D: Tensor, eps: float) -> Tensor:
     return y
 
 
+def _check_rows(what: str, B: int, *slots_and_bounds: Tensor) -> None:
+    """A decode call's slots and causal bounds: B contiguous int64s each, which the C code reads as they are."""
+    for t in slots_and_bounds:
+        if t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous():
+            raise KernelError(f"{what}: slots and bounds are {B} contiguous int64s, not {t.dtype} {list(t.shape)}")
+
+
 def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tensor, lo_B: Tensor, hi_B: Tensor,
                   scale: float, new_kv: tuple[Tensor, Tensor] | None = None,
                   rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -177,9 +184,7 @@ def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tens
             or Dk != Dh or H % G or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise KernelError(f"attend_decode: queries {dtype} {list(q_BHD.shape)} against a cache of {k_cache.dtype} "
                           f"{list(k_cache.shape)} (contiguous float32 or bfloat16, one dtype, heads dividing)")
-    for t in (slots_B, lo_B, hi_B):
-        if t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous():
-            raise KernelError(f"attend_decode: slots and bounds are {B} contiguous int64s, not {t.dtype} {list(t.shape)}")
+    _check_rows("attend_decode", B, slots_B, lo_B, hi_B)
     extra = []
     for name, pair, shape in (("new_kv", new_kv, (B, G, Dh)), ("rope", rope, (B, Dh))):
         for t in pair or ():
@@ -245,10 +250,7 @@ class KernelDecodeBlock:
             if t.dtype != dtype or t.shape != (B, Dh) or not t.is_contiguous():
                 raise KernelError(f"decode block: rope tables are contiguous {dtype} [{B}, {Dh}], not {t.dtype} "
                                   f"{list(t.shape)}")
-        for t in (slots_B, lo_B, hi_B):
-            if t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous():
-                raise KernelError(f"decode block: slots and bounds are {B} contiguous int64s, not {t.dtype} "
-                                  f"{list(t.shape)}")
+        _check_rows("decode block", B, slots_B, lo_B, hi_B)
         scratch = torch.empty(B * (2 * D + 2 * (self.H + self.G) * Dh), dtype=dtype)
         h, hn = torch.empty_like(x_BD), torch.empty_like(x_BD)
         n1, wq, wk, wv, wo, n2 = self._held
