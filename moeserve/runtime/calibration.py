@@ -27,7 +27,7 @@ C kernel where it builds. The winner is the configuration with the least mean ti
 ladder, as if the same number of tokens went through the layer at every count: a server reads prompts in
 chunks of tens to hundreds of tokens and generates as many tokens again one step at a time, at batch sizes
 of 1 to tens. A sum of raw times would let the 512-token count decide alone; a geometric mean of time /
-best (what version 5 scored) weighed a 2 ms decode step and a 150 ms prefill alike, so that on the 644M
+best (up to version 6) weighed a 2 ms decode step and a 150 ms prefill alike, so that on the 644M
 Mixtral (fp32, AVX512 EPYC) the C kernel, 1.4x faster at one token and 1.4-2x slower at 256-512, tied with
 packed weights and the measurement's noise chose between them from one run to the next. Within 2% of the
 winner, the simpler configuration (plain before the kernel before packed, a loop before grouped_mm; see
