@@ -318,8 +318,9 @@ def _add_serve(sub) -> None:
     sv.add_argument("--kv-slots", type=int, default=8, metavar="N",
                     help="continuous: sequences generating at once, each a KV cache of the model's context "
                     "(default: 8)")
-    sv.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
-                    help="continuous: prompt tokens per step while others generate (default: 256)")
+    sv.add_argument("--prefill-chunk", type=int, metavar="N",
+                    help="continuous: prompt tokens per step while others generate; the running sequences' "
+                    "tokens share the step's model call (default: 64 on a CPU, 512 on a GPU)")
     sv.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja2 chat template for /v1/chat/completions, in place of the checkpoint's own "
                     "(chat_template.jinja, or chat_template in tokenizer_config.json)")

@@ -107,6 +107,30 @@ class KVCache:
         return CacheRows(self, torch.tensor(slots, device=device), positions, length,
                          slice(first, first + len(slots)) if contiguous else None)
 
+    def step_rows(self, slots: list[int], starts: list[int], lengths: list[int]) -> "StepRows":
+        """Rows of any lengths in one call, their tokens laid end to end ([1, sum(lengths)], no padding): row b
+        is lengths[b] tokens of slot slots[b] from position starts[b]. The one-token rows (decode steps) attend
+        together as a decode call would; each longer row (a prompt's chunk) on its own, as its prefill alone
+        would. Only the attention is split: every other layer runs once over all the tokens."""
+        if not (len(slots) == len(starts) == len(lengths)) or not slots or min(lengths) < 1:
+            raise ValueError(f"{len(slots)} slots, {len(starts)} starts and lengths {lengths}: one each, >= 1")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots}: a slot takes one row of a call")
+        single = [b for b, n in enumerate(lengths) if n == 1]
+        longer = [b for b, n in enumerate(lengths) if n > 1]
+        parts, offset, at = [], 0, {}
+        if single:
+            parts.append(RowsPart(self.rows([slots[b] for b in single], [starts[b] for b in single], 1),
+                                  slice(0, len(single))))
+            at |= {b: i for i, b in enumerate(single)}
+            offset = len(single)
+        for b in longer:
+            parts.append(RowsPart(self.rows([slots[b]], [starts[b]], lengths[b]), slice(offset, offset + lengths[b])))
+            offset += lengths[b]
+            at[b] = offset - 1
+        order = [at[b] for b in range(len(slots))]  # where each row's last token lies among the call's tokens
+        return StepRows(parts, torch.tensor(order, device=self.k[0].device), single + longer)
+
 
 @dataclass
 class CacheRows:
@@ -149,6 +173,31 @@ class CacheRows:
                 v_all[:, :, : self.length].index_select(0, self.slots))
 
 
+@dataclass
+class RowsPart:
+    """Rows of a StepRows call that attend together: its one-token rows, or one longer row."""
+
+    rows: CacheRows
+    tokens: slice  # where its tokens lie among the call's
+    cos: Tensor | None = None  # the attention's inputs, set by Transformer.forward (_rope_and_mask)
+    sin: Tensor | None = None
+    mask: Tensor | None = None
+
+
+@dataclass
+class StepRows:
+    """Where the rows of a call of any lengths live in a KVCache, and how its tokens are laid out
+    (KVCache.step_rows makes one)."""
+
+    parts: list[RowsPart]
+    last: Tensor  # [R] the position of each row's last token among the call's tokens, in the rows' order
+    order: list[int]  # the rows in the order their tokens are laid out
+
+    @property
+    def n_tokens(self) -> int:
+        return self.parts[-1].tokens.stop
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: MoEConfig, layer_id: int = 0):
         super().__init__()
@@ -162,11 +211,24 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
-                cache: CacheRows | None = None) -> Tensor:
+                cache: CacheRows | StepRows | None = None) -> Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
         v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        if isinstance(cache, StepRows):  # [1, T] tokens of rows of any lengths: each part attends as it would alone
+            ys = []
+            for p in cache.parts:
+                n, R = p.tokens.stop - p.tokens.start, p.rows.positions.shape[0]
+                qp, kp, vp = (t[0, p.tokens].view(R, n // R, *t.shape[2:]) for t in (q, k, v))
+                ys.append(self._attend(qp, kp, vp, p.cos, p.sin, p.mask, False, p.rows).reshape(1, n, -1))
+            return self.wo(torch.cat(ys, dim=1) if len(ys) > 1 else ys[0])
+        return self.wo(self._attend(q, k, v, cos, sin, mask, is_causal, cache).reshape(B, S, -1))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                is_causal: bool, cache: CacheRows | None) -> Tensor:
+        """q [B, S, H, Dh], k and v [B, S, G, Dh], before RoPE -> the heads' outputs [B, S, H * Dh]."""
+        B, S = q.shape[:2]
         if cache is not None and S == 1 and self.kernel_decode and self.causal and not torch.is_grad_enabled():
             # RoPE, the cache write and attention over the slots where they lie, in one call: no gather, no mask
             lo, hi = cache.decode_bounds(self.window)
@@ -175,14 +237,14 @@ class Attention(nn.Module):
                                          new_kv=(k.view(B, self.n_kv_heads, self.head_dim),
                                                  v.view(B, self.n_kv_heads, self.head_dim)),
                                          rope=(cos.reshape(B, self.head_dim), sin.reshape(B, self.head_dim)))
-            return self.wo(y.view(B, S, -1))
+            return y.view(B, S, -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+        return y.transpose(1, 2).reshape(B, S, -1)
 
 
 def make_norm(cfg: MoEConfig) -> nn.Module:
@@ -205,9 +267,10 @@ class Block(nn.Module):
         self.decode_kernel: KernelDecodeBlock | None = None  # a decode step's attention half in one C call
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
-                token_mask: Tensor | None = None, cache: CacheRows | None = None) -> tuple[Tensor, MoEAux | None]:
-        if (self.decode_kernel is not None and cache is not None and x.shape[1] == 1 and not torch.is_grad_enabled()
-                and x.dtype == self.decode_kernel.dtype):
+                token_mask: Tensor | None = None,
+                cache: CacheRows | StepRows | None = None) -> tuple[Tensor, MoEAux | None]:
+        if (self.decode_kernel is not None and isinstance(cache, CacheRows) and x.shape[1] == 1
+                and not torch.is_grad_enabled() and x.dtype == self.decode_kernel.dtype):
             h, hn = self._decode_attention(x, cos, sin, cache)
         else:
             h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, cache)
@@ -347,21 +410,26 @@ class Transformer(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                cache: CacheRows | None = None, last_only: bool = False,
-                lengths: list[int] | None = None) -> ModelOutput:
+                cache: CacheRows | StepRows | None = None, last_only: bool = False) -> ModelOutput:
         """input_ids [B, S]. Without a cache: positions 0..S-1, and attention_mask [B, S] (1 real, 0 padding;
         padding is never attended to and never routed to an expert). With one: the tokens sit at
         `cache.positions` of their slots and attend to everything their sequence wrote before them.
         Pure: the logits and each MoE layer's aux come back; nothing is left in the modules, and
         nothing here waits for the device (with a cache the host has said where every row is).
-        last_only: logits of each row's last token only, [B, 1, V] (a prefill needs no more). lengths (causal
-        cached calls): row b's first lengths[b] tokens are real and the rest padding at its end, which no real
-        token attends to and no expert sees; its keys land past the row's end, where the row's next tokens
-        overwrite them before anything reads there. last_only then gives each row's last real token."""
+        last_only: logits of each row's last token only, [B, 1, V] (a prefill needs no more).
+        With StepRows (rows of any lengths, KVCache.step_rows): input_ids [1, T], the rows' tokens end to end in
+        `cache.order`, and the logits of each row's last token come back, [R, 1, V] in the rows' order."""
         B, S = input_ids.shape
         x = self.tok_embeddings(input_ids)
         token_mask = None
-        if cache is None:
+        cos = sin = mask = None
+        if isinstance(cache, StepRows):
+            if attention_mask is not None or (B, S) != (1, cache.n_tokens):
+                raise ValueError(f"these rows take their {cache.n_tokens} tokens as one row [1, {cache.n_tokens}] and "
+                                 f"no attention mask, not {list(input_ids.shape)}")
+            for p in cache.parts:
+                p.cos, p.sin, p.mask = self._rope_and_mask(p.rows, x.dtype)
+        elif cache is None:
             if S > self.cfg.max_seq_len:
                 raise ValueError(f"{S} tokens are past max_seq_len={self.cfg.max_seq_len}")
             mask = self._mask(S, attention_mask)
@@ -371,23 +439,16 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[:S].to(x.dtype), self.rope_sin[:S].to(x.dtype)  # [S, Dh]
         else:
             if attention_mask is not None:
-                raise ValueError("a cached call marks its padding with lengths, not an attention mask")
-            if lengths is not None:
-                if not self.cfg.causal or len(lengths) != B or not all(0 < n <= S for n in lengths):
-                    raise ValueError(f"lengths {lengths}: one per row, 1..{S}, and only for a causal model")
-                token_mask = torch.arange(S, device=x.device)[None, :] < torch.tensor(lengths, device=x.device)[:, None]
-                token_mask = None if min(lengths) == S else token_mask
-            mask = self._cache_mask(cache)
-            pos = cache.positions
-            cos, sin = self.rope_cos[pos][:, None].to(x.dtype), self.rope_sin[pos][:, None].to(x.dtype)  # [B, 1, S, Dh]
+                raise ValueError("a cached call takes no attention mask: its rows have no padding")
+            cos, sin, mask = self._rope_and_mask(cache, x.dtype)
         is_causal = self.cfg.causal and cache is None
         aux = []
         for block in self.layers:
             x, a = block(x, cos, sin, mask, is_causal, token_mask, cache)
             if a is not None:
                 aux.append(a)
-        if last_only and lengths is not None:
-            x = x[torch.arange(B, device=x.device), torch.tensor(lengths, device=x.device) - 1][:, None]
+        if isinstance(cache, StepRows):
+            x = x[0, cache.last][:, None]
         elif last_only:
             x = x[:, -1:]
         x = self.norm(x)
@@ -421,6 +482,11 @@ class Transformer(nn.Module):
             # A padding query that may see nothing would make softmax NaN; let it see itself.
             allowed = allowed | torch.eye(S, dtype=torch.bool, device=pos.device)[None, None]
         return allowed
+
+    def _rope_and_mask(self, cache: CacheRows, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """cos and sin [B, 1, S, Dh] at the rows' positions, and their mask."""
+        pos = cache.positions
+        return self.rope_cos[pos][:, None].to(dtype), self.rope_sin[pos][:, None].to(dtype), self._cache_mask(cache)
 
     def _cache_mask(self, cache: CacheRows) -> Tensor:
         """[B, 1, S, L]: a query sees its sequence's keys up to its own position (causal, within the sliding

@@ -5,9 +5,9 @@
     prefill(cache, slot, ids, start)      a sequence's tokens start.. written into its slot (logits of
                                           the last at least; of every one with all_logits=True)
     decode(cache, slots, ids, positions)  one token for each of a set of slots
-    prefill_rows(cache, slots, ids, starts, lengths) optional: up to n tokens for each of a set of slots
-                                          in one call (shorter rows padded at their end, `lengths` their
-                                          real tokens); logits of the last real token of each
+    step_rows(cache, slots, ids, starts)  optional: rows of any lengths in one call, each its tokens ids[b]
+                                          written into slot slots[b] from starts[b] (a step's prompt chunks
+                                          and decode tokens together); logits of each row's last token
     copy_prefix(cache, src, dst, length)  optional: positions 0..length-1 of slot src copied into slot dst
                                           (a prompt's n choices share one prefill)
 
@@ -88,9 +88,10 @@ class TorchRunner:
     def prefill(self, cache: KVCache, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:
         return self.model(ids_S[None], cache=cache.rows([slot], [start], ids_S.shape[0]), last_only=not all_logits)
 
-    def prefill_rows(self, cache: KVCache, slots: list[int], ids_BS: Tensor, starts: list[int],
-                     lengths: list[int] | None = None) -> ModelOutput:
-        return self.model(ids_BS, cache=cache.rows(slots, starts, ids_BS.shape[1]), last_only=True, lengths=lengths)
+    def step_rows(self, cache: KVCache, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
+        rows = cache.step_rows(slots, starts, [len(t) for t in ids])
+        flat = torch.tensor([t for b in rows.order for t in ids[b]], device=self.device)
+        return self.model(flat[None], cache=rows)
 
     def copy_prefix(self, cache: KVCache, src: int, dst: int, length: int) -> None:
         cache.copy_prefix(src, dst, length)

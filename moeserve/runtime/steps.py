@@ -3,10 +3,13 @@ and leave at any step (continuous batching).
 
 A step (1) drops cancelled sequences, (2) admits waiting sequences into free slots and prefills
 them, at most `prefill_chunk` prompt tokens per step while others are decoding (a long prompt is
-written over several steps, so running streams keep flowing), prompts admitted together in one model
-call (in a causal model the shorter padded at their end), and (3) decodes one token for every running
-sequence in one model call. A sequence leaves the step it ends (end-of-sequence, its token budget, a
-stop string, cancellation) and its slot is free for the next step. When a prompt's prefill ends, waiting
+written over several steps, so running streams keep flowing), and (3) decodes one token for every
+running sequence. Where the runner takes rows of any lengths in one call (`step_rows`), the prompts'
+chunks and the running sequences' tokens share one model call: a model call reads every expert's
+weights whatever its rows, so the decode rows ride on the prompt's read instead of a read of their
+own, and the step stalls the running streams for one call, not two. A sequence leaves the step it
+ends (end-of-sequence, its token budget, a stop string, cancellation) and its slot is free for the
+next step. When a prompt's prefill ends, waiting
 sequences with the same prompt (a request's n choices) start from a copy of its cache rows instead of
 prefilling it again.
 
@@ -160,30 +163,35 @@ class StepEngine:
         for seq in [*self.waiting, *self.prefilling, *self.running]:
             if seq.cancelled is not None and seq.cancelled():
                 self._finish(seq, "cancelled", ended)
-        self._prefill(ended)
-        self._decode(ended)
+        decoding = [s for s in self.running if len(s.out) > 0 and not s.done]
+        if not self._prefill(ended, decoding if hasattr(self.runner, "step_rows") else []):
+            self._decode(ended)
         return ended
 
-    def _prefill(self, ended: list[Sequence]) -> None:
+    def _prefill(self, ended: list[Sequence], decoding: list[Sequence]) -> bool:
+        """Prefill what the budget allows, the first call carrying `decoding`'s next tokens where it can;
+        whether it did."""
         budget = self.prefill_chunk if self.running else math.inf  # nothing to keep flowing: no need to chunk
+        carried = False
         while budget > 0:
             self._admit(budget)
             if not self.prefilling:
-                return
-            group, n = self._prefill_group(budget)
-            slots, starts = [s.slot for s in group], [s.prefilled for s in group]
-            takes = [min(n, len(s.prompt) - s.prefilled) for s in group]  # a shorter row: its padding at its end
-            ids = torch.tensor([s.prompt[s.prefilled:s.prefilled + t] + [0] * (n - t) for s, t in zip(group, takes)],
-                               device=self.runner.device)
+                break
+            group, takes = self._prefill_group(budget)
             scored = group[0].params.prompt_logprobs is not None  # then alone: logits at every position
-            if len(group) == 1:
-                out = self.runner.prefill(self.cache, slots[0], ids[0], starts[0], all_logits=scored)
+            carry = [] if carried or scored else decoding
+            chunks = [s.prompt[s.prefilled:s.prefilled + t] for s, t in zip(group, takes)]
+            if len(group) == 1 and not carry:
+                out = self.runner.prefill(self.cache, group[0].slot, torch.tensor(chunks[0], device=self.runner.device),
+                                          group[0].prefilled, all_logits=scored)
             else:
-                out = self.runner.prefill_rows(self.cache, slots, ids, starts, None if min(takes) == n else takes)
+                rows = [*group, *carry]
+                out = self.runner.step_rows(self.cache, [s.slot for s in rows], chunks + [[s.out[-1]] for s in carry],
+                                            [s.prefilled for s in group] + [self._position(s) for s in carry])
             self._account(out.aux)
             if scored:
-                self._score_prompt(group[0], out.logits[0, -n:])
-            budget -= n * len(group)
+                self._score_prompt(group[0], out.logits[0, -takes[0]:])
+            budget -= sum(takes)
             for b, seq in enumerate(group):
                 seq.prefilled += takes[b]
                 if seq.prefilled < len(seq.prompt):
@@ -198,6 +206,10 @@ class StepEngine:
                 live = [f for f in forked if not f.done]
                 if live:
                     self._choose(live, out.logits[b:b + 1, -1].expand(len(live), -1), ended)
+            if carry:
+                self._choose(carry, out.logits[len(group):, -1], ended)
+                carried = True
+        return carried
 
     def _admit(self, budget: float) -> None:
         """Waiting sequences take free slots, in arrival order, while this step's prompt budget has room for
@@ -213,34 +225,28 @@ class StepEngine:
             self.prefilling.append(seq)
             pending += len(seq.prompt)
 
-    def _prefill_group(self, budget: float) -> tuple[list[Sequence], int]:
-        """The sequences prefilled in one model call and its length n: the first prefilling sequence's next
-        chunk, and others while the call's n tokens a row fit the budget, each taking up to n tokens of its
-        prompt. In a causal model a shorter row is padded at its end (no real token attends to padding, no
-        expert sees it), and n grows to a longer row's remaining prompt where the budget allows: a model call
-        reads every expert's weights whatever its rows, so prompts arriving together share one read instead
-        of one each (on the 644M Mixtral, 8 prompts of ~70 tokens were 8 calls of ~300 ms, stalling every
-        running stream for 2 s). Elsewhere, only rows of exactly n tokens join. Rows that ask for prompt
-        log-probabilities, or a runner that cannot write several slots at once, go alone."""
+    def _prefill_group(self, budget: float) -> tuple[list[Sequence], list[int]]:
+        """The sequences prefilled in one model call and how many prompt tokens each writes: prefilling
+        sequences in order, each as much of its prompt as the budget has left. A model call reads every expert's
+        weights whatever its rows, so prompts arriving together share one read instead of one each (on the
+        644M Mixtral, 8 prompts of ~70 tokens were 8 calls of ~300 ms, stalling every running stream for 2 s).
+        Rows that ask for prompt log-probabilities, or a runner that cannot write several slots at once, go
+        alone."""
         head = self.prefilling[0]
         scored = head.params.prompt_logprobs is not None
-        n = int(min(budget, len(head.prompt) - head.prefilled, self.prefill_chunk if scored else math.inf))
+        takes = [int(min(budget, len(head.prompt) - head.prefilled, self.prefill_chunk if scored else math.inf))]
         group = [head]
-        if scored or not hasattr(self.runner, "prefill_rows"):
-            return group, n
-        pad = self.runner.cfg.causal
+        if scored or not hasattr(self.runner, "step_rows"):
+            return group, takes
+        left = budget - takes[0]
         for seq in self.prefilling[1:]:
-            rest = len(seq.prompt) - seq.prefilled
-            if seq.params.prompt_logprobs is not None or (not pad and rest != n):
-                continue
-            m = int(min(max(n, rest), budget // (len(group) + 1)))  # the call's length with seq in it
-            if m < n:
-                break  # the budget holds no more rows of n tokens
-            if any(s.prefilled + m > self.max_len for s in (*group, seq)):
-                continue  # a padded row's keys would fall past its slot
-            group.append(seq)
-            n = m
-        return group, n
+            if left <= 0:
+                break
+            if seq.params.prompt_logprobs is None:
+                group.append(seq)
+                takes.append(int(min(len(seq.prompt) - seq.prefilled, left)))
+                left -= takes[-1]
+        return group, takes
 
     def _score_prompt(self, seq: Sequence, logits_NV: Tensor) -> None:
         """The prompt tokens that the rows of this chunk predict (the first token has no prediction)."""
@@ -275,10 +281,14 @@ class StepEngine:
         if not rows:
             return
         ids = torch.tensor([s.out[-1] for s in rows], device=self.runner.device)
-        positions = [len(s.prompt) + len(s.out) - 1 for s in rows]
-        out = self.runner.decode(self.cache, [s.slot for s in rows], ids, positions)
+        out = self.runner.decode(self.cache, [s.slot for s in rows], ids, [self._position(s) for s in rows])
         self._account(out.aux)
         self._choose(rows, out.logits[:, -1], ended)
+
+    @staticmethod
+    def _position(seq: Sequence) -> int:
+        """Where a running sequence's last token goes in its slot."""
+        return len(seq.prompt) + len(seq.out) - 1
 
     def _account(self, aux: list[MoEAux]) -> None:
         if self.on_aux is not None:

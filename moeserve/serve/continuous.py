@@ -16,17 +16,30 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import torch
+
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.steps import Sequence, StepEngine
 from moeserve.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Job
 
 
+def default_prefill_chunk(device: torch.device) -> int:
+    """Prompt tokens a step while others generate, where none is given. A step's model call carries the running
+    sequences' tokens with the prompt's chunk (steps.py), so a small chunk costs them little throughput and stalls
+    them less. On 2 CPU cores (the 644M Mixtral in fp32, 8 clients asking 64 tokens after ~72-token prompts),
+    chunks of 32, 64 and 256 tokens served 1.28-1.32, 1.29-1.33 and 1.30-1.39 requests/s, with a p99 gap between
+    tokens of 170, 250 and 450-530 ms. A GPU runs 512 prompt tokens in the time a CPU runs a few."""
+    return 512 if device.type == "cuda" else 64
+
+
 class StepBatcher(Batcher):
     """The run-to-completion batcher's queue, with a step engine of `slots` cache slots behind it."""
 
-    def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None, *, slots: int = 8, prefill_chunk: int = 256):
+    def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None, *, slots: int = 8,
+                 prefill_chunk: int | None = None):
         super().__init__(engine, cfg, metrics)
-        self.steps: StepEngine = engine.step_engine(slots, prefill_chunk=prefill_chunk)
+        self.steps: StepEngine = engine.step_engine(slots, prefill_chunk=prefill_chunk
+                                                    or default_prefill_chunk(engine.device))
         self._live: dict[Job, list[Sequence]] = {}
 
     def _next(self) -> tuple[list[Job], list[Job]] | None:

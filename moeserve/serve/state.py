@@ -46,7 +46,7 @@ class ServeConfig:
     threads: int | None = None  # torch threads of the model (default: torch's, one per core)
     scheduler: str = "continuous"  # continuous: requests join running steps; batch: run-to-completion batches
     kv_slots: int = 8  # continuous: sequences generating at once (cache slots of the model's context each)
-    prefill_chunk: int = 256  # continuous: prompt tokens per step while others are generating
+    prefill_chunk: int | None = None  # continuous: prompt tokens per step while others generate (None: by device)
     chat_template: Path | None = None  # a Jinja2 file for /v1/chat/completions, over the checkpoint's own
 
     def __post_init__(self) -> None:
@@ -68,8 +68,10 @@ class ServeConfig:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler = {self.scheduler!r}: expected one of {', '.join(SCHEDULERS)}")
         for name in ("kv_slots", "prefill_chunk"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)!r}: expected an integer >= 1")
+            value = getattr(self, name)
+            if (value is not None or name == "kv_slots") and (isinstance(value, bool) or not isinstance(value, int)
+                                                               or value < 1):
+                raise ValueError(f"{name} = {value!r}: expected an integer >= 1")
         if not b.wait_s >= 0:
             raise ValueError(f"batch wait = {b.wait_s!r}: expected a number of seconds >= 0")
 

@@ -5,11 +5,13 @@ same steps gives the torch runner's tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from moeserve.runtime import cpu_kernel
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams
-from moeserve.runtime.model import KVCache
 from moeserve.runtime.steps import Sequence
 
 from .test_engine import PROMPTS, make_engine
@@ -157,7 +159,8 @@ def test_onnx_runner_gives_the_torch_runners_tokens(tmp_path):
 
 
 class CallLog:
-    """The engine's runner, with its prefill calls written down: (method, rows, tokens per row)."""
+    """The engine's runner, with its model calls written down: ("prefill", tokens), ("step_rows", tokens per row)
+    or ("decode", rows)."""
 
     def __init__(self, runner):
         self.runner, self.calls = runner, []
@@ -166,40 +169,40 @@ class CallLog:
         return getattr(self.runner, name)
 
     def prefill(self, cache, slot, ids_S, start, all_logits=False):
-        self.calls.append(("prefill", 1, ids_S.shape[0]))
+        self.calls.append(("prefill", ids_S.shape[0]))
         return self.runner.prefill(cache, slot, ids_S, start, all_logits)
 
-    def prefill_rows(self, cache, slots, ids_BS, starts, lengths=None):
-        self.calls.append(("prefill_rows", *ids_BS.shape, lengths))
-        return self.runner.prefill_rows(cache, slots, ids_BS, starts, lengths)
+    def step_rows(self, cache, slots, ids, starts):
+        self.calls.append(("step_rows", [len(t) for t in ids]))
+        return self.runner.step_rows(cache, slots, ids, starts)
+
+    def decode(self, cache, slots, ids_B, positions):
+        self.calls.append(("decode", len(slots)))
+        return self.runner.decode(cache, slots, ids_B, positions)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
-def test_prompts_arriving_together_are_prefilled_in_one_call_with_their_own_tokens(engine, kind):
-    """Prompts share one model call (within the step's prompt budget while others run), a shorter one padded at
-    its end, the call as long as its longest row; each gets the tokens it gets alone."""
+def test_prompts_and_running_sequences_share_a_call_with_their_own_tokens(engine, kind):
+    """Prompts arriving together share one model call (within the step's prompt budget while others run), each
+    row as long as its own prompt; a step that prefills carries the running sequences' next tokens in the same
+    call. Every sequence gets the tokens it gets alone."""
     prompts = ["def alpha(x):", "class Beta(A)", "import gamma.", "x = 1"]  # bytes: 13, 13, 13 and 5
     ids = [engine.encode(p) for p in prompts]
-    assert len(ids[0]) == len(ids[1]) == len(ids[2]) != len(ids[3])
     params = [GREEDY if kind == "greedy" else sampled(i) for i in range(4)]
     want = [alone(engine, p, sp) for p, sp in zip(prompts, params)]
     L, short = len(ids[0]), len(ids[3])
+    assert len(ids[1]) == len(ids[2]) == L != short
 
     steps = engine.step_engine(slots=4)
     steps.runner = log = CallLog(steps.runner)
     seqs = [Sequence(i, sp) for i, sp in zip(ids, params)]
     steps.run(seqs)
     assert [s.out for s in seqs] == want
-    assert log.calls == [("prefill_rows", 4, L, [L, L, L, short])]
+    assert log.calls[0] == ("step_rows", [L, L, L, short])  # then one decode call a step
+    assert {c[0] for c in log.calls[1:]} == {"decode"}
 
-    steps = engine.step_engine(slots=4)  # the short one first: the call grows to the longer row's length
-    steps.runner = log = CallLog(steps.runner)
-    seqs = [Sequence(ids[3], params[3]), Sequence(ids[0], params[0])]
-    steps.run(seqs)
-    assert [s.out for s in seqs] == [want[3], want[0]]
-    assert log.calls == [("prefill_rows", 2, L, [short, L])]
-
-    # while a sequence runs, the budget of 2 prompts per step splits the three: two rows, then one
+    # while a sequence runs, a budget of 2L prompt tokens a step: two prompts and the running row's token in
+    # one call, then the third prompt's first L - 1 tokens and two running rows, then its last token with three
     steps = engine.step_engine(slots=4, prefill_chunk=2 * L)
     steps.runner = log = CallLog(steps.runner)
     first = Sequence(ids[3], params[3])
@@ -210,28 +213,47 @@ def test_prompts_arriving_together_are_prefilled_in_one_call_with_their_own_toke
         steps.add(s)
     steps.run([])
     assert [s.out for s in [*seqs, first]] == want[:3] + [want[3]]
-    assert log.calls == [("prefill", 1, short), ("prefill_rows", 2, L, None), ("prefill", 1, L)]
+    assert log.calls[:4] == [("prefill", short), ("decode", 1), ("step_rows", [L, L, 1]),
+                             ("step_rows", [L, 1, 1, 1])]
+    assert {c[0] for c in log.calls[4:]} == {"decode"}
 
 
-def test_padded_rows_are_their_prompts_alone_and_refused_where_padding_would_be_seen():
-    """A row padded at its end in a cached call: the logits of its last real token and its cache rows are those
-    of the row prefilled alone; padding is not routed (the expert counts are the real tokens'). Lengths are
-    checked, and a bidirectional model, which would attend to padding, is refused."""
+@pytest.mark.parametrize("dense", ["kernel", "torch"])
+def test_rows_of_any_lengths_are_each_their_row_alone(dense):
+    """One call of prompt chunks of two lengths and a decode token: each row's logits, and the keys and values it
+    writes, are those of its own call alone: exactly where the layers run on the C kernel (whose sums do not depend
+    on the other rows), to a rounding on torch's (a GEMM may round a row differently with more rows beside it, and
+    one token's experts take another path than several's). No token is padding, so the expert counts are the
+    rows' tokens. Calls the cache cannot hold are refused."""
     engine = make_engine()
     model, runner = engine.model, engine.runner
-    a, b = engine.encode("import os, sys"), engine.encode("x = 1")
-    cache = runner.new_cache(4, 64)
+    if dense == "kernel":
+        if not cpu_kernel.available():
+            pytest.skip(f"no C kernel here: {cpu_kernel.unavailable_reason()}")
+        model.prepare_inference(dataclasses.replace(engine.plan, kernel_experts=True, kernel_dense=True,
+                                                    kernel_norms=True, pack_dense=False, pack_experts=False))
+    same = torch.equal if dense == "kernel" else (lambda x, y: torch.allclose(x, y, rtol=0, atol=1e-5))
+    a, b, c = engine.encode("import os, sys"), engine.encode("x = 1"), engine.encode("def f(y):")
+    cache = runner.new_cache(6, 64)
     with torch.inference_mode():
-        out = runner.prefill_rows(cache, [0, 1], torch.tensor([a, b + [0] * (len(a) - len(b))]), [0, 0],
-                                  [len(a), len(b)])
-        alone = runner.prefill(cache, 3, torch.tensor(b), 0)
-        torch.testing.assert_close(out.logits[1], alone.logits[0], atol=1e-5, rtol=0)
-        for k in cache.k:
-            torch.testing.assert_close(k[1, :, :len(b)], k[3, :, :len(b)], atol=1e-6, rtol=0)
-        assert [int(x.counts.sum()) for x in out.aux] == [(len(a) + len(b)) * model.cfg.top_k] * len(out.aux)
-        with pytest.raises(ValueError, match=r"lengths \[5, 0\]: one per row, 1..5, and only for a causal model"):
-            model(torch.zeros(2, 5, dtype=torch.long), cache=cache.rows([0, 1], [0, 0], 5), lengths=[5, 0])
-        encoder = make_engine(causal=False).model
-        with pytest.raises(ValueError, match="only for a causal model"):
-            encoder(torch.zeros(2, 5, dtype=torch.long), cache=KVCache.for_model(encoder, 2, 8).rows([0, 1], [0, 0], 5),
-                    lengths=[5, 3])
+        runner.prefill(cache, 2, torch.tensor(c), 0)  # slot 2 holds c; its next token is decoded in the mixed call
+        runner.prefill(cache, 5, torch.tensor(c), 0)
+        out = runner.step_rows(cache, [0, 2, 1], [a, [7], b], [0, len(c), 0])
+        alone_a = runner.prefill(cache, 3, torch.tensor(a), 0)
+        alone_b = runner.prefill(cache, 4, torch.tensor(b), 0)
+        alone_c = runner.decode(cache, [5], torch.tensor([7]), [len(c)])
+        for row, want in enumerate([alone_a, alone_c, alone_b]):
+            assert same(out.logits[row], want.logits[0, -1:]), row
+        for kv in (*cache.k, *cache.v):
+            assert same(kv[0, :, :len(a)], kv[3, :, :len(a)])
+            assert same(kv[1, :, :len(b)], kv[4, :, :len(b)])
+            assert same(kv[2, :, :len(c) + 1], kv[5, :, :len(c) + 1])
+        assert [int(x.counts.sum()) for x in out.aux] == [(len(a) + len(b) + 1) * model.cfg.top_k] * len(out.aux)
+        with pytest.raises(ValueError, match=r"slots \[0, 0\]: a slot takes one row of a call"):
+            runner.step_rows(cache, [0, 0], [a, b], [0, 0])
+        with pytest.raises(ValueError, match=r"lengths \[3, 0\]: one each, >= 1"):
+            cache.step_rows([0, 1], [0, 0], [3, 0])
+        with pytest.raises(ValueError, match="positions up to 64 do not fit a cache of 64"):
+            runner.step_rows(cache, [0, 1], [a, b], [0, 64 - len(b) + 1])
+        with pytest.raises(ValueError, match=r"take their 5 tokens as one row \[1, 5\]"):
+            model(torch.zeros(1, 4, dtype=torch.long), cache=cache.step_rows([0, 1], [0, 0], [3, 2]))

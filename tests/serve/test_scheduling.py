@@ -67,8 +67,10 @@ def test_a_short_request_does_not_wait_for_a_long_one(long_ckpt, scheduler):
     cfg = ServeConfig(model_name="tiny", scheduler=scheduler, batch=BatchConfig(wait_s=0))
     with live_server(lambda: StepEngine.load(long_ckpt, dtype="float32", device="cpu"), cfg) as s:
         long_done, short_done, short_first = timed_pair(s.url)
+        chunk = s.state.batcher.steps.prefill_chunk if scheduler == "continuous" else None
     assert long_done > 2.0
     if scheduler == "continuous":
+        assert chunk == 64  # no --prefill-chunk on a CPU (continuous.default_prefill_chunk)
         assert short_done < 0.5 * long_done and short_first < 0.5 * long_done
     else:  # the baseline: the short request waits for the running batch to end
         assert short_first > long_done - 0.2
@@ -145,3 +147,15 @@ def test_a_burst_lets_through_only_what_the_queue_holds(tiny_ckpt):
     assert sorted(status for status, _ in answers) == [200] * 3 + [429] * 37
     assert all(headers.get("retry-after") for status, headers in answers if status == 429)
     assert late == []
+
+
+def test_the_prefill_chunk_is_a_positive_integer_or_the_devices_default():
+    from moeserve.serve.continuous import default_prefill_chunk
+
+    assert ServeConfig().prefill_chunk is None
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=rf"prefill_chunk = {bad!r}: expected an integer >= 1"):
+            ServeConfig(prefill_chunk=bad)
+    with pytest.raises(ValueError, match="kv_slots = None: expected an integer >= 1"):
+        ServeConfig(kv_slots=None)
+    assert (default_prefill_chunk(torch.device("cpu")), default_prefill_chunk(torch.device("cuda"))) == (64, 512)
