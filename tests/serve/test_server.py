@@ -172,8 +172,10 @@ def test_batched_requests_equal_requests_alone(tiny_ckpt, ref, scheduler):
     rows = m[("moeserve_batch_size_sum", ("kind", "complete"))]
     if scheduler == "batch":
         assert rows == 8 and batches < 8  # at least one batch held several requests
-    else:  # rows per step: a request's first two tokens share its prefill's step, then one step per token
-        assert rows == sum(a["usage"]["completion_tokens"] - 1 for a in answers) and rows / batches > 2
+    else:  # rows per step: a request is in one step per token, less one where its prefill's step also decoded its
+        # second token (where no other row was running: else their decode tokens rode on its prefill's call)
+        tokens = [a["usage"]["completion_tokens"] for a in answers]
+        assert sum(tokens) - len(tokens) <= rows <= sum(tokens) and rows / batches > 2
 
 
 class PoisonEngine(Engine):
