@@ -150,12 +150,10 @@ class CacheRows:
         self.cache.v[layer][index] = v_BGSDh.transpose(1, 2)
 
     def decode_bounds(self, window: int | None) -> tuple[Tensor, Tensor]:
-        """(lo, hi) [B] int64: the keys a causal decode query of each row sees, positions lo .. hi - 1 (its own
+        """(lo, hi) [B * S] int64: the keys each causal query sees (row by row), positions lo .. hi - 1 (its own
         and those before it, within `window`). Computed and checked against the cache once per call."""
         if self._bounds is None:
-            if self.positions.shape[1] != 1:
-                raise ValueError(f"decode bounds are for one query a row, not {self.positions.shape[1]}")
-            hi = self.positions[:, 0] + 1
+            hi = self.positions.reshape(-1) + 1
             lo = (hi - window).clamp(min=0) if window is not None else torch.zeros_like(hi)
             if not bool((hi <= self.cache.max_len).all() & (lo >= 0).all() & (self.slots >= 0).all()
                         & (self.slots < self.cache.slots).all()):
@@ -240,6 +238,15 @@ class Attention(nn.Module):
             return y.view(B, S, -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None and self.kernel_decode and self.causal and not torch.is_grad_enabled():
+            # A prompt's queries each as a decode step's: its tokens' keys written first, then every query over its
+            # slot, the same sums as when it decodes, so a prompt's numbers do not depend on how it was chunked
+            cache.write(self.layer_id, k, v)
+            lo, hi = cache.decode_bounds(self.window)
+            y = cpu_kernel.attend_decode(q.transpose(1, 2).reshape(B * S, self.n_heads, self.head_dim),
+                                         cache.cache.k[self.layer_id], cache.cache.v[self.layer_id],
+                                         cache.slots.repeat_interleave(S), lo, hi, self.head_dim**-0.5)
+            return y.view(B, S, -1)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,

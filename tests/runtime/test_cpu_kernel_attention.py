@@ -1,9 +1,10 @@
 """Decode attention on the C kernel (cpu_kernel.attend_decode): against SDPA on the same keys for every row's
 slot and causal window, grouped-query heads, float32 and bfloat16; a row's result the same whatever rows
 share the call; RoPE and the cache write in the same call bit for bit torch's (apply_rope, CacheRows.write);
-a model whose plan puts norms and attention on the kernel attends with it at decode steps, giving the plain
-model's tokens, with and without a sliding window; and a decode layer's attention half in one call
-(KernelDecodeBlock) bit for bit the calls it replaced, cache included."""
+a model whose plan puts norms and attention on the kernel attends with it at decode steps and prefills (a prompt
+in chunks bit for bit the prompt whole), giving the plain model's tokens, with and without a sliding window; and
+a decode layer's attention half in one call (KernelDecodeBlock) bit for bit the calls it replaced, cache
+included."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.cpu_kernel import KernelDecodeBlock, KernelError
-from moeserve.runtime.engine import Engine
+from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.model import KVCache, apply_rope, rope_tables
+from moeserve.runtime.steps import Sequence
 from moeserve.tokenizer import ByteTokenizer
 
 from .test_cpu_kernel import KERNEL_PLAN, requires_kernel
@@ -118,13 +120,44 @@ def test_a_model_on_the_kernel_attends_with_it_and_gives_the_same_tokens(window,
     attend = cpu_kernel.attend_decode
     monkeypatch.setattr(cpu_kernel, "attend_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
     alone = [kern.generate([p], max_new_tokens=12)[0] for p in PROMPTS]
-    assert calls and set(calls) == {1}  # every decode step of one row, every layer
+    layers = len(kern.model.layers)  # every layer: a prompt's queries in one call, then each decode step's one row
+    assert sorted(calls) == sorted([len(kern.encode(p)) for p in PROMPTS] * layers + [1] * 11 * layers * len(PROMPTS))
     assert kern.generate(PROMPTS, max_new_tokens=12) == alone  # and in a batch: the same tokens
     if dtype == "float32":  # bf16 rounds differently from torch's kernels: tokens may part, as they do elsewhere
         assert alone == [plain.generate([p], max_new_tokens=12)[0] for p in PROMPTS]
     ids = torch.tensor(plain.encode("import os\nimport sys\n"))  # 19 tokens: a decode query past the window
     tol = dict(atol=1e-4, rtol=0) if dtype == "float32" else dict(atol=0.1, rtol=0.05)
     torch.testing.assert_close(decode_logits(kern, ids), decode_logits(plain, ids), **tol)
+
+
+@requires_kernel
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_in_chunks_is_the_prompt_whole_bit_for_bit(window, dtype):
+    """A cached prefill attends each query as a decode step would, so a prompt written in chunks (as the step
+    engine writes one while others run) gives the logits and cache of the prompt written at once, exactly, in
+    bf16 too; and a prompt joining running sequences mid-flight, chunked, samples the tokens it samples alone."""
+    engine = Engine.from_model(make_engine("softmax", sliding_window=window).model, ByteTokenizer(), dtype=dtype,
+                               plan=KERNEL_PLAN)
+    ids = torch.tensor(engine.encode("import os\nimport sys\nclass A:\n"))
+    n, cache = len(ids), KVCache.for_model(engine.model, 2)
+    with torch.inference_mode():
+        whole = engine.runner.prefill(cache, 0, ids, 0).logits[0, -1]
+        for a in range(0, n, 3):
+            chunked = engine.runner.prefill(cache, 1, ids[a:a + 3], a).logits[0, -1]
+    assert torch.equal(whole, chunked)
+    for kv in (*cache.k, *cache.v):
+        assert torch.equal(kv[0, :, :n], kv[1, :, :n])
+    params = [SamplingParams(max_new_tokens=10, temperature=0.9, seed=5 + i, ignore_eos=True) for i in range(3)]
+    alone = [engine.complete([p], [sp])[0].token_ids for p, sp in zip(PROMPTS, params)]
+    steps = engine.step_engine(slots=3, prefill_chunk=4)
+    seqs = [Sequence(engine.encode(p), sp) for p, sp in zip(PROMPTS, params)]
+    steps.add(seqs[0])
+    steps.step()
+    for seq in seqs[1:]:
+        steps.add(seq)
+    steps.run([])
+    assert [s.out for s in seqs] == alone
 
 
 def decode_logits(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
