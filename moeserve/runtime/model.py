@@ -227,7 +227,8 @@ class Attention(nn.Module):
                 is_causal: bool, cache: CacheRows | None) -> Tensor:
         """q [B, S, H, Dh], k and v [B, S, G, Dh], before RoPE -> the heads' outputs [B, S, H * Dh]."""
         B, S = q.shape[:2]
-        if cache is not None and S == 1 and self.kernel_decode and self.causal and not torch.is_grad_enabled():
+        on_kernel = cache is not None and self.kernel_decode and self.causal and not torch.is_grad_enabled()
+        if on_kernel and S == 1:
             # RoPE, the cache write and attention over the slots where they lie, in one call: no gather, no mask
             lo, hi = cache.decode_bounds(self.window)
             y = cpu_kernel.attend_decode(q.view(B, self.n_heads, self.head_dim), cache.cache.k[self.layer_id],
@@ -238,7 +239,7 @@ class Attention(nn.Module):
             return y.view(B, S, -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None and self.kernel_decode and self.causal and not torch.is_grad_enabled():
+        if on_kernel:
             # A prompt's queries each as a decode step's: its tokens' keys written first, then every query over its
             # slot, the same sums as when it decodes, so a prompt's numbers do not depend on how it was chunked
             cache.write(self.layer_id, k, v)
