@@ -22,7 +22,7 @@ from moeserve.checkpoint import (  # noqa: E402
 )
 from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
-from moeserve.runtime.model import KVCache  # noqa: E402
+from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
 
 TOL = 1e-4  # fp32

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.runtime import COMPILE_MODES
-from moeserve.runtime.model import CacheRows, KVCache, Transformer
+from moeserve.runtime.kv_cache import CacheRows, KVCache
+from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoEAux
 
 

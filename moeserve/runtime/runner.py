@@ -27,7 +27,8 @@ from torch import Tensor
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.compiled import CompiledDecode
-from moeserve.runtime.model import KVCache, ModelOutput, Transformer
+from moeserve.runtime.kv_cache import KVCache
+from moeserve.runtime.model import ModelOutput, Transformer
 
 log = logging.getLogger("moeserve.runtime")
 
@@ -51,7 +52,7 @@ class ModelRunner(Protocol):
 
 
 class TorchRunner:
-    """The Transformer over a slot KV cache (model.KVCache); with `compiled`, its decode step is one
+    """The Transformer over a slot KV cache (kv_cache.KVCache); with `compiled`, its decode step is one
     compiled graph per batch bucket (compiled.py), over a cache kept from one call to the next so that
     the graphs are built once. `fallback`: if building the graph fails, say so and run eager."""
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.cpu_kernel import KernelDecodeBlock, KernelError
 from moeserve.runtime.engine import Engine, SamplingParams
-from moeserve.runtime.model import KVCache, apply_rope, rope_tables
+from moeserve.runtime.kv_cache import KVCache
+from moeserve.runtime.model import apply_rope, rope_tables
 from moeserve.runtime.steps import Sequence
 from moeserve.tokenizer import ByteTokenizer
 

@@ -9,7 +9,8 @@ import torch
 from moeserve.config import preset
 from moeserve.runtime import device
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams, resolve_dtype
-from moeserve.runtime.model import KVCache, Transformer
+from moeserve.runtime.kv_cache import KVCache
+from moeserve.runtime.model import Transformer
 from moeserve.runtime.packing import PackedLinear, onednn_packing_available
 from moeserve.tokenizer import ByteTokenizer
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.config import ConfigError, MoEConfig, preset
-from moeserve.runtime.model import KVCache, ModelOutput, Transformer
+from moeserve.runtime.kv_cache import KVCache
+from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.training.losses import aux_losses
 
