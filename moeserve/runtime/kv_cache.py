@@ -11,13 +11,8 @@ position, so a forward pass never asks the device where a sequence is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
-from torch import Tensor
-
-if TYPE_CHECKING:
-    from moeserve.runtime.model import Transformer
+from torch import Tensor, nn
 
 
 class KVCache:
@@ -56,7 +51,9 @@ class KVCache:
             t[dst, :, :length] = t[src, :, :length]
 
     @classmethod
-    def for_model(cls, model: "Transformer", slots: int, max_len: int | None = None) -> "KVCache":
+    def for_model(cls, model: nn.Module, slots: int, max_len: int | None = None) -> "KVCache":
+        """Room for `slots` sequences of the Transformer `model` (its config and its embedding's dtype and device);
+        a module, not model.Transformer, so that this file does not import the model that imports it."""
         cfg, w = model.cfg, model.tok_embeddings.weight
         max_len = max_len or cfg.max_seq_len
         if max_len > cfg.max_seq_len:
