@@ -1,7 +1,7 @@
 """C kernels for CPU inference (kernels/linear.c): a GEMM written for the few rows of decode, used by the
 experts and the dense layers, a MoE layer's experts in one call (KernelExperts), RMSNorm (KernelRMSNorm) and a
-decode step's attention over the KV cache (attend_decode), and a decode layer's whole attention half
-(KernelDecodeBlock); float32 and bfloat16.
+decode step's attention over the KV cache (attend_decode); float32 and bfloat16. kernel_decode.py builds on them:
+a decode layer's attention half, the router, and a whole decode step, each in one call.
 
 At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to eight rows (an expert's
 share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because
@@ -204,63 +204,6 @@ def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tens
     return y
 
 
-class KernelDecodeBlock:
-    """A decode layer's attention half in one call: for x [B, D] (one token a row), h = x + attention(RMSNorm(x))
-    and RMSNorm(h), the MoE half's input. The same operations, in the same order, as rms_norm, linear and
-    attend_decode called one by one, so the same numbers, without the Python between them. The weights (the two
-    norms' (weight, eps), and wq, wk, wv, wo as nn.Linear holds them) are checked once, here, and used where
-    they lie."""
-
-    def __init__(self, norms: tuple[tuple[Tensor, float], tuple[Tensor, float]],
-                 weights: tuple[Tensor, Tensor, Tensor, Tensor], n_heads: int, n_kv_heads: int):
-        why = unavailable_reason()
-        if why is not None:
-            raise KernelError(f"the CPU kernel is not available: {why}")
-        (n1, self.eps1), (n2, self.eps2) = norms
-        wq, wk, wv, wo = weights
-        D, dtype, H, G = n1.shape[0], n1.dtype, n_heads, n_kv_heads
-        Dh = wq.shape[0] // H
-        want = {"attention norm": (n1, (D,)), "FFN norm": (n2, (D,)), "wq": (wq, (H * Dh, D)),
-                "wk": (wk, (G * Dh, D)), "wv": (wv, (G * Dh, D)), "wo": (wo, (D, H * Dh))}
-        for name, (t, shape) in want.items():
-            if (t.dtype != dtype or dtype not in DTYPES or tuple(t.shape) != shape or not t.is_contiguous()
-                    or not t.is_cpu):
-                raise KernelError(f"decode block: {name} must be a contiguous {dtype} CPU tensor of shape "
-                                  f"{list(shape)} (float32 or bfloat16), not {t.dtype} {list(t.shape)}")
-        if H % G or Dh % 2:
-            raise KernelError(f"decode block: {H} query heads over {G} kv heads of {Dh} (the kv heads must divide "
-                              f"the query heads, and rotate-half RoPE needs an even head dim)")
-        self.lib, self.dtype, self.D, self.H, self.G, self.Dh = _library(), dtype, D, H, G, Dh
-        self._held = (n1, wq, wk, wv, wo, n2)  # their storage does not move while this holds them
-        self._fn = self.lib.decode_block if dtype == torch.float32 else self.lib.decode_block_bf16
-
-    def __call__(self, x_BD: Tensor, rope: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots_B: Tensor,
-                 lo_B: Tensor, hi_B: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """-> (h, hn) [B, D]. rope (cos, sin) [B, Dh] and the cache arguments as attend_decode takes them: this
-        step's keys and values are written into the cache, at position hi_B[b] - 1 of row b's slot."""
-        B, D, Dh, dtype = x_BD.shape[0], self.D, self.Dh, self.dtype
-        if (x_BD.dtype != dtype or x_BD.shape != (B, D) or not x_BD.is_contiguous() or not x_BD.is_cpu
-                or k_cache.dtype != dtype or v_cache.dtype != dtype or v_cache.shape != k_cache.shape
-                or k_cache.dim() != 4 or k_cache.shape[1] != self.G or k_cache.shape[3] != Dh
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-            raise KernelError(f"decode block: x {x_BD.dtype} {list(x_BD.shape)} and a cache of {k_cache.dtype} "
-                              f"{list(k_cache.shape)}, for contiguous {dtype} CPU rows of {D} and caches of "
-                              f"[slots, {self.G}, max_len, {Dh}]")
-        for t in rope:
-            if t.dtype != dtype or t.shape != (B, Dh) or not t.is_contiguous():
-                raise KernelError(f"decode block: rope tables are contiguous {dtype} [{B}, {Dh}], not {t.dtype} "
-                                  f"{list(t.shape)}")
-        _check_rows("decode block", B, slots_B, lo_B, hi_B)
-        scratch = torch.empty(B * (2 * D + 2 * (self.H + self.G) * Dh), dtype=dtype)
-        h, hn = torch.empty_like(x_BD), torch.empty_like(x_BD)
-        n1, wq, wk, wv, wo, n2 = self._held
-        self._fn(x_BD.data_ptr(), n1.data_ptr(), self.eps1, wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
-                 n2.data_ptr(), self.eps2, rope[0].data_ptr(), rope[1].data_ptr(), k_cache.data_ptr(),
-                 v_cache.data_ptr(), slots_B.data_ptr(), lo_B.data_ptr(), hi_B.data_ptr(), B, D, self.H, self.G, Dh,
-                 k_cache.shape[2], scale, scratch.data_ptr(), h.data_ptr(), hn.data_ptr(), torch.get_num_threads())
-        return h, hn
-
-
 class KernelRMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameters, same state_dict) whose no-grad forward runs on the kernel once
     `use_kernel` is set (Transformer.prepare_inference does, where the plan says: DispatchPlan.kernel_norms)."""
@@ -390,6 +333,13 @@ def _library() -> ctypes.CDLL | str:
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
                        + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int])
+    for fn in (lib.route_tokens, lib.route_tokens_bf16):  # kernel_decode.py: the router and the whole step
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    for fn in (lib.decode_step, lib.decode_step_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_long] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4
+                       + [ctypes.c_int])
     lib.bf16_native.restype = ctypes.c_int
     lib.bf16_native.argtypes = []
     return _self_check(lib)

@@ -21,10 +21,12 @@ from torch.overrides import TorchFunctionMode
 from moeserve.config import MoEConfig
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.calibration import DispatchPlan, default_plan
-from moeserve.runtime.cpu_kernel import KernelDecodeBlock, KernelLinear, KernelRMSNorm
+from moeserve.runtime.cpu_kernel import KernelLinear, KernelRMSNorm
 from moeserve.runtime.experts import Experts, FeedForward
+from moeserve.runtime.kernel_decode import KernelDecodeBlock, KernelDecodeStep
 from moeserve.runtime.kv_cache import CacheRows, StepRows
 from moeserve.runtime.moe import MoEAux, MoELayer
+from moeserve.runtime.routing import Routing
 from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
@@ -179,6 +181,7 @@ class Transformer(nn.Module):
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_packed: Tensor | None = None  # tied LM head, packed by prepare_inference
         self.head_kernel = False  # tied LM head run by cpu_kernel.linear (prepare_inference)
+        self.step_kernel: KernelDecodeStep | None = None  # a whole decode step in one C call (prepare_inference)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -256,6 +259,7 @@ class Transformer(nn.Module):
                 m.kernel_decode = plan.kernel_norms
         for block in self.layers:  # the attention half of a decode layer in one call, where all of it is on the kernel
             block.decode_kernel = self._decode_kernel(block) if plan.kernel_dense and plan.kernel_norms else None
+        self.step_kernel = self._step_kernel()
         return plan
 
     def _decode_kernel(self, block: Block) -> KernelDecodeBlock | None:
@@ -265,6 +269,26 @@ class Transformer(nn.Module):
         eps = [n.eps if n.eps is not None else torch.finfo(n.weight.dtype).eps for n in norms]
         return KernelDecodeBlock(((norms[0].weight, eps[0]), (norms[1].weight, eps[1])),
                                  (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
+
+    def _step_kernel(self) -> KernelDecodeStep | None:
+        """The whole decode step in one call, where every part of it is on the kernel: each layer's attention half,
+        router and experts, the final norm and the LM head. Else None: the layers' calls one by one."""
+        parts = []
+        for block in self.layers:
+            ffn = block.ffn
+            if (block.decode_kernel is None or not isinstance(ffn, MoELayer) or ffn.kernel_router is None
+                    or ffn.mix is not None):
+                return None
+            parts.append((block.decode_kernel, ffn.kernel_router, ffn.experts.inference.fused))
+        norm, head = self.norm, None
+        if self.cfg.task == "lm" and self.cfg.tie_embeddings and self.head_kernel:
+            head = self.tok_embeddings.weight
+        elif self.cfg.task == "lm" and not self.cfg.tie_embeddings and isinstance(self.output, KernelLinear):
+            head = self.output.weight
+        if head is None or not (isinstance(norm, KernelRMSNorm) and norm.use_kernel and norm.weight is not None):
+            return None
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        return KernelDecodeStep(parts, (norm.weight, eps), head)
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
@@ -278,6 +302,9 @@ class Transformer(nn.Module):
         With StepRows (rows of any lengths, KVCache.step_rows): input_ids [1, T], the rows' tokens end to end in
         `cache.order`, and the logits of each row's last token come back, [R, 1, V] in the rows' order."""
         B, S = input_ids.shape
+        if (self.step_kernel is not None and isinstance(cache, CacheRows) and S == 1 and attention_mask is None
+                and not torch.is_grad_enabled()):
+            return self._decode_step(input_ids, cache)
         x = self.tok_embeddings(input_ids)
         token_mask = None
         cos = sin = mask = None
@@ -319,6 +346,20 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             return ModelOutput(F.linear(x, self.tok_embeddings.weight), aux)
         return ModelOutput(self.output(x), aux)
+
+    def _decode_step(self, input_ids_B1: Tensor, cache: CacheRows) -> ModelOutput:
+        """A decode step on the kernel, every layer and the head in one call (KernelDecodeStep): the same numbers
+        as the layers' calls one by one."""
+        B = input_ids_B1.shape[0]
+        x_BD = self.tok_embeddings(input_ids_B1).view(B, -1)
+        pos_B = cache.positions.reshape(-1)
+        rope = self.rope_cos[pos_B].to(x_BD.dtype), self.rope_sin[pos_B].to(x_BD.dtype)
+        lo, hi = cache.decode_bounds(self.cfg.sliding_window)
+        logits_BV, ids, gates, counts = self.step_kernel(x_BD, cache.cache.k, cache.cache.v, rope, cache.slots, lo, hi,
+                                                         self.cfg.head_dim**-0.5)
+        aux = [MoEAux(counts[i] if layer.count_load else None, Routing(ids[i], gates[i]))
+               for i, layer in enumerate(self.moe_layers)]
+        return ModelOutput(logits_BV[:, None], aux)
 
     def _mask(self, S: int, attention_mask_BS: Tensor | None) -> Tensor | None:
         """Boolean [B|1, 1, S, S] mask of an uncached call, or None when SDPA's causal flag (or nothing) suffices."""

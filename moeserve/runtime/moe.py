@@ -19,7 +19,10 @@ from torch import Tensor, nn
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.experts import Experts
-from moeserve.runtime.routing import Routing, VectorQuantizer, capacity_keep, make_router
+from moeserve.runtime.kernel_decode import KernelRouter
+from moeserve.runtime.routing import (
+    Routing, SigmoidRouter, SoftmaxRouter, VectorQuantizer, XMoERouter, capacity_keep, make_router,
+)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class MoELayer(nn.Module):
         self.mix = nn.Linear(cfg.d_model, 2, bias=False) if is_vq and cfg.vq_mode == "mixed" else None
         self.table: Tensor | None = None  # [E, D] f_j(x~_j) for VQ code layers; set by prepare_inference
         self.count_load = True  # the bincount of MoEAux.counts; off only to measure what it costs
+        self.kernel_router: KernelRouter | None = None  # the router on the C kernel, with the experts (prepare_inference)
 
     @torch.no_grad()
     def prepare_inference(self, **kwargs) -> None:
@@ -55,6 +59,10 @@ class MoELayer(nn.Module):
         x~ = up(v_k) is one of E vectors, so f_k(x~) is too (paper 002, eq. 5: the discrete-only
         layer is a lookup)."""
         self.experts.prepare_inference(**kwargs)
+        on_kernel = isinstance(self.experts, Experts) and self.experts.inference.kernel
+        self.kernel_router = None
+        if on_kernel and self.quantizer is None and self.cfg.capacity_factor is None:
+            self.kernel_router = kernel_router(self.router)
         self.table = None
         if self.quantizer is not None and self.cfg.vq_input == "code":
             q = self.quantizer
@@ -74,6 +82,9 @@ class MoELayer(nn.Module):
         return self.experts(x_tilde_TD, codes_T[:, None], ones_T1), codes_T, z, v
 
     def _route(self, x_TD: Tensor) -> Routing:
+        kr = self.kernel_router
+        if kr is not None and not torch.is_grad_enabled() and x_TD.dtype == kr.dtype:
+            return Routing(*kr(x_TD))
         routing = self.router(x_TD)
         if self.cfg.capacity_factor is not None:
             capacity = math.ceil(self.cfg.capacity_factor * x_TD.shape[0] * routing.expert_ids.shape[1] / self.n_experts)
@@ -114,3 +125,17 @@ class MoELayer(nn.Module):
             ids = codes_T
         ids = ids.reshape(-1)  # a fixed-size sum rather than bincount, whose size depends on the values: compilable
         return torch.zeros(self.n_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
+def kernel_router(router: nn.Module) -> KernelRouter | None:
+    """`router` on the C kernel (kernel_decode.KernelRouter), where it is one the kernel computes; else None. Its
+    weights as they are now: prepare_inference builds it again after they change (X-MoE's tau is read here)."""
+    if isinstance(router, SoftmaxRouter):
+        return KernelRouter(router.gate.weight, router.top_k, "softmax", router.renormalize)
+    if isinstance(router, SigmoidRouter):
+        return KernelRouter(router.gate.weight, router.top_k, "sigmoid")
+    if isinstance(router, XMoERouter):
+        tau = float(router.tau.float().clamp(min=1e-3))  # as its forward clamps it
+        return KernelRouter(router.proj.weight, router.top_k, router.gate_kind, embeddings=router.expert_embeddings,
+                            tau=tau)
+    return None

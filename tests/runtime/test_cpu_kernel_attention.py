@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.runtime import cpu_kernel
-from moeserve.runtime.cpu_kernel import KernelDecodeBlock, KernelError
+from moeserve.runtime.cpu_kernel import KernelError
 from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.kernel_decode import KernelDecodeBlock
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import apply_rope, rope_tables
 from moeserve.runtime.steps import Sequence
@@ -115,7 +116,8 @@ def test_a_model_on_the_kernel_attends_with_it_and_gives_the_same_tokens(window,
                              plan=KERNEL_PLAN)
     assert all(layer.attention.kernel_decode for layer in kern.model.layers)
     assert not any(layer.attention.kernel_decode for layer in plain.model.layers)
-    for layer in kern.model.layers:  # attend_decode called on its own (the one-call block has its own test below)
+    kern.model.step_kernel = None  # attend_decode called on its own (the one-call block and step have their tests)
+    for layer in kern.model.layers:
         layer.decode_kernel = None
     calls = []
     attend = cpu_kernel.attend_decode
@@ -181,6 +183,7 @@ def test_the_decode_block_is_the_calls_it_replaced(kv_heads, window, dtype, monk
                              dtype=dtype, plan=KERNEL_PLAN)
     blocks = [layer.decode_kernel for layer in kern.model.layers]
     assert all(isinstance(b, KernelDecodeBlock) for b in blocks)
+    kern.model.step_kernel = None  # the blocks called one by one (the whole step in one call: test_kernel_decode.py)
     with torch.no_grad():  # norms of their own (a new model's are ones), in place: the block holds the parameters
         for layer in kern.model.layers:
             for norm in (layer.attention_norm, layer.ffn_norm):
