@@ -4,13 +4,16 @@
 The checkpoint is a random Mixtral of a chosen size written by transformers itself (`save_pretrained`),
 which the Engine loads as is: the comparison also exercises the no-conversion import. Both decode with a
 KV cache and must produce the same tokens (checked, and reported). At batch 1 a decode step reads every
-weight it uses once, so its speed is set by memory bandwidth: the report gives the weight bytes a token
-reads per second against the machine's copy bandwidth, measured in the same run.
+weight it uses once, so its speed is set by memory bandwidth: the report gives the weight bytes a decode step
+reads per second against the machine's copy bandwidth, measured in the same run. The decode steps are timed as
+generation to the last token less generation to the first (the prompt's prefill, which reads every expert),
+both in each round, as llama-bench times its tg apart from its pp.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import tempfile
 import time
@@ -27,6 +30,7 @@ from moeserve.runtime.packing import onednn_packing_available
 
 _MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
                 tie_word_embeddings=False)
+FIRST = "(first token)"  # an implementation timed to its first token only
 MODELS = {  # transformers MixtralConfig fields; the sizes are those of issue 11's measurements
     "tiny": dict(_MIXTRAL, vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2),
@@ -119,22 +123,22 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
             prompts = torch.randint(0, engine.cfg.vocab_size, (batch, prompt_len))
             params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
-            def ours(e: Engine) -> list[list[int]]:
-                return e.generate_ids(prompts.tolist(), params)[0]
+            def ours(e: Engine, n: int = new_tokens) -> list[list[int]]:
+                return e.generate_ids(prompts.tolist(), dataclasses.replace(params, max_new_tokens=n))[0]
 
-            impls = {"moeserve Engine": lambda: ours(engine)}
+            impls = {"moeserve Engine": lambda n=new_tokens: ours(engine, n)}  # each: n new tokens
             if engine.plan.kernel_experts or engine.plan.kernel_dense or engine.plan.kernel_norms:  # the baseline
                 pack = onednn_packing_available(device, dtype)  # the C kernel replaced
                 torch_plan = dataclasses.replace(engine.plan, kernel_experts=False, kernel_dense=False,
                                                  kernel_norms=False, pack_experts=pack, pack_dense=pack)
                 torch_kernels = Engine.load(path, dtype=dtype, device=device, plan=torch_plan)
-                impls["moeserve Engine, torch's kernels"] = lambda: ours(torch_kernels)
+                impls["moeserve Engine, torch's kernels"] = lambda n=new_tokens: ours(torch_kernels, n)
             if compiled:
                 fast = Engine.load(path, dtype=dtype, device=device, calibration=calibration, compile="on")
                 t0 = time.perf_counter()
                 fast.warm_up(batch)
                 plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
-                impls["moeserve Engine, compiled decode"] = lambda: ours(fast)
+                impls["moeserve Engine, compiled decode"] = lambda n=new_tokens: ours(fast, n)
             ids = prompts.to(device)
             for backend in backends:
                 hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend)
@@ -142,10 +146,10 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 hf.generation_config.eos_token_id = None
                 hf.generation_config.pad_token_id = 0
 
-                def run(hf=hf) -> list[list[int]]:
+                def run(hf=hf, n: int = new_tokens) -> list[list[int]]:
                     with torch.inference_mode():
                         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                          max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                                          max_new_tokens=n, min_new_tokens=n)
                     return out[:, prompt_len:].tolist()
 
                 impls[f"transformers generate ({backend})"] = run
@@ -155,8 +159,10 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 bandwidths.append(copy_bandwidth(device, rounds=2))
                 progress(f"{dtype_name}: round {r + 1} of {repeats} timed")
 
+            # each also to its first token only, in the same rounds: the decode steps' time is the difference
+            firsts = {f"{name} {FIRST}": functools.partial(fn, n=1) for name, fn in impls.items()}
             times = {name: [ms / 1e3 for ms in ts] for name, ts in interleaved_ms(
-                impls, 0.0, min_rounds=repeats, max_rounds=repeats, warmup=0, after_round=between).items()}
+                impls | firsts, 0.0, min_rounds=repeats, max_rounds=repeats, warmup=0, after_round=between).items()}
             if batch == 1 and torch.device(device).type == "cpu" and model == "tiny" and checkpoint is None:
                 accounting = accounting_cost(engine)
                 for a in accounting:
@@ -166,12 +172,15 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
             ours_tps = batch * new_tokens / statistics.median(times["moeserve Engine"])
             for name in impls:
                 tps = batch * new_tokens / statistics.median(times[name])
+                decode_s = statistics.median(times[name]) - statistics.median(times[f"{name} {FIRST}"])
+                decode_tps = batch * (new_tokens - 1) / decode_s if decode_s > 0 and new_tokens > 1 else float("nan")
                 row = {"dtype": dtype_name, "impl": name, "tokens_per_s": round(tps, 1),
                        "p50_s": round(statistics.median(times[name]), 4),
+                       "decode_tokens_per_s": round(decode_tps, 1),
                        "same_tokens": tokens[name] == tokens["moeserve Engine"]}
-                if batch == 1:  # a step reads each weight once for one token: bandwidth-bound
-                    row["weights_gb_per_s"] = round(weight_bytes * tps / 1e9, 1)
-                    row["pct_of_copy_bandwidth"] = round(100 * weight_bytes * tps / 1e9 / bandwidth, 1)
+                if batch == 1:  # a decode step reads each weight once for one token: bandwidth-bound
+                    row["weights_gb_per_s"] = round(weight_bytes * decode_tps / 1e9, 1)
+                    row["pct_of_copy_bandwidth"] = round(100 * weight_bytes * decode_tps / 1e9 / bandwidth, 1)
                 if name != "moeserve Engine":
                     ours_flat = [t for row_ in tokens["moeserve Engine"] for t in row_]
                     theirs = [t for row_ in tokens[name] for t in row_]
@@ -218,11 +227,12 @@ def markdown(report: dict) -> str:
     lines += [""] if lines else []
     per_token = report["batch"] == 1
     extra = " weights GB/s | % of copy bandwidth |" if per_token else ""
-    lines += ["| dtype | implementation | tokens/s | p50 s | same tokens | moeserve speed-up |" + extra,
-              "| --- | --- | ---: | ---: | --- | ---: |" + (" ---: | ---: |" if per_token else "")]
+    lines += ["| dtype | implementation | tokens/s | p50 s | decode tokens/s | same tokens | moeserve speed-up |"
+              + extra, "| --- | --- | ---: | ---: | ---: | --- | ---: |" + (" ---: | ---: |" if per_token else "")]
     for r in report["results"]:
         same = "yes" if r["same_tokens"] else f"no (first {r.get('matching_prefix')} equal)"
-        lines.append(f"| {r['dtype']} | {r['impl']} | {r['tokens_per_s']} | {r['p50_s']} | {same} | "
+        lines.append(f"| {r['dtype']} | {r['impl']} | {r['tokens_per_s']} | {r['p50_s']} | "
+                     f"{r.get('decode_tokens_per_s', '-')} | {same} | "
                      f"{r.get('speedup_of_moeserve', '-')} |"
                      + (f" {r['weights_gb_per_s']} | {r['pct_of_copy_bandwidth']}% |" if per_token else ""))
     if report["accounting"]:
