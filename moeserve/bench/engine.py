@@ -155,8 +155,11 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 impls[f"transformers generate ({backend})"] = run
             tokens = {name: fn() for name, fn in impls.items()}  # warm-up, and the tokens compared
 
-            def between(r: int) -> None:  # the bandwidth the rounds ran at, measured beside them
-                bandwidths.append(copy_bandwidth(device, rounds=2))
+            beside = []  # the bandwidth this dtype's rounds ran at, measured between them
+
+            def between(r: int) -> None:
+                beside.append(copy_bandwidth(device, rounds=2))
+                bandwidths.append(beside[-1])
                 progress(f"{dtype_name}: round {r + 1} of {repeats} timed")
 
             # each also to its first token only, in the same rounds: the decode steps' time is the difference
@@ -168,7 +171,8 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 for a in accounting:
                     a["dtype"] = dtype_name
                 costs.extend(accounting)
-            bandwidth = statistics.median(bandwidths)
+            bandwidth = statistics.median(beside)
+            plans[dtype_name]["copy_bandwidth_gb_per_s"] = round(bandwidth, 1)
             ours_tps = batch * new_tokens / statistics.median(times["moeserve Engine"])
             for name in impls:
                 tps = batch * new_tokens / statistics.median(times[name])
@@ -221,6 +225,8 @@ def markdown(report: dict) -> str:
     lines = [f"model: {name}, device: {report['device']}, batch {report['batch']}, {report['prompt_len']} prompt "
              f"tokens, {report['new_tokens']} new tokens; copy bandwidth {report['copy_bandwidth_gb_per_s']} GB/s", ""]
     lines += [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}"
+              + (f"  \ncopy bandwidth in its rounds {p['copy_bandwidth_gb_per_s']} GB/s"
+                 if "copy_bandwidth_gb_per_s" in p else "")
               + (f"  \ncompiled decode step built in {p['compile_s']} s" if "compile_s" in p else "")
               for dtype, p in report["plans"].items()]
     lines += [f"skipped {dtype}: {why}" for dtype, why in report["skipped"].items()]
