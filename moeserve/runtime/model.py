@@ -26,8 +26,8 @@ from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.kernel_decode import KernelDecodeBlock, KernelDecodeStep
 from moeserve.runtime.kv_cache import CacheRows, StepRows
 from moeserve.runtime.moe import MoEAux, MoELayer
-from moeserve.runtime.routing import Routing
 from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
+from moeserve.runtime.routing import Routing
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 
@@ -276,9 +276,8 @@ class Transformer(nn.Module):
         parts = []
         for block in self.layers:
             ffn = block.ffn
-            if (block.decode_kernel is None or not isinstance(ffn, MoELayer) or ffn.kernel_router is None
-                    or ffn.mix is not None):
-                return None
+            if block.decode_kernel is None or not isinstance(ffn, MoELayer) or ffn.kernel_router is None:
+                return None  # no kernel router: a VQ layer, a capacity limit, or experts off the kernel
             parts.append((block.decode_kernel, ffn.kernel_router, ffn.experts.inference.fused))
         norm, head = self.norm, None
         if self.cfg.task == "lm" and self.cfg.tie_embeddings and self.head_kernel:
