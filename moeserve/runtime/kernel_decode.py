@@ -44,6 +44,13 @@ def _check_weights(what: str, dtype: torch.dtype, want: dict[str, tuple[Tensor, 
                               f"(float32 or bfloat16), not {t.dtype} {list(t.shape)}")
 
 
+def _check_rope(what: str, dtype: torch.dtype, B: int, Dh: int, rope: tuple[Tensor, Tensor]) -> None:
+    """A decode call's RoPE rows (cos, sin): contiguous [B, Dh] in the model's dtype, as the C code reads them."""
+    for t in rope:
+        if t.dtype != dtype or t.shape != (B, Dh) or not t.is_contiguous():
+            raise KernelError(f"{what}: rope tables are contiguous {dtype} [{B}, {Dh}], not {t.dtype} {list(t.shape)}")
+
+
 class KernelDecodeBlock:
     """A decode layer's attention half in one call: for x [B, D] (one token a row), h = x + attention(RMSNorm(x))
     and RMSNorm(h), the MoE half's input. The same operations, in the same order, as rms_norm, linear and
@@ -80,10 +87,7 @@ class KernelDecodeBlock:
             raise KernelError(f"decode block: x {x_BD.dtype} {list(x_BD.shape)} and a cache of {k_cache.dtype} "
                               f"{list(k_cache.shape)}, for contiguous {dtype} CPU rows of {D} and caches of "
                               f"[slots, {self.G}, max_len, {Dh}]")
-        for t in rope:
-            if t.dtype != dtype or t.shape != (B, Dh) or not t.is_contiguous():
-                raise KernelError(f"decode block: rope tables are contiguous {dtype} [{B}, {Dh}], not {t.dtype} "
-                                  f"{list(t.shape)}")
+        _check_rope("decode block", dtype, B, Dh, rope)
         _check_rows("decode block", B, slots_B, lo_B, hi_B)
         scratch = torch.empty(B * (2 * D + 2 * (self.H + self.G) * Dh), dtype=dtype)
         h, hn = torch.empty_like(x_BD), torch.empty_like(x_BD)
@@ -194,10 +198,7 @@ class KernelDecodeStep:
         if x_BD.dtype != dtype or x_BD.shape != (B, D) or not x_BD.is_contiguous() or not x_BD.is_cpu:
             raise KernelError(f"decode step: x {x_BD.dtype} {list(x_BD.shape)}, for contiguous {dtype} CPU rows of {D}")
         kp, vp = self._cache_pointers(k_cache, v_cache)
-        for t in rope:
-            if t.dtype != dtype or t.shape != (B, self.Dh) or not t.is_contiguous():
-                raise KernelError(f"decode step: rope tables are contiguous {dtype} [{B}, {self.Dh}], not {t.dtype} "
-                                  f"{list(t.shape)}")
+        _check_rope("decode step", dtype, B, self.Dh, rope)
         _check_rows("decode step", B, slots_B, lo_B, hi_B)
         logits = torch.empty(B, self.V, dtype=dtype)
         ids = torch.empty(self.L, B, self.K, dtype=torch.int64)
