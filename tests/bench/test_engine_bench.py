@@ -25,10 +25,12 @@ def small(tmp_path_factory):
     return write_mixtral(tmp_path_factory.mktemp("bench") / "small", **SMALL)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, tmp_path):
+def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, device, tmp_path):
     report = bench_engine(["float32"], new_tokens=6, prompt_len=5, repeats=1, backends=("eager",), checkpoint=small,
-                          batch=batch, progress=lambda msg: None)
+                          batch=batch, device=device, progress=lambda msg: None)
+    assert report["device"] == device
     ours, theirs = report["results"]
     assert ours["impl"] == "moeserve Engine" and theirs["impl"] == "transformers generate (eager)"
     assert ours["same_tokens"] and theirs["same_tokens"] and theirs["matching_prefix"] == batch * 6

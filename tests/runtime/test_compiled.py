@@ -55,17 +55,21 @@ def test_engine_refusals():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: inductor cannot build a CPU graph here")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("router", ["softmax", "vq"])
-def test_compiled_decode_gives_eager_tokens_and_counts(router):
+def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
     """Three prompts of different lengths finish at different steps: buckets 3, 2 and 1 are all used, rows
-    padded to them; greedy and seeded sampling; the expert load is the real rows' only."""
+    padded to them; greedy and seeded sampling; the expert load is the real rows' only. On CUDA the graphs
+    are CUDA graphs (mode "reduce-overhead"), replayed over the cache they were captured on."""
+    why = compiled_mod.compile_unavailable(torch.device(device))
+    if why is not None:
+        pytest.skip(why)
     torch.manual_seed(0)
     cfg = preset("tiny", router=router, vq_mode="discrete") if router == "vq" else preset("tiny", router=router)
     model = Transformer(cfg)
     tok = ByteTokenizer()
-    eager = Engine.from_model(model, tok, calibration="off")
-    fast = Engine.from_model(Transformer(cfg), tok, calibration="off", compile="on")
+    eager = Engine.from_model(model, tok, device=device, calibration="off")
+    fast = Engine.from_model(Transformer(cfg), tok, device=device, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
     fast.model.prepare_inference(fast.plan)
     rows = [tok.encode("def f(x):", bos=True), tok.encode("import", bos=True), tok.encode("class A(B):\n", bos=True)]

@@ -54,8 +54,6 @@ BF16_MEAN = 2**-7
 # path name -> (dispatch function, grouped_mm flag of the InferenceWeights)
 PATHS = {"gather": (moe_gather, False), "grouped": (moe_grouped, False), "grouped_mm": (moe_grouped, True)}
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                   reason="no CUDA device: the CUDA paths are checked only where one is present")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread (tests/conftest.py)
@@ -552,7 +550,7 @@ def test_layer_training_path_after_prepare_inference(calls, name):
 # 5. CUDA
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("T", [1, 7, 513, 2048])
 @pytest.mark.parametrize("K", [1, 2, 4])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
@@ -571,7 +569,7 @@ def test_path_equals_reference_cuda(path, dtype, act, K, T):
         check_bf16(y, ref)
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(ROUTERS))
 def test_layer_inference_cuda(calls, name, dtype):

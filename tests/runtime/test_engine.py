@@ -17,15 +17,15 @@ from moeserve.tokenizer import ByteTokenizer
 PROMPTS = ["def f(x):", "import os\nimport sys\nclass A:\n", "a", "x = [1, 2,"]
 
 
-def make_engine(router: str = "softmax", **overrides) -> Engine:
-    torch.manual_seed(0)
+def make_engine(router: str = "softmax", device: str = "cpu", dtype: str = "float32", **overrides) -> Engine:
+    torch.manual_seed(0)  # the same weights on every device
     cfg = preset("tiny", router=router, max_seq_len=96, **overrides)
     model = Transformer(cfg)
     if router == "vq":  # codes from real activations, so tokens spread over several experts
         with torch.no_grad():
             for layer in model.moe_layers:
                 layer.quantizer.codebook.normal_()
-    return Engine.from_model(model, ByteTokenizer())
+    return Engine.from_model(model, ByteTokenizer(), dtype=dtype, device=device)
 
 
 @pytest.fixture(scope="module", params=["softmax", "sigmoid", "xmoe", "vq"])

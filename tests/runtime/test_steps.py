@@ -1,7 +1,7 @@
 """The step engine: a prompt's tokens are the same alone, in a static batch, and when it joins running
-sequences mid-flight (greedy and seeded sampling, fp32 on CPU, exactly); chunked prefill, slot reuse
-without zeroing, cancellation, and expert-load counts exact to the token; the ONNX runner behind the
-same steps gives the torch runner's tokens."""
+sequences mid-flight (greedy and seeded sampling, fp32, exactly; on CUDA too where a GPU is present);
+chunked prefill, slot reuse without zeroing, cancellation, and expert-load counts exact to the token; the
+ONNX runner behind the same steps gives the torch runner's tokens."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ def sampled(i: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=12 + 3 * i, temperature=0.9, top_k=40, seed=50 + i, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return make_engine("softmax")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def engine(request) -> Engine:
+    """The same contract on a GPU, in fp32: there a batched GEMM may round a row differently by batch size
+    (README), which these short runs of a tiny model have not shown."""
+    return make_engine("softmax", device=request.param)
 
 
 def alone(engine: Engine, prompt: str, params: SamplingParams) -> list[int]:
