@@ -245,10 +245,11 @@ class KernelExperts:
             if tuple(w.shape) != want[name]:
                 raise KernelError(f"expert {name} of shape {tuple(w.shape)}: expected {want[name]}")
         self.lib, self.w1, self.w2, self.w3 = _library(), w1_EFD, w2_EDF, w3_EFD
-        # what every call passes, read once: the tensors are held here, so their storage does not move
-        self._weights = (w1_EFD.data_ptr(), None if w3_EFD is None else w3_EFD.data_ptr(), w2_EDF.data_ptr(),
+        # what every call passes (and KernelDecodeStep's layers), read once: the tensors are held here, so their
+        # storage does not move
+        self.pointers = (w1_EFD.data_ptr(), None if w3_EFD is None else w3_EFD.data_ptr(), w2_EDF.data_ptr(),
                          w1_EFD.stride(0), 0 if w3_EFD is None else w3_EFD.stride(0), w2_EDF.stride(0))
-        self._E, self._D, self._F, self._h = E, D, F_, (1 if w3_EFD is None else 2) * F_
+        self.E, self.D, self.F, self._h = E, D, F_, (1 if w3_EFD is None else 2) * F_
         self.dtype = dtype
 
     def __call__(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
@@ -258,19 +259,19 @@ class KernelExperts:
         if counts_E.dtype != torch.int64 or not counts_E.is_contiguous():
             counts_E = counts_E.to(torch.int64).contiguous()
         N, D = x_ND.shape
-        if x_ND.dtype != self.dtype or D != self._D:
-            raise KernelError(f"expert inputs: {self.dtype} rows of {self._D}, not {x_ND.dtype} rows of {D}")
-        if counts_E.shape != (self._E,) or sum(counts_E.tolist()) != N:  # else it reads out of bounds
+        if x_ND.dtype != self.dtype or D != self.D:
+            raise KernelError(f"expert inputs: {self.dtype} rows of {self.D}, not {x_ND.dtype} rows of {D}")
+        if counts_E.shape != (self.E,) or sum(counts_E.tolist()) != N:  # else it reads out of bounds
             raise KernelError(f"{N} rows and expert counts {counts_E.tolist()} do not match")
         h = torch.empty(N, self._h, dtype=torch.float32)
-        y = torch.empty(N, self._D, dtype=self.dtype)
+        y = torch.empty(N, self.D, dtype=self.dtype)
         if self.dtype == torch.float32:
-            self.lib.experts_ffn(x_ND.data_ptr(), counts_E.data_ptr(), *self._weights, h.data_ptr(), y.data_ptr(),
-                                 self._E, self._D, self._F, torch.get_num_threads())
+            self.lib.experts_ffn(x_ND.data_ptr(), counts_E.data_ptr(), *self.pointers, h.data_ptr(), y.data_ptr(),
+                                 self.E, self.D, self.F, torch.get_num_threads())
         else:
-            hb = torch.empty(N, self._F, dtype=torch.bfloat16)  # the activation, the second GEMM's input
-            self.lib.experts_ffn_bf16(x_ND.data_ptr(), counts_E.data_ptr(), *self._weights, h.data_ptr(),
-                                      hb.data_ptr(), y.data_ptr(), self._E, self._D, self._F, torch.get_num_threads())
+            hb = torch.empty(N, self.F, dtype=torch.bfloat16)  # the activation, the second GEMM's input
+            self.lib.experts_ffn_bf16(x_ND.data_ptr(), counts_E.data_ptr(), *self.pointers, h.data_ptr(),
+                                      hb.data_ptr(), y.data_ptr(), self.E, self.D, self.F, torch.get_num_threads())
         return y
 
     def moe(self, x_TD: Tensor, ids_TK: Tensor, gates_TK: Tensor) -> Tensor:
@@ -279,8 +280,8 @@ class KernelExperts:
         __call__ that were there before (the tests hold them: the same roundings in the same order). ids int64
         [T, K] (other integer dtypes are widened); gates in x's dtype."""
         T, D = x_TD.shape
-        if x_TD.dtype != self.dtype or D != self._D or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
-            raise KernelError(f"routed experts: {self.dtype} rows of {self._D} and [T, K] ids, not {x_TD.dtype} "
+        if x_TD.dtype != self.dtype or D != self.D or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
+            raise KernelError(f"routed experts: {self.dtype} rows of {self.D} and [T, K] ids, not {x_TD.dtype} "
                               f"{list(x_TD.shape)} and {list(ids_TK.shape)}")
         if gates_TK.shape != ids_TK.shape:
             raise KernelError(f"gates {list(gates_TK.shape)} for ids {list(ids_TK.shape)}")
@@ -288,10 +289,10 @@ class KernelExperts:
         ids_TK = ids_TK.to(torch.int64).contiguous()
         out = torch.empty_like(x_TD)
         fn = self.lib.moe_ffn if self.dtype == torch.float32 else self.lib.moe_ffn_bf16
-        status = fn(x_TD.data_ptr(), ids_TK.data_ptr(), gates_TK.data_ptr(), T, ids_TK.shape[1], *self._weights,
-                    out.data_ptr(), self._E, self._D, self._F, torch.get_num_threads())
+        status = fn(x_TD.data_ptr(), ids_TK.data_ptr(), gates_TK.data_ptr(), T, ids_TK.shape[1], *self.pointers,
+                    out.data_ptr(), self.E, self.D, self.F, torch.get_num_threads())
         if status == -1:
-            raise KernelError(f"expert ids outside [0, {self._E}): {sorted(set(ids_TK.flatten().tolist()))}")
+            raise KernelError(f"expert ids outside [0, {self.E}): {sorted(set(ids_TK.flatten().tolist()))}")
         if status != 0:
             raise MemoryError(f"routed experts: no memory for the scratch of {T} x {ids_TK.shape[1]} rows")
         return out

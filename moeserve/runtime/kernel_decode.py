@@ -72,7 +72,7 @@ class KernelDecodeBlock:
             raise KernelError(f"decode block: {H} query heads over {G} kv heads of {Dh} (the kv heads must divide "
                               f"the query heads, and rotate-half RoPE needs an even head dim)")
         self.lib, self.dtype, self.D, self.H, self.G, self.Dh = lib, dtype, D, H, G, Dh
-        self._held = (n1, wq, wk, wv, wo, n2)  # their storage does not move while this holds them
+        self.weights = (n1, wq, wk, wv, wo, n2)  # their storage does not move while this holds them
         self._fn = self.lib.decode_block if dtype == torch.float32 else self.lib.decode_block_bf16
 
     def __call__(self, x_BD: Tensor, rope: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots_B: Tensor,
@@ -91,7 +91,7 @@ class KernelDecodeBlock:
         _check_rows("decode block", B, slots_B, lo_B, hi_B)
         scratch = torch.empty(B * (2 * D + 2 * (self.H + self.G) * Dh), dtype=dtype)
         h, hn = torch.empty_like(x_BD), torch.empty_like(x_BD)
-        n1, wq, wk, wv, wo, n2 = self._held
+        n1, wq, wk, wv, wo, n2 = self.weights
         self._fn(x_BD.data_ptr(), n1.data_ptr(), self.eps1, wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
                  n2.data_ptr(), self.eps2, rope[0].data_ptr(), rope[1].data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), slots_B.data_ptr(), lo_B.data_ptr(), hi_B.data_ptr(), B, D, self.H, self.G, Dh,
@@ -165,7 +165,7 @@ class KernelDecodeStep:
                  head_VD: Tensor):
         self.lib = _lib()
         block0 = layers[0][0]
-        dtype, D, F_ = block0.dtype, block0.D, layers[0][2]._F
+        dtype, D, F_ = block0.dtype, block0.D, layers[0][2].F
         self.dtype, self.D, self.L = dtype, D, len(layers)
         self.H, self.G, self.Dh = block0.H, block0.G, block0.Dh
         self.E, self.K = layers[0][1].E, layers[0][1].K
@@ -174,11 +174,11 @@ class KernelDecodeStep:
         structs = []
         for i, (block, router, experts) in enumerate(layers):
             same = (block.dtype, block.D, block.H, block.G, block.Dh, router.dtype, router.D, router.E, router.K,
-                    experts.dtype, experts._D, experts._E, experts._F)
+                    experts.dtype, experts.D, experts.E, experts.F)
             if same != (dtype, D, self.H, self.G, self.Dh, dtype, D, self.E, self.K, dtype, D, self.E, F_):
                 raise KernelError(f"decode step: layer {i}'s parts are not of the first layer's sizes and dtype")
-            n1, wq, wk, wv, wo, n2 = block._held
-            w1, w3, w2, s1, s3, s2 = experts._weights
+            n1, wq, wk, wv, wo, n2 = block.weights
+            w1, w3, w2, s1, s3, s2 = experts.pointers
             structs.append(_Layer(n1.data_ptr(), wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
                                   n2.data_ptr(), block.eps1, block.eps2, router.args, w1, w3, w2, s1, s3, s2))
         self._layers = (_Layer * len(structs))(*structs)
