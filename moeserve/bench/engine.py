@@ -31,6 +31,7 @@ from moeserve.runtime.packing import onednn_packing_available
 _MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
                 tie_word_embeddings=False)
 FIRST = "(first token)"  # an implementation timed to its first token only
+GROUPED = "grouped_mm experts"  # the compiled step's experts as one grouped GEMM (decode_grouped), not indexed
 MODELS = {  # transformers MixtralConfig fields; the sizes are those of issue 11's measurements
     "tiny": dict(_MIXTRAL, vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2),
@@ -94,8 +95,10 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     so that drift in the machine's speed hits all of them alike; the median round is reported. The
     Engine runs the dispatch plan calibrated for this machine (reported); a dtype torch does not run
     here is skipped, with the reason. `compiled`: the Engine with its compiled decode step too (`--compile
-    on`: its compile time is reported, and kept out of the timed rounds by the warm-up). `batch` prompts
-    of `prompt_len` random tokens each, decoded together (no padding: the same length)."""
+    on`: its compile time is reported, and kept out of the timed rounds by the warm-up), and on CUDA in bf16
+    again with its experts as one grouped GEMM (DispatchPlan.decode_grouped): which of the two ways is faster
+    is measured per batch size, not assumed. `batch` prompts of `prompt_len` random tokens each, decoded
+    together (no padding: the same length)."""
     from transformers import MixtralForCausalLM
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -139,6 +142,11 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 fast.warm_up(batch)
                 plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
                 impls["moeserve Engine, compiled decode"] = lambda n=new_tokens: ours(fast, n)
+                if torch.device(device).type == "cuda" and dtype == torch.bfloat16:  # the experts the other way
+                    grouped = Engine.load(path, dtype=dtype, device=device, compile="on",
+                                          plan=dataclasses.replace(fast.plan, grouped_mm=True, decode_grouped=True))
+                    grouped.warm_up(batch)
+                    impls[f"moeserve Engine, compiled decode, {GROUPED}"] = lambda n=new_tokens: ours(grouped, n)
             ids = prompts.to(device)
             for backend in backends:
                 hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend)

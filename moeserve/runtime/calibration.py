@@ -111,6 +111,7 @@ class DispatchPlan:
     kernel_experts: bool = False  # expert weights plain, a layer's experts in one call (cpu_kernel.KernelExperts)
     kernel_dense: bool = False  # the other linear maps too (never with pack_dense)
     kernel_norms: bool = False  # RMSNorm and decode attention on the C kernel, whatever the GEMMs' layout
+    decode_grouped: bool = False  # a compiled decode step's experts: one grouped_mm call, not indexed per token
 
     def describe(self) -> str:
         grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
@@ -118,7 +119,8 @@ class DispatchPlan:
         return (f"experts {layout}, gather path up to {self.gather_max} "
                 f"token{'s' if self.gather_max != 1 else ''} then {grouped}; dense layers "
                 f"{'packed' if self.pack_dense else 'C kernel' if self.kernel_dense else 'plain'}"
-                f"{'; norms and decode attention C kernel' if self.kernel_norms else ''} ({self.source})")
+                f"{'; norms and decode attention C kernel' if self.kernel_norms else ''}"
+                f"{'; compiled decode: grouped_mm' if self.decode_grouped else ''} ({self.source})")
 
 
 def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "not measured") -> DispatchPlan:

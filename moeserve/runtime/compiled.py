@@ -101,8 +101,10 @@ class CompiledDecode:
         self.buckets = buckets(self.scratch)
         device = model.tok_embeddings.weight.device
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        # One graph per bucket; the dynamo cache must hold them all without evicting (default limit 8).
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
+        # One graph per bucket, each a cache entry of the one code object every compiled step shares: each step
+        # makes room for its own (dynamo's default holds 8 per code object, then refuses to compile more), so
+        # that several engines in one process (a benchmark's variants, a test module) never run out.
+        torch._dynamo.config.cache_size_limit += len(self.buckets)
         self._step = torch.compile(_Step(model, cache), mode=mode, dynamic=False, fullgraph=True)
 
     def __call__(self, slots: list[int], ids_B: Tensor, positions: list[int]) -> tuple[Tensor, list[MoEAux]]:

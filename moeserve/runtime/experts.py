@@ -23,7 +23,10 @@ Three paths:
                 so shapes are fixed and nothing waits for the ids to reach the host.
   moe_grouped   many tokens (prefill): sort assignments by expert, gather x once, one GEMM per
                 expert over a contiguous block (or one torch grouped_mm call where that is faster,
-                i.e. on CUDA), one scatter-add back.
+                i.e. on CUDA), one scatter-add back. With grouped_mm it has fixed shapes and no
+                host sync too, so a compiled decode step may take it instead of moe_indexed
+                (`decode_grouped`): it reads each hit expert's weights once, where indexing copies
+                them out of the stack per token first.
   fused         on the C kernel (cpu_kernel.py, where the calibration chose it): any token count, the
                 layer's experts in one call (both GEMMs and the activation), one scatter back.
   table         discrete VQ with vq_input='code': f_k(x~) depends on x only through the code k,
@@ -155,6 +158,7 @@ class InferenceWeights:
     grouped_mm: bool = False  # many-token path: one torch grouped_mm call instead of a loop over experts
     gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
     sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
+    decode_grouped: bool = False  # a compiled decode step's experts: moe_grouped's grouped_mm, not moe_indexed
     fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # w1 / w3 / w2 as they lie, on the C kernel
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
@@ -268,6 +272,13 @@ def moe_indexed(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: Infere
     return (y_TKD * gates_TK[..., None].to(y_TKD.dtype)).sum(dim=1)
 
 
+def expert_counts(ids_N: Tensor, n_experts: int) -> Tensor:
+    """Assignments per expert, [E] int32, computed where the ids are: torch.bincount would read the largest id
+    back to the host to size its output (a sync on CUDA, and a shape a CUDA graph cannot hold)."""
+    ones_N = torch.ones_like(ids_N, dtype=torch.int32)
+    return torch.zeros(n_experts, dtype=torch.int32, device=ids_N.device).index_add_(0, ids_N, ones_N)
+
+
 def moe_grouped(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
     """Prefill path: assignments sorted by expert, one contiguous block per expert, one scatter back."""
     if w.fused is not None:
@@ -277,17 +288,16 @@ def moe_grouped(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: Infere
     order = ids_N.argsort(stable=True)
     tok_N = order // K
     gates_N = gates_TK.reshape(-1)[order]
-    counts_E = torch.bincount(ids_N, minlength=w.n_experts)
     x_ND = x_TD[tok_N]
     out_TD = torch.zeros_like(x_TD)
-    if w.grouped_mm:
-        offs = counts_E.cumsum(0).to(torch.int32)
+    if w.grouped_mm:  # the counts stay on the device: no host sync, fixed shapes (a compiled step may run this)
+        offs = expert_counts(ids_N, w.n_experts).cumsum(0, dtype=torch.int32)
         h_NF = w.activation(F.grouped_mm(x_ND, w.w13_EFD.transpose(1, 2), offs=offs))
         y_ND = F.grouped_mm(h_NF, w.w2_EFD.transpose(1, 2), offs=offs)
         return out_TD.index_add_(0, tok_N, y_ND * gates_N[:, None].to(y_ND.dtype))
     # One scatter per expert straight from its output: no concatenated [N, D] copy.
     start = 0
-    for e, n in enumerate(counts_E.tolist()):
+    for e, n in enumerate(torch.bincount(ids_N, minlength=w.n_experts).tolist()):
         if n:
             sl = slice(start, start + n)
             out_TD.index_add_(0, tok_N[sl], w.ffn(e, x_ND[sl]) * gates_N[sl, None].to(x_TD.dtype))
@@ -318,15 +328,21 @@ class Experts(nn.Module):
     @torch.no_grad()
     def prepare_inference(self, pack: bool | None = None, grouped_mm: bool | None = None,
                           gather_max: int | None = None, sync_free: bool | None = None,
-                          kernel: bool = False) -> InferenceWeights:
+                          kernel: bool = False, decode_grouped: bool = False) -> InferenceWeights:
         """Build the inference layout from the current weights (again after any weight change).
         pack=None: oneDNN packing where available; grouped_mm=None and sync_free=None: on CUDA only;
-        kernel: plain weights run by the C kernel (cpu_kernel.py), where the calibration measured it faster."""
+        kernel: plain weights run by the C kernel (cpu_kernel.py), where the calibration measured it faster;
+        decode_grouped: a compiled decode step runs the experts as one grouped_mm call (which torch compiles for
+        bfloat16 only) rather than indexing each token's experts out of the stack."""
         dev, dtype = self.w1.device, self.w1.dtype
         pack = (onednn_packing_available(dev, dtype) and not kernel) if pack is None else pack
         grouped_mm = (dev.type == "cuda") if grouped_mm is None else grouped_mm
         sync_free = (dev.type == "cuda") if sync_free is None else sync_free
+        if decode_grouped and (not grouped_mm or kernel or dtype != torch.bfloat16):
+            raise ValueError(f"decode_grouped runs torch's grouped_mm on plain bfloat16 weights: not with "
+                             f"grouped_mm={grouped_mm}, kernel={kernel} and {str(dtype).removeprefix('torch.')}")
         self.inference = fuse_expert_weights(self.w1, self.w2, self.w3, self.act, pack, grouped_mm, sync_free, kernel)
+        self.inference.decode_grouped = decode_grouped
         if gather_max is not None:
             self.inference.gather_max = gather_max
         return self.inference
@@ -336,7 +352,7 @@ class Experts(nn.Module):
         if w is None or keep_TK is not None or torch.is_grad_enabled():
             return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
         if torch.compiler.is_compiling():  # a compiled decode step (compiled.py): fixed shapes, no host sync
-            return moe_indexed(x_TD, expert_ids_TK, gates_TK, w)
+            return (moe_grouped if w.decode_grouped else moe_indexed)(x_TD, expert_ids_TK, gates_TK, w)
         if x_TD.shape[0] <= w.gather_max:
             return (moe_indexed if w.sync_free else moe_gather)(x_TD, expert_ids_TK, gates_TK, w)
         return moe_grouped(x_TD, expert_ids_TK, gates_TK, w)

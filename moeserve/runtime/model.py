@@ -235,7 +235,7 @@ class Transformer(nn.Module):
         plan = plan or default_plan(w.device, w.dtype)
         for layer in self.moe_layers:
             layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
-                                    kernel=plan.kernel_experts)
+                                    kernel=plan.kernel_experts, decode_grouped=plan.decode_grouped)
         self.head_packed, self.head_kernel = None, False
         tied = self.cfg.task == "lm" and self.cfg.tie_embeddings
         unpack_linears_(self)

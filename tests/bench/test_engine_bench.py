@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from moeserve.bench.engine import (  # noqa: E402
-    MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, plot, write_mixtral,
+    GROUPED, MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, plot, write_mixtral,
 )
 from .test_report import png_size  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
@@ -50,6 +50,18 @@ def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, devi
         assert "% of copy bandwidth" in text
     else:
         assert "weights_gb_per_s" not in ours and "% of copy bandwidth" not in text
+
+
+@pytest.mark.cuda
+def test_compiled_decode_both_ways_on_cuda(small):
+    """On a GPU in bf16 --compile times the compiled step twice: experts indexed per token, and as one grouped
+    GEMM. Both give rows with a decode rate; greedy tokens are reported, not required equal (bf16)."""
+    report = bench_engine(["bfloat16"], new_tokens=6, prompt_len=5, repeats=1, backends=("eager",), checkpoint=small,
+                          compiled=True, device="cuda", progress=lambda msg: None)
+    rows = {r["impl"]: r for r in report["results"]}
+    for impl in ("moeserve Engine, compiled decode", f"moeserve Engine, compiled decode, {GROUPED}"):
+        assert 0 < rows[impl]["decode_tokens_per_s"] < float("inf"), impl
+    assert report["plans"]["bfloat16"]["compile_s"] > 0
 
 
 def test_decode_weight_bytes_counted_by_hand(small):
