@@ -33,6 +33,7 @@ from moeserve.runtime import device
 from moeserve.runtime.experts import (
     Experts,
     InferenceWeights,
+    expert_counts,
     fuse_expert_weights,
     moe_gather,
     moe_grouped,
@@ -587,3 +588,28 @@ def test_layer_inference_cuda(calls, name, dtype):
         assert "grouped_mm" in calls
     tol = dict(atol=FP32_ATOL, rtol=0) if dtype == torch.float32 else dict(atol=BF16_TOL, rtol=BF16_TOL)
     torch.testing.assert_close(y, y_sorted, **tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 8, 513])
+def test_grouped_mm_path_never_waits_for_the_host(T):
+    """moe_grouped with grouped_mm keeps the expert counts on the device (expert_counts, not bincount, which reads
+    the largest id back to size its output): nothing in it synchronizes with the host, which a compiled decode
+    step captured as a CUDA graph needs (DispatchPlan.decode_grouped), and a prefill gains from."""
+    w = inference_weights("swiglu", torch.bfloat16, False, True, "cuda")
+    x, ids, gates = assignments(T, 2, "random", dtype=torch.bfloat16)
+    args = (x.cuda(), ids.cuda(), gates.cuda())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+    try:
+        with torch.no_grad():
+            y = moe_grouped(*args, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_bf16(y.cpu(), reference_fp32(x, ids, gates, "swiglu", torch.bfloat16))
+
+
+def test_expert_counts_are_bincounts():
+    ids = torch.tensor([3, 0, 3, 1, 3, 0])
+    got = expert_counts(ids, 5)
+    assert got.dtype == torch.int32 and got.tolist() == torch.bincount(ids, minlength=5).tolist() == [2, 1, 0, 3, 0]
