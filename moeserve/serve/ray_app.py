@@ -105,6 +105,12 @@ class ExpertShardServer:
     def parameter_count(self) -> int:
         return sum(p.numel() for shard in self.layers.values() for p in shard.parameters())
 
+    def placement(self) -> dict:
+        """Where this replica computes: its device, the GPUs Ray gave it (a fraction of one is still its id), and the
+        weights it holds."""
+        return {"device": self.device.type, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "parameters": self.parameter_count()}
+
     def check_health(self) -> None:
         """Serve replaces a replica whose check fails: no weights, or its last exchange failed."""
         if not self.layers:

@@ -85,6 +85,25 @@ def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = No
         time.sleep(0.5)
 
 
+@pytest.mark.cuda
+def test_fractional_gpu_shards_share_one_gpu(url, tmp_path):
+    """--gpus-per-shard 0.5: both shards of a 2-shard application on one GPU, each computing its experts there in
+    fp32; the answers are the single-process CPU engine's."""
+    ckpt = checkpoint(tmp_path, "softmax")
+    deploy(url, ckpt, 2, exchange="handles", gpus_per_shard=0.5)
+    placements = [serve.get_deployment_handle(f"experts-{s}", app_name="moeserve").placement.remote().result()
+                  for s in range(2)]
+    assert [p["device"] for p in placements] == ["cuda", "cuda"]
+    assert len(placements[0]["gpu_ids"]) == 1 and placements[0]["gpu_ids"] == placements[1]["gpu_ids"]
+    ref = Engine.load(ckpt, dtype="float32", device="cpu")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    greedy = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(greedy.choices, key=lambda c: c.index)] == ref.generate(PROMPTS, max_new_tokens=12)
+    scores = httpx.post(f"{url}/v1/score", json={"model": "tiny", "input": TEXTS}, timeout=60).json()["data"]
+    for got, w in zip(scores, ref.score(TEXTS)):
+        assert got["logprob"] == pytest.approx(w.logprob, abs=1e-5 * max(1.0, abs(w.logprob)))
+
+
 @pytest.mark.parametrize("router, vq_mode, shards, exchange", [  # S = 1, 2, 4; every router; every exchange
     ("softmax", None, 1, "compiled"), ("xmoe", None, 2, "handles"), ("vq", "mixed", 2, "actors"),
     ("vq", "discrete", 4, "sockets"),  # one expert a shard, one a token: most shards have no rows to be sent
@@ -115,8 +134,10 @@ def test_sharded_answers_equal_the_single_process_engine(url, tmp_path, router, 
     if exchange != "handles":  # the shards are the ingress's actors
         held = ingress.shard_parameter_counts.remote().result()
     else:
-        held = [serve.get_deployment_handle(f"experts-{s}", app_name="moeserve").parameter_count.remote().result()
-                for s in range(shards)]
+        places = [serve.get_deployment_handle(f"experts-{s}", app_name="moeserve").placement.remote().result()
+                  for s in range(shards)]
+        assert all(p["device"] == "cpu" and p["gpu_ids"] == [] for p in places)  # --gpus-per-shard 0
+        held = [p["parameters"] for p in places]
     assert held == [len(r) * per_expert * len(cfg.moe_layer_ids) for r in shard_ranges(cfg.n_experts, shards)]
     dense = ingress.parameter_count.remote().result()
     assert dense == sum(p.numel() for p in ref.model.parameters()) - cfg.n_experts * per_expert * len(cfg.moe_layer_ids)
