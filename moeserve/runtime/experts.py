@@ -280,7 +280,8 @@ def expert_counts(ids_N: Tensor, n_experts: int) -> Tensor:
 
 
 def moe_grouped(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
-    """Prefill path: assignments sorted by expert, one contiguous block per expert, one scatter back."""
+    """Prefill path (and a compiled decode step's, with decode_grouped): assignments sorted by expert, one
+    contiguous block per expert, one scatter back."""
     if w.fused is not None:
         return moe_fused(x_TD, expert_ids_TK, gates_TK, w)
     T, K = expert_ids_TK.shape
