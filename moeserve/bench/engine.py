@@ -5,9 +5,9 @@ The checkpoint is a random Mixtral of a chosen size written by transformers itse
 which the Engine loads as is: the comparison also exercises the no-conversion import. Both decode with a
 KV cache and must produce the same tokens (checked, and reported). At batch 1 a decode step reads every
 weight it uses once, so its speed is set by memory bandwidth: the report gives the weight bytes a decode step
-reads per second against the machine's copy bandwidth, measured in the same run. The decode steps are timed as
-generation to the last token less generation to the first (the prompt's prefill, which reads every expert),
-both in each round, as llama-bench times its tg apart from its pp.
+reads per second against the machine's copy and read bandwidths, measured in the same run. The decode steps are
+timed as generation to the last token less generation to the first (the prompt's prefill, which reads every
+expert), both in each round, as llama-bench times its tg apart from its pp.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.report import check_plot, finish
+from moeserve.bench.report import BenchError, check_plot, finish
 from moeserve.checkpoint import parameter_counts
 from moeserve.runtime.calibration import interleaved_ms
 from moeserve.runtime.device import dtype_unsupported, machine
@@ -40,10 +40,6 @@ MODELS = {  # transformers MixtralConfig fields; the sizes are those of issue 11
     "2.4b": dict(_MIXTRAL, vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                  num_attention_heads=16, num_key_value_heads=8),
 }
-
-
-class BenchError(ValueError):
-    """A benchmark asked for what this machine cannot run (the CLI prints it and exits 2)."""
 
 
 def write_mixtral(path: Path, model: str = "tiny", seed: int = 0, **overrides) -> Path:
@@ -66,6 +62,22 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 5) -> float
         _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times[1:]) / 1e9
+
+
+def read_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 5) -> float:
+    """GB/s of summing a buffer far larger than any cache: reads only, as a decode step's weight traffic is.
+    The copy's count (reads plus writes) is the goal's yardstick, but it is not a read's roof: on a 2-core VM
+    the two have been seen to part (a copy counted 52-59 GB/s in minutes when a decode step read at most 41),
+    and the read says which of the two the step fell short of."""
+    buf = torch.ones(nbytes // 4, device=device)
+    times = []
+    for _ in range(rounds + 1):  # the first left out, as the copy's is
+        _sync(device)
+        t0 = time.perf_counter()
+        buf.sum()
         _sync(device)
         times.append(time.perf_counter() - t0)
     return nbytes / min(times[1:]) / 1e9
@@ -107,6 +119,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
         raise BenchError(f"--model {model!r}: expected one of {', '.join(MODELS)}")
     rows, costs, plans, skipped = [], [], {}, {}
     bandwidths = [copy_bandwidth(device)]  # and once per round: a shared machine's bandwidth drifts
+    reads = [read_bandwidth(device)]
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is None:
             progress(f"writing a random {model} Mixtral with transformers ...")
@@ -163,11 +176,13 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 impls[f"transformers generate ({backend})"] = run
             tokens = {name: fn() for name, fn in impls.items()}  # warm-up, and the tokens compared
 
-            beside = []  # the bandwidth this dtype's rounds ran at, measured between them
+            beside, read_beside = [], []  # the bandwidths this dtype's rounds ran at, measured between them
 
             def between(r: int) -> None:
                 beside.append(copy_bandwidth(device, rounds=2))
+                read_beside.append(read_bandwidth(device, rounds=2))
                 bandwidths.append(beside[-1])
+                reads.append(read_beside[-1])
                 progress(f"{dtype_name}: round {r + 1} of {repeats} timed")
 
             # each also to its first token only, in the same rounds: the decode steps' time is the difference
@@ -179,8 +194,9 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 for a in accounting:
                     a["dtype"] = dtype_name
                 costs.extend(accounting)
-            bandwidth = statistics.median(beside)
+            bandwidth, read = statistics.median(beside), statistics.median(read_beside)
             plans[dtype_name]["copy_bandwidth_gb_per_s"] = round(bandwidth, 1)
+            plans[dtype_name]["read_bandwidth_gb_per_s"] = round(read, 1)
             ours_tps = batch * new_tokens / statistics.median(times["moeserve Engine"])
             for name in impls:
                 tps = batch * new_tokens / statistics.median(times[name])
@@ -193,6 +209,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 if batch == 1:  # a decode step reads each weight once for one token: bandwidth-bound
                     row["weights_gb_per_s"] = round(weight_bytes * decode_tps / 1e9, 1)
                     row["pct_of_copy_bandwidth"] = round(100 * weight_bytes * decode_tps / 1e9 / bandwidth, 1)
+                    row["pct_of_read_bandwidth"] = round(100 * weight_bytes * decode_tps / 1e9 / read, 1)
                 if name != "moeserve Engine":
                     ours_flat = [t for row_ in tokens["moeserve Engine"] for t in row_]
                     theirs = [t for row_ in tokens[name] for t in row_]
@@ -202,7 +219,8 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 rows.append(row)
     return {"accounting": costs, "model": MODELS.get(model) if checkpoint is None else str(checkpoint),
             "model_name": model if checkpoint is None else None, "device": device,
-            "copy_bandwidth_gb_per_s": round(statistics.median(bandwidths), 1), "new_tokens": new_tokens,
+            "copy_bandwidth_gb_per_s": round(statistics.median(bandwidths), 1),
+            "read_bandwidth_gb_per_s": round(statistics.median(reads), 1), "new_tokens": new_tokens,
             "prompt_len": prompt_len, "batch": batch, "repeats": repeats, "machine": machine(), "plans": plans,
             "skipped": skipped, "results": rows}
 
@@ -231,24 +249,29 @@ def accounting_cost(engine: Engine, tokens: tuple[int, ...] = (1, 128), rounds: 
 def markdown(report: dict) -> str:
     name = report["model_name"] or report["model"]
     lines = [f"model: {name}, device: {report['device']}, batch {report['batch']}, {report['prompt_len']} prompt "
-             f"tokens, {report['new_tokens']} new tokens; copy bandwidth {report['copy_bandwidth_gb_per_s']} GB/s", ""]
+             f"tokens, {report['new_tokens']} new tokens; copy bandwidth {report['copy_bandwidth_gb_per_s']} GB/s"
+             + (f", read bandwidth {report['read_bandwidth_gb_per_s']} GB/s" if "read_bandwidth_gb_per_s" in report
+                else ""), ""]
     lines += [f"calibration ({dtype}): {p['plan']}  \nwhy: {p['reason']}"
               + (f"  \ncopy bandwidth in its rounds {p['copy_bandwidth_gb_per_s']} GB/s"
                  if "copy_bandwidth_gb_per_s" in p else "")
+              + (f", read {p['read_bandwidth_gb_per_s']} GB/s" if "read_bandwidth_gb_per_s" in p else "")
               + (f"  \ncompiled decode step built in {p['compile_s']} s" if "compile_s" in p else "")
               for dtype, p in report["plans"].items()]
     lines += [f"skipped {dtype}: {why}" for dtype, why in report["skipped"].items()]
     lines += [""] if lines else []
     per_token = report["batch"] == 1
-    extra = " weights GB/s | % of copy bandwidth |" if per_token else ""
+    reads = per_token and all("pct_of_read_bandwidth" in r for r in report["results"])  # older reports: copy only
+    extra = (" weights GB/s | % of copy bandwidth |" + (" % of read bandwidth |" if reads else "")) if per_token else ""
     lines += ["| dtype | implementation | tokens/s | p50 s | decode tokens/s | same tokens | moeserve speed-up |"
-              + extra, "| --- | --- | ---: | ---: | ---: | --- | ---: |" + (" ---: | ---: |" if per_token else "")]
+              + extra, "| --- | --- | ---: | ---: | ---: | --- | ---: |" + extra.count("|") * " ---: |"]
     for r in report["results"]:
         same = "yes" if r["same_tokens"] else f"no (first {r.get('matching_prefix')} equal)"
         lines.append(f"| {r['dtype']} | {r['impl']} | {r['tokens_per_s']} | {r['p50_s']} | "
                      f"{r.get('decode_tokens_per_s', '-')} | {same} | "
                      f"{r.get('speedup_of_moeserve', '-')} |"
-                     + (f" {r['weights_gb_per_s']} | {r['pct_of_copy_bandwidth']}% |" if per_token else ""))
+                     + (f" {r['weights_gb_per_s']} | {r['pct_of_copy_bandwidth']}% |" if per_token else "")
+                     + (f" {r['pct_of_read_bandwidth']}% |" if reads else ""))
     if report["accounting"]:
         lines += ["", "Expert-load accounting (Engine.forward, on vs off):", "",
                   "| dtype | tokens | on ms | off ms | overhead |", "| --- | ---: | ---: | ---: | ---: |"]

@@ -19,6 +19,11 @@ MODULES = {"train": "moeserve.bench.train", "layer": "moeserve.bench.layer", "en
            "shards": "moeserve.bench.shards"}
 
 
+class BenchError(ValueError):
+    """A bench cannot run as asked: a device or model this machine lacks, an endpoint unreachable or not
+    OpenAI-compatible. The CLI prints it and exits 2."""
+
+
 def check_plot(args) -> None:
     """With --plot, matplotlib must be there before the run, not after it."""
     if getattr(args, "plot", None):

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moeserve.bench.plots import PlotUnavailable
-from moeserve.bench.report import check_plot, finish
+from moeserve.bench.report import BenchError, check_plot, finish
 from moeserve.bench.serve_report import compare, markdown
 from moeserve.bench.stats import percentile
 from moeserve.runtime.device import machine
@@ -42,10 +42,6 @@ SCHEMA = "moeserve.bench.serve/1"
 BURST = 64  # requests of a --rate inf level without --requests
 SCHEMA_FILE = Path(__file__).with_name("serve_schema.json")
 STREAM_ERROR_STATUS = {"queue_full": 429, "not_ready": 503, "shutting_down": 503, "deadline_exceeded": 504}
-
-
-class BenchError(Exception):
-    """The endpoint cannot be benchmarked as asked (unreachable, not OpenAI-compatible, refused): exit 2."""
 
 
 class ServerGone(Exception):

@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from moeserve.bench.engine import (  # noqa: E402
-    GROUPED, MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, plot, write_mixtral,
+    GROUPED, MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, plot, read_bandwidth,
+    write_mixtral,
 )
 from .test_report import png_size  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
@@ -34,7 +35,7 @@ def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, devi
     ours, theirs = report["results"]
     assert ours["impl"] == "moeserve Engine" and theirs["impl"] == "transformers generate (eager)"
     assert ours["same_tokens"] and theirs["same_tokens"] and theirs["matching_prefix"] == batch * 6
-    assert report["batch"] == batch and report["copy_bandwidth_gb_per_s"] > 0
+    assert report["batch"] == batch and report["copy_bandwidth_gb_per_s"] > 0 and report["read_bandwidth_gb_per_s"] > 0
     text = markdown(report)
     plot(report, tmp_path / "engine.png")
     assert png_size(tmp_path / "engine.png") == (800, 450)
@@ -44,12 +45,18 @@ def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, devi
     if batch == 1:  # the bandwidth of the decode steps alone
         bytes_ = report["plans"]["float32"]["decode_weight_bytes"]
         assert ours["weights_gb_per_s"] == pytest.approx(bytes_ * ours["decode_tokens_per_s"] / 1e9, abs=0.06)
-        assert ours["pct_of_copy_bandwidth"] == pytest.approx(
-            100 * bytes_ * ours["decode_tokens_per_s"] / 1e9 / report["plans"]["float32"]["copy_bandwidth_gb_per_s"],
-            rel=0.05, abs=0.1)  # the bandwidth measured between the dtype's own rounds
-        assert "% of copy bandwidth" in text
+        for kind in ("copy", "read"):  # against the bandwidths measured between the dtype's own rounds
+            measured = report["plans"]["float32"][f"{kind}_bandwidth_gb_per_s"]
+            assert ours[f"pct_of_{kind}_bandwidth"] == pytest.approx(
+                100 * bytes_ * ours["decode_tokens_per_s"] / 1e9 / measured, rel=0.05, abs=0.1)
+        assert "% of copy bandwidth | % of read bandwidth |" in text
+        assert f"| {ours['pct_of_copy_bandwidth']}% | {ours['pct_of_read_bandwidth']}% |" in text
+        old = {**report, "results": [{k: v for k, v in r.items() if k != "pct_of_read_bandwidth"}
+                                     for r in report["results"]]}  # a report written before the read was measured
+        assert "% of copy bandwidth |\n" in markdown(old) and "read bandwidth |" not in markdown(old)
     else:
-        assert "weights_gb_per_s" not in ours and "% of copy bandwidth" not in text
+        assert "weights_gb_per_s" not in ours and "pct_of_read_bandwidth" not in ours
+        assert "% of copy bandwidth" not in text
 
 
 @pytest.mark.cuda
@@ -89,5 +96,6 @@ def test_refusals(small):
         bench_engine(["float32"], model="huge", progress=lambda msg: None)
 
 
-def test_copy_bandwidth_is_a_rate():
-    assert 0.1 < copy_bandwidth("cpu", nbytes=1 << 24, rounds=2) < 10_000
+@pytest.mark.parametrize("measure", [copy_bandwidth, read_bandwidth])
+def test_bandwidths_are_rates(measure):
+    assert 0.1 < measure("cpu", nbytes=1 << 24, rounds=2) < 10_000
