@@ -157,11 +157,12 @@ def rms_norm(x: Tensor, w_D: Tensor, eps: float) -> Tensor:
     return y
 
 
-def _check_rows(what: str, B: int, *slots_and_bounds: Tensor) -> None:
-    """A decode call's slots and causal bounds: B contiguous int64s each, which the C code reads as they are."""
-    for t in slots_and_bounds:
-        if t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous():
-            raise KernelError(f"{what}: slots and bounds are {B} contiguous int64s, not {t.dtype} {list(t.shape)}")
+def _check_rows(what: str, B: int, *rows: Tensor, names: str = "slots and bounds") -> None:
+    """A decode call's numbers per row (slots and causal bounds, or tokens, slots and positions): B contiguous
+    int64s each, which the C code reads as they are."""
+    for t in rows:
+        if t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous() or not t.is_cpu:
+            raise KernelError(f"{what}: {names} are {B} contiguous int64s, not {t.dtype} {list(t.shape)}")
 
 
 def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tensor, lo_B: Tensor, hi_B: Tensor,
@@ -339,8 +340,8 @@ def _library() -> ctypes.CDLL | str:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     for fn in (lib.decode_step, lib.decode_step_bf16):
         fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_long] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4
-                       + [ctypes.c_int])
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+                       + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int])
     lib.bf16_native.restype = ctypes.c_int
     lib.bf16_native.argtypes = []
     return _self_check(lib)

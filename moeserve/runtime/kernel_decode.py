@@ -152,25 +152,33 @@ class _Layer(ctypes.Structure):  # linear.c's struct layer
 
 class _Model(ctypes.Structure):  # linear.c's struct model
     _fields_ = [*((n, ctypes.c_long) for n in ("L", "D", "H", "G", "Dh", "F", "V")), ("layers", ctypes.POINTER(_Layer)),
-                ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("eps", ctypes.c_float)]
+                ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("eps", ctypes.c_float),
+                *((n, ctypes.c_void_p) for n in ("emb", "cos", "sin")),
+                *((n, ctypes.c_long) for n in ("n_emb", "n_pos", "window"))]
 
 
 class KernelDecodeStep:
-    """A whole decode step in one call: for B rows of one token each, every layer's attention half
-    (KernelDecodeBlock), router (KernelRouter), experts (KernelExperts.moe) and residual sum, then the final
-    RMSNorm and the LM head. Built from those parts, whose weights it uses where they lie; a model qualifies
-    when every layer is a MoE layer whose parts are all on the kernel (Transformer.prepare_inference)."""
+    """A whole decode step in one call: for B rows of one token each, the token's embedding and its position's
+    RoPE angles, every layer's attention half (KernelDecodeBlock), router (KernelRouter), experts
+    (KernelExperts.moe) and residual sum, then the final RMSNorm and the LM head. Built from those parts and the
+    model's tables, whose weights it uses where they lie; a model qualifies when every layer is a MoE layer whose
+    parts are all on the kernel (Transformer.prepare_inference). The rows come as token ids, slots and positions
+    and nothing else: whatever torch did around the call ran on caches the step had just flushed (see
+    linear.c)."""
 
     def __init__(self, layers: list[tuple[KernelDecodeBlock, KernelRouter, KernelExperts]], norm: tuple[Tensor, float],
-                 head_VD: Tensor):
+                 head_VD: Tensor, embedding_ND: Tensor, rope: tuple[Tensor, Tensor], window: int | None = None):
         self.lib = _lib()
         block0 = layers[0][0]
         dtype, D, F_ = block0.dtype, block0.D, layers[0][2].F
         self.dtype, self.D, self.L = dtype, D, len(layers)
         self.H, self.G, self.Dh = block0.H, block0.G, block0.Dh
         self.E, self.K = layers[0][1].E, layers[0][1].K
-        V = head_VD.shape[0]
-        _check_weights("decode step", dtype, {"norm": (norm[0], (D,)), "head": (head_VD, (V, D))})
+        V, N, P = head_VD.shape[0], embedding_ND.shape[0], rope[0].shape[0]
+        cos, sin = (t.to(dtype).contiguous() for t in rope)  # the rows it looks up, in the model's dtype
+        _check_weights("decode step", dtype, {"norm": (norm[0], (D,)), "head": (head_VD, (V, D)),
+                                              "embedding": (embedding_ND, (N, D)), "rope cos": (cos, (P, self.Dh)),
+                                              "rope sin": (sin, (P, self.Dh))})
         structs = []
         for i, (block, router, experts) in enumerate(layers):
             same = (block.dtype, block.D, block.H, block.G, block.Dh, router.dtype, router.D, router.E, router.K,
@@ -182,31 +190,36 @@ class KernelDecodeStep:
             structs.append(_Layer(n1.data_ptr(), wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
                                   n2.data_ptr(), block.eps1, block.eps2, router.args, w1, w3, w2, s1, s3, s2))
         self._layers = (_Layer * len(structs))(*structs)
-        self._held = (layers, norm[0], head_VD)  # the weights' storage does not move while this holds them
+        # the weights' storage does not move while this holds them
+        self._held = (layers, norm[0], head_VD, embedding_ND, cos, sin)
         self.args = _Model(len(structs), D, self.H, self.G, self.Dh, F_, V, self._layers, norm[0].data_ptr(),
-                           head_VD.data_ptr(), norm[1])
+                           head_VD.data_ptr(), norm[1], embedding_ND.data_ptr(), cos.data_ptr(), sin.data_ptr(), N, P,
+                           window or 0)
         self.V = V
         self._fn = self.lib.decode_step if dtype == torch.float32 else self.lib.decode_step_bf16
         self._caches: tuple[list[Tensor], list[Tensor], ctypes.Array, ctypes.Array] | None = None
 
-    def __call__(self, x_BD: Tensor, k_cache: list[Tensor], v_cache: list[Tensor], rope: tuple[Tensor, Tensor],
-                 slots_B: Tensor, lo_B: Tensor, hi_B: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x [B, D] the rows' embedded tokens; each layer's cache [slots, G, max_len, Dh] and the rest as
-        KernelDecodeBlock takes them. -> (logits [B, V], expert ids [L, B, K] int64, gates [L, B, K], expert
-        counts [L, E] int64)."""
-        B, D, dtype = x_BD.shape[0], self.D, self.dtype
-        if x_BD.dtype != dtype or x_BD.shape != (B, D) or not x_BD.is_contiguous() or not x_BD.is_cpu:
-            raise KernelError(f"decode step: x {x_BD.dtype} {list(x_BD.shape)}, for contiguous {dtype} CPU rows of {D}")
+    def __call__(self, tokens_B: Tensor, slots_B: Tensor, positions_B: Tensor, k_cache: list[Tensor],
+                 v_cache: list[Tensor], scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Row b: token tokens[b] at position positions[b] of slot slots[b] (contiguous int64 [B] each), seeing
+        the positions before it in its slot (within the model's sliding window); each layer's cache [slots, G,
+        max_len, Dh]. -> (logits [B, V], expert ids [L, B, K] int64, gates [L, B, K], expert counts [L, E]
+        int64). A token, slot or position out of range is a ValueError, raised before anything is written."""
+        B = tokens_B.shape[0]
+        _check_rows("decode step", B, tokens_B, slots_B, positions_B, names="tokens, slots and positions")
         kp, vp = self._cache_pointers(k_cache, v_cache)
-        _check_rope("decode step", dtype, B, self.Dh, rope)
-        _check_rows("decode step", B, slots_B, lo_B, hi_B)
-        logits = torch.empty(B, self.V, dtype=dtype)
+        logits = torch.empty(B, self.V, dtype=self.dtype)
         ids = torch.empty(self.L, B, self.K, dtype=torch.int64)
-        gates = torch.empty(self.L, B, self.K, dtype=dtype)
+        gates = torch.empty(self.L, B, self.K, dtype=self.dtype)
         counts = torch.empty(self.L, self.E, dtype=torch.int64)
-        if self._fn(ctypes.byref(self.args), x_BD.data_ptr(), kp, vp, rope[0].data_ptr(), rope[1].data_ptr(),
-                    slots_B.data_ptr(), lo_B.data_ptr(), hi_B.data_ptr(), B, k_cache[0].shape[2], scale,
-                    logits.data_ptr(), ids.data_ptr(), gates.data_ptr(), counts.data_ptr(), torch.get_num_threads()):
+        status = self._fn(ctypes.byref(self.args), tokens_B.data_ptr(), slots_B.data_ptr(), positions_B.data_ptr(), B,
+                          kp, vp, k_cache[0].shape[0], k_cache[0].shape[2], scale, logits.data_ptr(), ids.data_ptr(),
+                          gates.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+        if status == -3:
+            raise ValueError(f"decode step: tokens {tokens_B.tolist()} at positions {positions_B.tolist()} of slots "
+                             f"{slots_B.tolist()}: expected tokens below {self.args.n_emb}, slots below "
+                             f"{k_cache[0].shape[0]} and positions below {min(k_cache[0].shape[2], self.args.n_pos)}")
+        if status:
             raise MemoryError(f"decode step: no memory for the scratch of {B} rows")
         return logits, ids, gates, counts
 

@@ -60,9 +60,9 @@ class KVCache:
             raise ValueError(f"cache length {max_len} exceeds max_seq_len={cfg.max_seq_len}")
         return cls(cfg.n_layers, slots, max_len, cfg.kv_heads, cfg.head_dim, w.dtype, w.device)
 
-    def rows(self, slots: list[int], starts: list[int], n_tokens: int) -> "CacheRows":
-        """Row b of the next call is slot `slots[b]`, its tokens at positions starts[b] .. starts[b] + n_tokens - 1.
-        Built on the host from host-side numbers, so the forward pass never asks the device where it is."""
+    def claim(self, slots: list[int], starts: list[int], n_tokens: int) -> int:
+        """Check that rows of `n_tokens` from `starts` fit their distinct `slots` (a ValueError if not), zero the
+        slots' rows if they are new (`touch`); the number of positions the call attends over."""
         if len(slots) != len(starts) or not slots:
             raise ValueError(f"{len(slots)} slots for {len(starts)} start positions")
         if min(slots) < 0 or max(slots) >= self.slots or len(set(slots)) != len(slots):
@@ -71,6 +71,12 @@ class KVCache:
         if min(starts) < 0 or length > self.max_len:
             raise ValueError(f"positions up to {length - 1} do not fit a cache of {self.max_len}")
         self.touch(slots)
+        return length
+
+    def rows(self, slots: list[int], starts: list[int], n_tokens: int) -> "CacheRows":
+        """Row b of the next call is slot `slots[b]`, its tokens at positions starts[b] .. starts[b] + n_tokens - 1.
+        Built on the host from host-side numbers, so the forward pass never asks the device where it is."""
+        length = self.claim(slots, starts, n_tokens)
         device = self.k[0].device
         offsets = torch.arange(n_tokens)
         positions = (torch.tensor(starts)[:, None] + offsets[None]).to(device)

@@ -102,6 +102,8 @@ class TorchRunner:
             out = self._guarded(self._decode, slots, ids_B, positions)
             if out is not None:
                 return ModelOutput(*out)
+        if self.model.step_kernel is not None:
+            return self.model.decode_step(cache, slots, ids_B, positions)
         return self.model(ids_B[:, None], cache=cache.rows(slots, positions, 1))
 
     def _guarded(self, fn, *args):

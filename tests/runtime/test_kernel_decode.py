@@ -78,15 +78,19 @@ def kernel_engine(router: str, dtype: str, **overrides) -> Engine:
     return Engine.from_model(make_engine(router, **overrides).model, ByteTokenizer(), dtype=dtype, plan=KERNEL_PLAN)
 
 
-def step_outputs(engine: Engine, ids: torch.Tensor) -> tuple:
+def step_outputs(engine: Engine, ids: torch.Tensor, host: bool = False) -> tuple:
     """A decode step of two rows at different positions (slots 2 and 0) after their prefills: logits, the routes,
-    the expert counts and the cache the step wrote."""
+    the expert counts and the cache the step wrote. `host`: the step from the host's numbers (Transformer.decode_step,
+    as the runner calls it) rather than forward with CacheRows."""
     model, n = engine.model, len(ids)
     cache = KVCache.for_model(model, 3)
     with torch.no_grad():
         model(ids[None, :-1], cache=cache.rows([2], [0], n - 1))
         model(ids[None, :-4], cache=cache.rows([0], [0], n - 4))
-        out = model(torch.stack([ids[-1:], ids[-4:-3]]), cache=cache.rows([2, 0], [n - 1, n - 4], 1))
+        if host:
+            out = model.decode_step(cache, [2, 0], torch.stack([ids[-1], ids[-4]]), [n - 1, n - 4])
+        else:
+            out = model(torch.stack([ids[-1:], ids[-4:-3]]), cache=cache.rows([2, 0], [n - 1, n - 4], 1))
     return (out.logits, [a.routing.expert_ids for a in out.aux], [a.routing.gates for a in out.aux],
             [a.counts for a in out.aux], [t[[0, 2], :, :n] for t in cache.k + cache.v])  # the used slots
 
@@ -108,12 +112,13 @@ def test_a_decode_step_in_one_call_is_the_layers_calls(router, overrides, dtype,
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
     ids = torch.tensor(engine.encode("import os\nimport sys\n"))  # 19 tokens: past the window
-    one_call = step_outputs(engine, ids)
+    one_call, from_host = step_outputs(engine, ids), step_outputs(engine, ids, host=True)
     engine.model.step_kernel = None
     layer_by_layer = step_outputs(engine, ids)
-    for a, b in zip(one_call, layer_by_layer):
-        a, b = (a, b) if isinstance(a, list) else ([a], [b])
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for got in (one_call, from_host):
+        for a, b in zip(got, layer_by_layer):
+            a, b = (a, b) if isinstance(a, list) else ([a], [b])
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert one_call[3][0].sum() == 2 * engine.model.cfg.top_k  # two rows' choices counted
 
     unfused = [engine.generate([p], max_new_tokens=10)[0] for p in PROMPTS]
@@ -181,19 +186,25 @@ def test_the_router_and_step_refuse_what_they_would_misread():
 
     engine = kernel_engine("softmax", "float32")
     step, cfg = engine.model.step_kernel, engine.model.cfg
-    cache = KVCache.for_model(engine.model, 2)
-    D, Dh = cfg.d_model, cfg.head_dim
-    idx = torch.zeros(1, dtype=torch.int64)
-    args = dict(x_BD=torch.randn(1, D), k_cache=cache.k, v_cache=cache.v, rope=(torch.ones(1, Dh), torch.zeros(1, Dh)),
-                slots_B=idx, lo_B=idx, hi_B=idx + 1, scale=0.5)
+    cache = KVCache.for_model(engine.model, 2, 16)
+    cache.touch([0, 1])
+    zero = torch.zeros(1, dtype=torch.int64)
+    args = dict(tokens_B=zero + 65, slots_B=zero + 1, positions_B=zero + 15, k_cache=cache.k, v_cache=cache.v,
+                scale=0.5)
     logits, ids, gates, counts = step(**args)
     assert logits.shape == (1, cfg.vocab_size) and ids.shape == gates.shape == (cfg.n_layers, 1, cfg.top_k)
     assert counts.sum(-1).tolist() == [cfg.top_k] * cfg.n_layers
-    with pytest.raises(KernelError, match=f"x torch.bfloat16 \\[1, {D}\\], for contiguous torch.float32 CPU rows"):
-        step(**{**args, "x_BD": args["x_BD"].bfloat16()})
+    with pytest.raises(KernelError, match="decode step: tokens, slots and positions are 1 contiguous int64s, not "
+                                          "torch.int32"):
+        step(**{**args, "tokens_B": args["tokens_B"].int()})
     with pytest.raises(KernelError, match=f"{cfg.n_layers} layers' caches of contiguous torch.float32"):
         step(**{**args, "k_cache": cache.k[:1]})
-    with pytest.raises(KernelError, match="slots and bounds are 1 contiguous int64s"):
-        step(**{**args, "hi_B": torch.ones(1, dtype=torch.int32)})
-    with pytest.raises(KernelError, match="rope tables are contiguous torch.float32"):
-        step(**{**args, "rope": (torch.ones(2, Dh), torch.ones(2, Dh))})
+    before = [t.clone() for t in cache.k + cache.v]
+    for name, bad in (("tokens_B", cfg.vocab_size), ("tokens_B", -1), ("slots_B", 2), ("positions_B", 16)):
+        with pytest.raises(ValueError, match=f"expected tokens below {cfg.vocab_size}, slots below 2 and positions "
+                                             "below 16"):
+            step(**{**args, name: zero + bad})
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v))  # a refused row wrote nothing
+    with pytest.raises(KernelError, match="rope cos must be a contiguous torch.float32 CPU tensor of shape"):
+        KernelDecodeStep(step._held[0], (engine.model.norm.weight, 1e-5), step._held[2], step._held[3],
+                         (torch.ones(8, 3), torch.ones(8, 3)))

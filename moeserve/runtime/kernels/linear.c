@@ -667,14 +667,18 @@ static inline float same_f32(float f) { return f; }
 ROUTE(route_tokens, float, linear_nt, same_f32, same_f32)
 ROUTE(route_tokens_bf16, bf16, linear_nt_bf16, bf16_float, float_bf16)
 
-/* A whole decode step of B rows (one token each) through every layer and the LM head, in one call: per layer
-   decode_block, route_tokens and moe_ffn, and the residual sum; then the final RMSNorm and the head. The same
-   calls Transformer.forward makes one by one on the kernel, so the same numbers; what goes is the Python
-   between them: on the 644M Mixtral at batch 1, 1.8-2 ms of an 11 ms bf16 token (3 ms of 26 in float32) was
-   spent outside the C calls, in ~70 torch operations on caches the weights had just flushed. Each layer's
-   weights are where the model holds them (struct layer); the cache and the rows are the call's, as
-   decode_block takes them. Out: logits [B, V], each layer's ids and gates [L, B, K] and expert counts [L, E].
-   Returns 0, or -2 where there was no memory for the scratch. */
+/* A whole decode step of B rows (one token each) through every layer and the LM head, in one call: the rows'
+   embeddings and RoPE angles looked up, then per layer decode_block, route_tokens and moe_ffn, and the residual
+   sum; then the final RMSNorm and the head. The same calls Transformer.forward makes one by one on the kernel, so
+   the same numbers; what goes is the Python between them. On the 644M Mixtral at batch 1 a weight-streaming step
+   leaves every cache cold, and a small torch operation after it takes 50-260 us instead of 3-40: ~70 of them
+   between the layers' calls were 1.8-2 ms of an 11 ms bf16 token; looking up the embedding, the RoPE rows and
+   the attention bounds here rather than in torch took the time outside the call from 0.82 to 0.60 ms a token.
+   Each layer's weights are where the model holds them (struct layer),
+   the tables too (struct model); the cache is the call's, as decode_block takes it. Row b is token tokens[b] at
+   position pos[b] of slot slots[b], seeing positions max(0, pos + 1 - window) .. pos (window 0: all). Out:
+   logits [B, V], each layer's ids and gates [L, B, K] and expert counts [L, E]. Returns 0; -2 where there was
+   no memory for the scratch; -3, before anything is written, where a token, slot or position is out of range. */
 struct layer {
     const void *n1, *wq, *wk, *wv, *wo, *n2;
     float eps1, eps2;
@@ -688,16 +692,32 @@ struct model {
     const struct layer *layers;
     const void *norm, *head; /* the final RMSNorm's weight and the LM head [V, D] */
     float eps;
+    const void *emb, *cos, *sin; /* the token embeddings [n_emb, D], the RoPE tables [n_pos, Dh] */
+    long n_emb, n_pos, window;
 };
 
 #define DECODE_STEP(NAME, T, BLOCK, ROUTE_ROWS, MOE, ADD, RMS, LINEAR)                                 \
-    int NAME(const struct model *m, const T *x, T *const *kc, T *const *vc, const T *cs, const T *sn,  \
-             const long *slots, const long *lo, const long *hi, long B, long max_len, float scale, T *logits, \
-             long *ids, T *gates, long *counts, int threads) {                                         \
+    int NAME(const struct model *m, const long *tokens, const long *slots, const long *pos, long B,    \
+             T *const *kc, T *const *vc, long n_slots, long max_len, float scale, T *logits, long *ids, \
+             T *gates, long *counts, int threads) {                                                    \
         const long D = m->D, H = m->H, G = m->G, Dh = m->Dh;                                           \
-        T *buf = malloc((B * (6 * D + 2 * (H + G) * Dh) + 1) * sizeof(T)); /* 4 rows, decode_block's scratch */ \
+        for (long b = 0; b < B; b++)                                                                   \
+            if (tokens[b] < 0 || tokens[b] >= m->n_emb || slots[b] < 0 || slots[b] >= n_slots ||       \
+                pos[b] < 0 || pos[b] >= max_len || pos[b] >= m->n_pos)                                 \
+                return -3;                                                                             \
+        /* the bounds, 5 rows of D (the input, 4 of the layers'), the RoPE rows, decode_block's scratch */ \
+        long *buf = malloc(2 * B * sizeof(long) + (B * (7 * D + 2 * Dh + 2 * (H + G) * Dh) + 1) * sizeof(T)); \
         if (!buf) return -2;                                                                           \
-        T *a = buf, *h = a + B * D, *hn = h + B * D, *y = hn + B * D, *scratch = y + B * D;            \
+        long *lo = buf, *hi = lo + B;                                                                  \
+        T *x = (T *)(hi + B), *a = x + B * D, *h = a + B * D, *hn = h + B * D, *y = hn + B * D;        \
+        T *cs = y + B * D, *sn = cs + B * Dh, *scratch = sn + B * Dh;                                  \
+        for (long b = 0; b < B; b++) {                                                                 \
+            memcpy(x + b * D, (const T *)m->emb + tokens[b] * D, D * sizeof(T));                       \
+            memcpy(cs + b * Dh, (const T *)m->cos + pos[b] * Dh, Dh * sizeof(T));                      \
+            memcpy(sn + b * Dh, (const T *)m->sin + pos[b] * Dh, Dh * sizeof(T));                      \
+            hi[b] = pos[b] + 1;                                                                        \
+            lo[b] = m->window > 0 && hi[b] > m->window ? hi[b] - m->window : 0;                        \
+        }                                                                                              \
         const T *cur = x;                                                                              \
         int status = 0;                                                                                \
         for (long l = 0; l < m->L; l++) {                                                              \
