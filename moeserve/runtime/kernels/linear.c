@@ -674,11 +674,11 @@ ROUTE(route_tokens_bf16, bf16, linear_nt_bf16, bf16_float, float_bf16)
    leaves every cache cold, and a small torch operation after it takes 50-260 us instead of 3-40: ~70 of them
    between the layers' calls were 1.8-2 ms of an 11 ms bf16 token; looking up the embedding, the RoPE rows and
    the attention bounds here rather than in torch took the time outside the call from 0.82 to 0.60 ms a token.
-   Each layer's weights are where the model holds them (struct layer),
-   the tables too (struct model); the cache is the call's, as decode_block takes it. Row b is token tokens[b] at
-   position pos[b] of slot slots[b], seeing positions max(0, pos + 1 - window) .. pos (window 0: all). Out:
-   logits [B, V], each layer's ids and gates [L, B, K] and expert counts [L, E]. Returns 0; -2 where there was
-   no memory for the scratch; -3, before anything is written, where a token, slot or position is out of range. */
+   Each layer's weights are where the model holds them (struct layer), the tables too (struct model); the cache
+   is the call's, as decode_block takes it. Row b is token tokens[b] at position pos[b] of slot slots[b], seeing
+   positions max(0, pos + 1 - window) .. pos (window 0: all). Out: logits [B, V], each layer's ids and gates
+   [L, B, K] and expert counts [L, E]. Returns 0; -2 where there was no memory for the scratch; -3, before
+   anything is written, where a token, slot or position is out of range. */
 struct layer {
     const void *n1, *wq, *wk, *wv, *wo, *n2;
     float eps1, eps2;
