@@ -206,5 +206,7 @@ def test_the_router_and_step_refuse_what_they_would_misread():
             step(**{**args, name: zero + bad})
     assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v))  # a refused row wrote nothing
     with pytest.raises(KernelError, match="rope cos must be a contiguous torch.float32 CPU tensor of shape"):
-        KernelDecodeStep(step._held[0], (engine.model.norm.weight, 1e-5), step._held[2], step._held[3],
+        model = engine.model
+        parts = [(b.decode_kernel, b.ffn.kernel_router, b.ffn.experts.inference.fused) for b in model.layers]
+        KernelDecodeStep(parts, (model.norm.weight, 1e-5), model.tok_embeddings.weight, model.tok_embeddings.weight,
                          (torch.ones(8, 3), torch.ones(8, 3)))
