@@ -17,8 +17,8 @@ on the values; each call reads other weights than the last, STREAM_BYTES) the fi
 loaded on a machine, and caches the plan as JSON under the cache directory, keyed by the CPU, torch's
 thread count and version, the dtype and the shape: 1-15 seconds (a 644M-parameter Mixtral on 2 cores),
 once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo" measures
-again. On CUDA the defaults stand (grouped_mm for many tokens): the CUDA choices have not been
-measured on a GPU yet.
+again. On CUDA the defaults stand (grouped_mm for many tokens, and for a compiled bf16 decode step): the
+CUDA choices are not calibrated per machine yet.
 
 How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
 packed with a loop, packed for the gather path with grouped_mm beyond) is timed at token counts 1, 2, 4,
@@ -124,9 +124,13 @@ class DispatchPlan:
 
 
 def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "not measured") -> DispatchPlan:
-    """Without measuring: packed wherever oneDNN can pack, gather for one token, grouped_mm on CUDA."""
+    """Without measuring: packed wherever oneDNN can pack, gather for one token, grouped_mm on CUDA, and in
+    bf16 on CUDA a compiled decode step's experts as one grouped_mm call: it reads each hit expert once where
+    indexing copies an expert's weights per routed row (on an H100, faster at batch 1 and far faster at 32:
+    docs/bench/engine-2.4b-h100*)."""
     pack = onednn_packing_available(device, dtype)
-    return DispatchPlan(pack, pack, torch.device(device).type == "cuda", 1, "default", reason)
+    cuda = torch.device(device).type == "cuda"
+    return DispatchPlan(pack, pack, cuda, 1, "default", reason, decode_grouped=cuda and dtype == torch.bfloat16)
 
 
 @dataclass(frozen=True)
