@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -128,6 +129,14 @@ def test_without_the_kernel_calibration_keeps_torchs_kernels_and_says_why(tmp_pa
     assert (kernel_experts, kernel_dense) == ("False", "False")
     assert "kernel" not in names and f"kernel: {why}" in skipped
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("*.so"))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None or os.environ.get(cpu_kernel.ENV) == "off",
+                    reason="no C compiler, or $MOESERVE_CPU_KERNEL=off: the kernel is not asked to build")
+def test_the_kernel_builds_wherever_a_compiler_is_present():
+    """About 45 tests skip where the kernel is not available; where a compiler is present, that would hide a
+    kernel that fails to build or to pass its self-check behind a green run, so it fails here instead."""
+    assert cpu_kernel.available(), f"the C kernel did not build here: {cpu_kernel.unavailable_reason()}"
 
 
 @requires_kernel

@@ -49,6 +49,38 @@ class Live:
         return self.client.post(path, json=body, **kw)
 
 
+class HeldStep:
+    """The model thread's next step of continuous batching, held until `release()`. While it is held, the request
+    in the step keeps its cache slot and nothing leaves the queue, so a test fills the queue without racing the
+    model thread (on a slow or busy CPU, a sleep does not mean "the first request holds the slot by now")."""
+
+    def __init__(self, batcher):
+        self.stepping, self._released = threading.Event(), threading.Event()
+        step = batcher.steps.step
+
+        def held():
+            self.stepping.set()
+            assert self._released.wait(60), "the test never released the held step"
+            return step()
+
+        batcher.steps.step = held
+
+    def wait(self) -> None:
+        """Until the model thread is inside the held step."""
+        assert self.stepping.wait(60), "no step started within 60 s"
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    """Poll `predicate` until it holds: the event a test means, rather than a sleep that stands for it."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.01)
+
+
 @contextlib.contextmanager
 def live_server(source, cfg: ServeConfig | None = None, ready: bool = True) -> Iterator[Live]:
     app = create_app(source, cfg or ServeConfig())

@@ -20,7 +20,7 @@ from moeserve.runtime.model import Transformer
 from moeserve.serve.state import ServeConfig
 from moeserve.serve.batcher import BatchConfig
 
-from .conftest import live_server
+from .conftest import HeldStep, live_server, wait_until
 from .test_server import SlowEngine
 
 
@@ -97,28 +97,35 @@ def test_stalled_body_gets_408_and_a_full_queue_429_before_the_body(tiny_ckpt):
         code, waited = status_of(stalled)
         assert code == 408 and 0.25 < waited < 3
         body = {"model": "tiny", "prompt": "q", "max_tokens": 40, "temperature": 0}
+        held = HeldStep(s.state.batcher)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            busy = [pool.submit(s.post, "/v1/completions", body)]  # runs in the one slot
-            time.sleep(0.15)
-            busy.append(pool.submit(s.post, "/v1/completions", body))  # waits in the queue of 1
-            time.sleep(0.15)
-            half = raw_request(port, b'{"model": "tiny", "prompt": "never fin', 500)  # never sends the rest
-            code, waited = status_of(half)
-            assert code == 429 and waited < 0.25  # not the 0.3 s body timeout: the body was never waited for
+            try:
+                busy = [pool.submit(s.post, "/v1/completions", body)]  # runs in the one slot
+                held.wait()
+                busy.append(pool.submit(s.post, "/v1/completions", body))  # waits in the queue of 1
+                wait_until(lambda: s.state.batcher.depth == 1, "the second request in the queue")
+                half = raw_request(port, b'{"model": "tiny", "prompt": "never fin', 500)  # never sends the rest
+                code, waited = status_of(half)
+                # 429, not the 408 of the 0.3 s body timeout: the body was never waited for
+                assert code == 429 and waited < 3
+            finally:
+                held.release()
             assert [f.result().status_code for f in busy] == [200, 200]
 
 
 def test_a_burst_lets_through_only_what_the_queue_holds(tiny_ckpt):
-    """40 requests at once at one cache slot and a queue of 2: the gate admits a request only into a place it
-    holds in the queue, so exactly three are answered 200, the rest 429 with Retry-After, and none of the 37
-    is parsed only to be refused when its handler submits it (before places were held: several were)."""
+    """One cache slot, held, and a queue of 2: of a burst of 39 requests the gate admits exactly the two the queue
+    has room for, answers the other 37 with 429 and Retry-After at once, and parses none of them only to refuse it
+    at submit (before places were held: several were). The slot's request is held inside its first step until the
+    37 refusals are in, so the counts do not depend on how fast the model thread drains the queue (on a slow or
+    busy CPU it had not taken the first request out of the queue before the burst filled it)."""
     from moeserve.bench.client import read_response
     from moeserve.serve.batcher import QueueFull
 
     cfg = ServeConfig(model_name="tiny", kv_slots=1, batch=BatchConfig(max_queue=2, wait_s=0))
     with live_server(lambda: StepEngine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
         batcher, late = s.state.batcher, []
-        submit = batcher.submit
+        submit, held = batcher.submit, HeldStep(batcher)
 
         def spied(job, *place):
             try:
@@ -133,18 +140,30 @@ def test_a_burst_lets_through_only_what_the_queue_holds(tiny_ckpt):
         request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                    + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
-        async def burst() -> list[tuple[int, dict]]:
-            conns = [await asyncio.open_connection(host, int(port)) for _ in range(40)]
-            for _, writer in conns:
-                writer.write(request)
+        async def send() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(request)
+            return reader, writer
+
+        async def burst() -> tuple[tuple[int, dict], list[tuple[int, dict]]]:
+            first = await send()
+            await asyncio.to_thread(held.wait)  # the first request holds the slot, inside its first step
+            conns = [await send() for _ in range(39)]
             try:
-                return list(await asyncio.gather(*(read_response(reader) for reader, _ in conns)))
+                reads = [asyncio.ensure_future(read_response(reader)) for reader, _ in conns]
+                deadline = time.monotonic() + 60
+                while sum(r.done() for r in reads) < 37 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)  # the refusals, while nothing can leave the queue
+                held.release()
+                return await read_response(first[0]), list(await asyncio.gather(*reads))
             finally:
-                for _, writer in conns:
+                held.release()
+                for _, writer in [first, *conns]:
                     writer.close()
 
-        answers = asyncio.run(burst())
-    assert sorted(status for status, _ in answers) == [200] * 3 + [429] * 37
+        (first_status, _), answers = asyncio.run(burst())
+    assert first_status == 200
+    assert sorted(status for status, _ in answers) == [200] * 2 + [429] * 37
     assert all(headers.get("retry-after") for status, headers in answers if status == 429)
     assert late == []
 
