@@ -12,6 +12,14 @@ import torch
 # tested in tests/runtime/test_calibration.py, with its own cache directory; subprocesses inherit this.
 os.environ["MOESERVE_CALIBRATION"] = "off"
 
+# The README's command runs the suite on two pytest-xdist workers (`-n 2`), one per core of the machines CI runs on.
+# Each worker and what it starts (servers, CLIs, Ray's workers) then computes with one thread: two OpenMP threads
+# per worker on two cores spin-wait on each other (see one_torch_thread). Ray's modules are one xdist_group, so at
+# most one Ray cluster runs at a time (`ray.init()` joins the newest cluster on the machine where it can).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # pytest's own fault handler is off again once the session ends; a crash after that (a library's thread
 # outliving its runtime while the interpreter shuts down) would leave only "Segmentation fault" and exit
 # status 139 in CI. Registered first, so it runs after the atexit hooks of Ray and the rest.

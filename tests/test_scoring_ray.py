@@ -21,7 +21,7 @@ from moeserve.scoring import ScoreConfig, score_file
 from moeserve.scoring_ray import RayScorer, score_file_ray
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"), pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,7 +8,7 @@ pytest.importorskip("ray.serve")
 
 from moeserve.bench.shards import bench_shards, markdown  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest.py)
 PATHS = ["in process", "serve handles", "ray actors", "ray compiled graph", "ray actors, sockets",
          "compute, slowest shard", "to/from arrays, both ways"]
 

@@ -61,9 +61,10 @@ def test_engine_refusals():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("router", ["softmax", "vq"])
 def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
-    """Three prompts of different lengths finish at different steps: buckets 3, 2 and 1 are all used, rows
-    padded to them; greedy and seeded sampling; the expert load is the real rows' only. On CUDA the graphs
-    are CUDA graphs (mode "reduce-overhead"), replayed over the cache they were captured on."""
+    """Two prompts of different lengths finish at different steps: buckets 2 and 1 are both used (each bucket is
+    a graph inductor compiles, ~10 s of C++ on a slow CPU: a third prompt would add one and prove nothing more);
+    greedy and seeded sampling; the expert load is the real rows' only. On CUDA the graphs are CUDA graphs (mode
+    "reduce-overhead"), replayed over the cache they were captured on."""
     why = compiled_mod.compile_unavailable(torch.device(device))
     if why is not None:
         pytest.skip(why)
@@ -75,8 +76,8 @@ def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
     fast = Engine.from_model(Transformer(cfg), tok, device=device, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
     fast.model.prepare_inference(fast.plan)
-    rows = [tok.encode("def f(x):", bos=True), tok.encode("import", bos=True), tok.encode("class A(B):\n", bos=True)]
-    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=3) for n, t in ((12, 0.0), (5, 0.8), (9, 0.0))]
+    rows = [tok.encode("def f(x):", bos=True), tok.encode("import", bos=True)]
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=3) for n, t in ((12, 0.0), (5, 0.8))]
     want = eager.complete_ids(rows, params)
     got = fast.complete_ids(rows, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
@@ -89,7 +90,7 @@ def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
 def test_compiled_decode_with_grouped_experts(device, monkeypatch):
     """decode_grouped: the compiled step runs each layer's experts as one grouped_mm call over the routed rows
     (bf16, the dtype torch compiles grouped_mm for), with its counts on the device: the logits of the step that
-    indexes each token's experts out of the stack, within bf16's rounding, at batch buckets 3, 2 and 1."""
+    indexes each token's experts out of the stack, within bf16's rounding, at batch buckets 2 and 1."""
     why = compiled_mod.compile_unavailable(torch.device(device))
     if why is not None:
         pytest.skip(why)
@@ -99,7 +100,7 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
     cfg = preset("tiny", router="softmax")
     weights = Transformer(cfg).state_dict()
     tok = ByteTokenizer()
-    rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import", "class A(B):\n")]
+    rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import")]
     plan = dataclasses.replace(default_plan(device, torch.bfloat16), grouped_mm=True)
     logits = {}
     for grouped in (False, True):
@@ -108,14 +109,14 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
         engine = Engine.from_model(model, tok, dtype="bfloat16", device=device, compile="on",
                                    plan=dataclasses.replace(plan, decode_grouped=grouped))
         assert engine.model.moe_layers[0].experts.inference.decode_grouped == grouped
-        runner, cache, steps = engine.runner, engine.runner.new_cache(3, 32), []
+        runner, cache, steps = engine.runner, engine.runner.new_cache(2, 32), []
         with torch.inference_mode():
             for slot, r in enumerate(rows):  # eager: grouped_mm for the prompts' tokens either way
                 runner.prefill(cache, slot, torch.tensor(r, device=device), 0)
             seen.clear()
-            for n in (3, 2, 1):  # rows padded up to each bucket in turn
-                ids = torch.tensor([7, 11, 13][:n], device=device)
-                out = runner.decode(cache, list(range(n)), ids, [len(r) + 3 - n for r in rows[:n]])
+            for n in (2, 1):  # each bucket in turn
+                ids = torch.tensor([7, 11][:n], device=device)
+                out = runner.decode(cache, list(range(n)), ids, [len(r) + 2 - n for r in rows[:n]])
                 steps.append(out.logits.float().cpu())
         assert runner.compiled and (len(seen) > 0) == grouped  # grouped_mm only in the grouped step
         logits[grouped] = torch.cat([x.reshape(-1, x.shape[-1]) for x in steps])

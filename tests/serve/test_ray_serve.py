@@ -35,7 +35,7 @@ yaml = pytest.importorskip("yaml")
 
 from moeserve.serve.ray_app import RayServeOptions, build_app, shard_ranges  # noqa: E402  (needs ray)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest.py)
 PROMPTS = ["def f(x):", "import os\n", "class A:"]
 TEXTS = ["hello world", "def g():\n    return 1\n" * 8]  # the second is past the context of 64: 3 windows
 
