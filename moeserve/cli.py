@@ -120,7 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, api_key=args.api_key, batch=batch,
                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                       body_timeout_s=args.body_timeout,
-                      max_inputs=args.max_inputs, max_tokens=args.max_tokens, expert_metrics=args.expert_metrics,
+                      max_inputs=args.max_inputs, max_tokens=args.max_tokens,
+                      max_request_tokens=args.max_request_tokens, expert_metrics=args.expert_metrics,
                       shutdown_timeout_s=args.shutdown_timeout, threads=args.threads, scheduler=args.scheduler,
                       kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk, chat_template=args.chat_template)
     if args.chat_template is not None:  # a bad template is named before the model loads
@@ -365,6 +366,9 @@ def _add_serve(sub) -> None:
     sv.add_argument("--max-inputs", type=int, default=32, metavar="N",
                     help="prompts or texts per request (default: 32)")
     sv.add_argument("--max-tokens", type=int, metavar="N", help="largest max_tokens accepted (default: the context)")
+    sv.add_argument("--max-request-tokens", type=int, default=16384, metavar="N",
+                    help="model work one request may ask for, in tokens: prompt plus max_tokens of each sequence, "
+                    "every window of each scored text; past it, 413 before anything runs (default: 16384)")
     sv.add_argument("--expert-metrics", action=argparse.BooleanOptionalAction, default=None,
                     help="per-(layer, expert) routed-token series (default: on unless layers x experts > 4096)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",

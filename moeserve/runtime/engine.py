@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Generator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -329,13 +329,25 @@ class Engine:
             return self.step_engine(len(seqs), max_len=longest).run(seqs)
 
     # ---- scoring ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def score_ids(self, rows: list[list[int]], stride: int | None = None,
                   max_batch_tokens: int = 16384) -> list[RowScore]:
         """Per row, the sum of log p(token | tokens before) over every token but the first, which only
         conditions. A row longer than the context is scored in rolling windows `stride` tokens apart
-        (windows.py; default half the context). Rows within the context run as one batch, as given;
-        the windows of longer rows in consecutive batches of at most `max_batch_tokens` padded tokens."""
+        (windows.py; default half the context). Rows and windows run in order, in consecutive batches of at
+        most `max_batch_tokens` padded tokens (a row or window wider than that alone)."""
+        slices = self.score_slices(rows, stride, max_batch_tokens)
+        while True:
+            try:
+                next(slices)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def score_slices(self, rows: list[list[int]], stride: int | None = None,
+                     max_batch_tokens: int = 16384) -> Generator[int, None, list[RowScore]]:
+        """`score_ids` one model call at a time: yields the padded tokens of each batch it has run, and returns
+        the scores. A server runs a long scoring request a batch per turn between decode steps, and stops it
+        between two batches once its deadline passes (serve/batcher.py)."""
         if not rows:
             return []
         C = self.cfg.max_seq_len
@@ -344,9 +356,6 @@ class Engine:
                 check_stride(stride, C)
             except ValueError as e:
                 raise EngineError(str(e)) from None
-        if all(len(r) <= C for r in rows):
-            logp, mask = self._token_logp(rows)
-            return [RowScore(float(lp), len(r) - 1, 1) for lp, r in zip((logp * mask).sum(-1).tolist(), rows)]
         stride = default_stride(C) if stride is None else stride
         windows = [(i, row[a:b], k) for i, row in enumerate(rows) for a, b, k in rolling_windows(len(row), C, stride)]
         sums, counts = [0.0] * len(rows), [0] * len(rows)
@@ -360,6 +369,7 @@ class Engine:
             for (i, _, _), lp in zip(group, (logp * ((pos >= first) & (pos < end))).sum(-1).tolist()):
                 sums[i] += lp
                 counts[i] += 1
+            yield len(group) * max(len(ids) for _, ids, _ in group)
         return [RowScore(s, len(r) - 1, w) for s, r, w in zip(sums, rows, counts)]
 
     @torch.inference_mode()

@@ -22,9 +22,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Generator, Literal
 
 from moeserve.runtime.engine import Engine, SamplingParams, TokenLogprob
+from moeserve.runtime.windows import consecutive_batches, default_stride, rolling_windows
 
 log = logging.getLogger("moeserve.serve")
 Kind = Literal["complete", "score", "classify"]
@@ -71,6 +72,18 @@ class Job:
     def dropped(self, now: float) -> bool:
         return self.cancelled or now > self.deadline
 
+    def work(self, context: int) -> int:
+        """The model work this job asks for, in tokens run through the model: per sequence, the prompt and the
+        tokens it may generate (within the context); per scored text, every window's tokens (a text longer than
+        the context overlaps its windows: windows.py); per classified text, its tokens. What the server's
+        --max-request-tokens caps, so that no one request can hold the model for long."""
+        if self.kind == "complete":
+            return sum(min(len(r) + p.max_new_tokens, max(context, len(r))) for r, p in zip(self.rows, self.params))
+        if self.kind == "score":
+            stride = default_stride(context) if self.stride is None else self.stride
+            return sum(end - start for r in self.rows for start, end, _ in rolling_windows(len(r), context, stride))
+        return sum(len(r) for r in self.rows)
+
 
 class Place:
     """A place held in a batcher's queue (`Batcher.hold`); `release` gives it back, once."""
@@ -94,6 +107,9 @@ class BatchConfig:
     max_batch_tokens: int = 16384  # padded tokens per engine call (rows x width), bounds activation memory
     wait_s: float = 0.005  # how long the oldest request may wait for others to join its batch
     max_queue: int = 256  # requests waiting; past it, 429 at once
+    # continuous scheduler: padded tokens of scoring or classification run between two decode steps; smaller keeps
+    # the running streams' tokens coming, larger runs a long scoring request in fewer, more efficient calls
+    slice_tokens: int = 2048
 
 
 class Batcher:
@@ -183,7 +199,14 @@ class Batcher:
             self.run_batch(batch)
 
     def run_batch(self, batch: list[Job]) -> None:
-        """Run taken jobs as one engine call (each alone if the call fails); jobs past their deadline are dropped."""
+        """Run taken jobs to the end (each alone if the call fails); jobs past their deadline are dropped, and the
+        work stops between two model calls once every job of the batch has gone."""
+        work = self.begin(batch, self.cfg.max_batch_tokens)
+        while work is not None and not work.advance():
+            pass
+
+    def begin(self, batch: list[Job], slice_tokens: int) -> BatchWork | None:
+        """The taken jobs still wanted, as work run one model call of at most `slice_tokens` at a time."""
         now = time.monotonic()
         live = []
         for job in batch:
@@ -194,25 +217,10 @@ class Batcher:
                 if self.metrics:
                     self.metrics.queue_seconds.observe(now - job.arrival)
         if not live:
-            return
+            return None
         if self.metrics:  # counted before any answer leaves, so a client that reads /metrics sees it
             self.metrics.batch_size.labels(live[0].kind).observe(sum(len(j.rows) for j in live))
-        t0 = time.monotonic()
-        try:
-            self._run(live)
-        except Exception as e:  # one bad request must not fail the others: run each alone
-            if len(live) == 1 or isinstance(e, Unavailable):  # (unless no request can run now)
-                self._fail(live[0], e)
-            else:
-                for job in live:
-                    try:
-                        self._run([job])
-                    except Exception as e1:
-                        self._fail(job, e1)
-        dt = time.monotonic() - t0
-        self._batch_s = 0.8 * self._batch_s + 0.2 * dt
-        if self.metrics:
-            self.metrics.batch_seconds.labels(live[0].kind).observe(dt)
+        return BatchWork(self, live, slice_tokens)
 
     def _token(self, job: Job, i: int, token: int, text: str, logprob: TokenLogprob | None) -> None:
         """A new token of row i of `job`: time to first token, then the job's own callback (streaming)."""
@@ -232,7 +240,9 @@ class Batcher:
         if not job.future.done():
             job.future.set_exception(e)
 
-    def _run(self, jobs: list[Job]) -> None:
+    def _calls(self, jobs: list[Job], slice_tokens: int) -> Generator[int, None, None]:
+        """The jobs' model work, one engine call per step of the generator (it yields the call's padded tokens;
+        a completion batch is one call), then the answers."""
         owners = [(job, i) for job in jobs for i in range(len(job.rows))]
         rows = [job.rows[i] for job, i in owners]
         kind = jobs[0].kind
@@ -247,15 +257,19 @@ class Batcher:
                 return owners[r][0].dropped(time.monotonic())
 
             results = self.engine.complete_ids(rows, params, on_token, cancel)
+            yield sum(len(r) for r in rows)
         elif kind == "score":
             results = [None] * len(rows)
             for stride in {job.stride for job in jobs}:  # jobs of one stride per engine call
                 mine = [r for r, (job, _) in enumerate(owners) if job.stride == stride]
-                scores = self.engine.score_ids([rows[r] for r in mine], stride, self.cfg.max_batch_tokens)
+                scores = yield from self.engine.score_slices([rows[r] for r in mine], stride, slice_tokens)
                 for r, score in zip(mine, scores):
                     results[r] = score
         else:
-            results = self.engine.classify_ids(rows)
+            results = []
+            for part in consecutive_batches([len(r) for r in rows], slice_tokens):
+                results += self.engine.classify_ids(rows[part.start:part.stop])
+                yield len(part) * max(len(r) for r in rows[part.start:part.stop])
         if self.metrics:
             self.metrics.prompt_tokens.inc(sum(len(r) for r in rows))
             if kind == "complete":
@@ -269,3 +283,55 @@ class Batcher:
                 job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
             else:
                 job.future.set_result(mine)
+
+
+class BatchWork:
+    """A taken batch run one model call at a time (`advance`), so that the model thread can step the running
+    sequences between two calls of a long scoring request (continuous.py), and stops work whose requests have
+    all gone (deadline or client) at the next call rather than after the last."""
+
+    def __init__(self, batcher: Batcher, jobs: list[Job], slice_tokens: int):
+        self.batcher, self.jobs, self.slice_tokens = batcher, jobs, slice_tokens
+        self.kind = jobs[0].kind
+        self._calls = batcher._calls(jobs, slice_tokens)
+        self.model_s = 0.0  # time in the batch's own model calls
+
+    def advance(self) -> bool:
+        """One model call; True once the batch has ended: answered, failed, or dropped."""
+        if all(job.dropped(time.monotonic()) for job in self.jobs):
+            self._calls.close()
+            for job in self.jobs:
+                if not job.future.done():
+                    job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
+            return self._end()
+        t0, done = time.monotonic(), True
+        try:
+            next(self._calls)
+            done = False
+        except StopIteration:
+            pass
+        except Exception as e:
+            self._failed(e)
+        self.model_s += time.monotonic() - t0
+        return self._end() if done else False
+
+    def _failed(self, e: Exception) -> None:
+        """A failed call fails every job at once where no request can run now (a shard unavailable: 503 for each);
+        else each job runs again alone, so that one bad request does not fail the others."""
+        if len(self.jobs) == 1 or isinstance(e, Unavailable):
+            for job in self.jobs:
+                self.batcher._fail(job, e)
+            return
+        for job in self.jobs:
+            try:
+                for _ in self.batcher._calls([job], self.slice_tokens):
+                    pass
+            except Exception as e1:
+                self.batcher._fail(job, e1)
+
+    def _end(self) -> bool:
+        b = self.batcher
+        b._batch_s = 0.8 * b._batch_s + 0.2 * self.model_s
+        if b.metrics:
+            b.metrics.batch_seconds.labels(self.kind).observe(self.model_s)
+        return True

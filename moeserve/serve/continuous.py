@@ -2,8 +2,10 @@
 
 The model thread loops over steps of the step engine (runtime/steps.py). Before each step it admits
 queued completion requests whose rows fit the free cache slots (in arrival order: a request that does
-not fit waits, and nothing overtakes it), and runs at most one whole batch of scoring or
-classification requests (those have no steps to share). A request's rows leave the step they end,
+not fit waits, and nothing overtakes it), and runs one slice (BatchConfig.slice_tokens) of the one
+batch of scoring or classification requests in progress (those have no steps to share, but a long one
+must not hold the thread: the model work of a request is capped, Job.work, and sliced). A request's
+rows leave the step they end,
 and the request is answered as soon as its last row has; a short request that arrives while a long
 one is generating is answered after its own tokens, not the long one's.
 
@@ -20,7 +22,7 @@ import torch
 
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.steps import Sequence, StepEngine
-from moeserve.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Job
+from moeserve.serve.batcher import BatchConfig, Batcher, BatchWork, DeadlineExceeded, Job
 
 
 def default_prefill_chunk(device: torch.device) -> int:
@@ -41,14 +43,15 @@ class StepBatcher(Batcher):
         self.steps: StepEngine = engine.step_engine(slots, prefill_chunk=prefill_chunk
                                                     or default_prefill_chunk(engine.device))
         self._live: dict[Job, list[Sequence]] = {}
+        self._work: BatchWork | None = None  # a scoring or classification batch, one slice a turn
 
     def _next(self) -> tuple[list[Job], list[Job]] | None:
         """(completion jobs to admit, a batch of score / classify jobs) once there is anything to do; None
         once closed with nothing left running."""
         with self._cv:
-            while not self._queue and self.steps.idle and not self._closed:
+            while not self._queue and self.steps.idle and self._work is None and not self._closed:
                 self._cv.wait()
-            if self._closed and self.steps.idle:
+            if self._closed and self.steps.idle and self._work is None:
                 return None
             free = self.steps.free_slots - len(self.steps.waiting)  # slots that admitted rows do not wait for
             admit, batch, keep, rows, cost = [], [], deque(), 0, 0
@@ -61,6 +64,8 @@ class StepBatcher(Batcher):
                     else:
                         blocked = True
                         keep.append(job)
+                elif self._work is not None:  # one scoring or classification batch at a time
+                    keep.append(job)
                 elif not batch or (job.kind == batch[0].kind and rows + len(job.rows) <= self.cfg.max_batch_size
                                    and cost + job.cost() <= self.cfg.max_batch_tokens):
                     batch.append(job)
@@ -71,7 +76,9 @@ class StepBatcher(Batcher):
             return admit, batch
 
     def run(self) -> None:
-        """Admit, step, answer, until `close` and the last running request has ended."""
+        """Admit, run a slice of the scoring or classification batch, step, answer, until `close` and the last
+        running request has ended. A long scoring request runs `slice_tokens` at a time between decode steps, as
+        a long prompt runs in chunks, so the streams beside it keep their pace."""
         while (work := self._next()) is not None:
             admit, batch = work
             now = time.monotonic()
@@ -81,7 +88,9 @@ class StepBatcher(Batcher):
                 else:
                     self._admit(job, now)
             if batch:
-                self.run_batch(batch)
+                self._work = self.begin(batch, self.cfg.slice_tokens)
+            if self._work is not None and self._work.advance():
+                self._work = None
             if not self.steps.idle:
                 self._step()
 

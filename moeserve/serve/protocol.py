@@ -23,6 +23,7 @@ STATUS: dict[str, int] = {
     "method_not_allowed": 405,
     "body_timeout": 408,  # the body did not arrive within the read timeout
     "body_too_large": 413,
+    "too_much_work": 413,  # the request asks for more model work than --max-request-tokens
     "unsupported_media_type": 415,  # a body that is not application/json
     "invalid_value": 422,  # a field of the wrong type, out of range, unknown, missing, or past a limit
     "queue_full": 429,

@@ -41,6 +41,8 @@ class ServeConfig:
     body_timeout_s: float = 10.0  # a body that has not all arrived this long after its last part: 408
     max_inputs: int = 32  # prompts or texts per request
     max_tokens: int | None = None  # largest max_tokens accepted (default: the model's context)
+    # model work one request may ask for, in tokens (Job.work): a few seconds of the default model on 2 CPU cores
+    max_request_tokens: int = 16384
     expert_metrics: bool | None = None  # per-(layer, expert) series; None: on unless layers x experts > 4096
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     threads: int | None = None  # torch threads of the model (default: torch's, one per core)
@@ -52,11 +54,12 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
-        for name in ("request_timeout_s", "max_body_bytes", "max_inputs", "shutdown_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "max_body_bytes", "max_inputs", "shutdown_timeout_s", "body_timeout_s",
+                     "max_request_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         b = self.batch
-        for name in ("max_batch_size", "max_batch_tokens", "max_queue"):
+        for name in ("max_batch_size", "max_batch_tokens", "max_queue", "slice_tokens"):
             if isinstance(getattr(b, name), bool) or not isinstance(getattr(b, name), int) or getattr(b, name) < 1:
                 raise ValueError(f"{name} = {getattr(b, name)!r}: expected an integer >= 1")
         if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
@@ -188,7 +191,14 @@ class ServerState:
             raise _refusal(e) from e
 
     def submit(self, job: Job, scope: dict | None = None):
-        """Queue `job`, into the place its request was admitted to (the ASGI scope's PLACE) where it has one."""
+        """Queue `job`, into the place its request was admitted to (the ASGI scope's PLACE) where it has one;
+        413 first if it asks for more model work than one request may."""
+        work, cap = job.work(self.engine.cfg.max_seq_len), self.cfg.max_request_tokens
+        if work > cap:
+            what = {"complete": "prompt and max_tokens of each sequence", "score": "every window of each text",
+                    "classify": "each text"}[job.kind]
+            raise ApiError("too_much_work", f"this request asks for {work} tokens of model work ({what}); at most "
+                           f"{cap} per request (the server's --max-request-tokens)", limit=cap)
         try:
             return self.batcher.submit(job, None if scope is None else scope.get(PLACE))
         except (QueueFull, Closed) as e:

@@ -1,0 +1,158 @@
+"""Bounded work: a request's model work is capped before it is queued (413), a long scoring request runs a slice
+between decode steps so streams beside it keep their pace, it stops at the next slice once its deadline passes,
+and a batch that cannot run (a shard unavailable) answers every one of its requests at once. Over real sockets."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from moeserve.runtime.engine import Engine
+from moeserve.runtime.windows import rolling_windows
+from moeserve.serve.batcher import BatchConfig, Unavailable
+from moeserve.serve.state import ServeConfig
+
+from .conftest import HeldStep, live_server, wait_until
+from .test_server import samples
+
+CONTEXT = 64  # tiny_ckpt's
+TEXT = "def f(x):\n    return x * 2\n" * 60  # 1620 bytes: 1621 tokens with <bos>
+
+
+def window_tokens(n: int, stride: int = CONTEXT // 2) -> int:
+    return sum(end - start for start, end, _ in rolling_windows(n, CONTEXT, stride))
+
+
+class ScoringTakesTime(Engine):
+    """Each whole-batch forward (scoring, classification) takes at least `delay_s` longer; prefill and decode steps
+    do not: the completions beside a scoring request run at their own pace."""
+
+    delay_s = 0.2
+
+    def run(self, input_ids, attention_mask=None):
+        time.sleep(self.delay_s)
+        return super().run(input_ids, attention_mask)
+
+
+def score_body(text: str = TEXT) -> dict:
+    return {"model": "tiny", "input": text}
+
+
+def test_a_request_past_the_work_cap_gets_413_naming_it_before_any_model_work(tiny_ckpt):
+    work = window_tokens(len(TEXT.encode()) + 1)
+    assert work == 50 * 64  # the first window, then one every 32 tokens to the 1621st: ceil(1557 / 32) = 49 more
+    cfg = ServeConfig(model_name="tiny", max_request_tokens=work - 1)
+    with live_server(lambda: Engine.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        r = s.post("/v1/score", score_body())
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["limit"]) == ("too_much_work", work - 1)
+        assert f"asks for {work} tokens of model work (every window of each text)" in err["message"]
+        # a completion: 4 sequences x (prompt + max_tokens), within the context
+        prompt = "x" * 20
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "n": 4, "temperature": 0.5}
+        small = ServeConfig(model_name="tiny", max_request_tokens=4 * (21 + 40) - 1)
+        assert s.post("/v1/score", score_body("short text")).status_code == 200  # under the cap
+        batches = samples(s).get(("moeserve_batch_size_count", ("kind", "score")))
+    assert batches == 1  # the refused request ran nothing: only the short one was a batch
+    with live_server(lambda: Engine.load(tiny_ckpt, dtype="float32", device="cpu"), small) as s:
+        r = s.post("/v1/completions", body)
+        assert r.status_code == 413 and f"asks for {4 * 61} tokens" in r.json()["error"]["message"], r.text
+        assert s.post("/v1/completions", {**body, "max_tokens": 39}).status_code == 200
+    with pytest.raises(ValueError, match="max_request_tokens = 0: expected a positive number"):
+        ServeConfig(max_request_tokens=0)
+
+
+def test_streams_keep_their_pace_beside_the_largest_score_request(tiny_ckpt):
+    """50 windows in slices of 4 (256 tokens): 13 slices of at least 0.2 s, 2.6 s in all. A stream running
+    beside it gets a token at least every slice; a 4-token completion sent 1 s in finishes within 2 s, long before
+    the scoring request (run as one batch, it waited for all of it)."""
+    work = window_tokens(len(TEXT.encode()) + 1)
+    cfg = ServeConfig(model_name="tiny", max_request_tokens=work, batch=BatchConfig(slice_tokens=256, wait_s=0))
+    with live_server(lambda: ScoringTakesTime.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        stream_body = {"model": "tiny", "prompt": "a", "max_tokens": 40, "temperature": 0, "stream": True,
+                       "ignore_eos": True}
+        short = {"model": "tiny", "prompt": "b", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+        def stream() -> list[float]:
+            times = []
+            with httpx.stream("POST", s.url + "/v1/completions", json=stream_body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:") and line != "data: [DONE]":
+                        times.append(time.perf_counter())
+            return times
+
+        def timed(path: str, body: dict, after_s: float) -> tuple[int, float, float]:
+            time.sleep(after_s)
+            t0 = time.perf_counter()
+            r = httpx.post(s.url + path, json=body, timeout=60)
+            return r.status_code, t0, time.perf_counter()
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            scored = pool.submit(timed, "/v1/score", score_body(), 0.0)
+            wait_until(lambda: s.state.batcher._work is not None, "the score request running")
+            streamed = pool.submit(stream)
+            short_f = pool.submit(timed, "/v1/completions", short, 1.0)
+            (score_status, _, score_end), (short_status, short_start, short_end) = scored.result(), short_f.result()
+            tokens = streamed.result()
+    assert (score_status, short_status) == (200, 200)
+    assert short_end - short_start < 2.0 and short_end < score_end
+    running = [b - a for a, b in zip(tokens, tokens[1:]) if b < score_end]
+    assert running and max(running) < 1.0, running
+
+
+def test_a_score_request_past_its_deadline_stops_at_the_next_slice(tiny_ckpt):
+    cfg = ServeConfig(model_name="tiny", request_timeout_s=1.0, batch=BatchConfig(slice_tokens=256, wait_s=0))
+    with live_server(lambda: ScoringTakesTime.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        t0 = time.perf_counter()
+        r = s.post("/v1/score", score_body())
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert time.perf_counter() - t0 < 2.0
+        wait_until(lambda: s.state.batcher._work is None, "the scoring batch dropped")
+        got = samples(s)
+    # model time: the slices until the deadline (1 s) and at most the one running then, not all 13 (2.6 s)
+    assert got[("moeserve_batch_size_count", ("kind", "score"))] == 1
+    assert got[("moeserve_batch_duration_seconds_sum", ("kind", "score"))] < 1.0 + 2 * ScoringTakesTime.delay_s + 0.3
+
+
+class ShardGone(Engine):
+    """A model whose expert shard has stopped answering (`gone`, set once the server is up; serve/ray_app.py
+    raises Unavailable then)."""
+
+    gone = False
+
+    def score_slices(self, rows, stride=None, max_batch_tokens=16384):
+        if self.gone:
+            raise Unavailable("expert shard 1 did not answer within 10 s")
+        return (yield from super().score_slices(rows, stride, max_batch_tokens))
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "batch"])
+def test_every_request_of_a_batch_that_meets_an_unavailable_shard_gets_503_at_once(tiny_ckpt, scheduler):
+    """Three scoring requests in one batch: each gets 503 with Retry-After as soon as the batch fails (before,
+    only the first did; the other two waited for their 30 s deadline and got 504). Under the continuous scheduler
+    the three queue while a completion's step is held, so that they are taken as one batch."""
+    cfg = ServeConfig(model_name="tiny", scheduler=scheduler, request_timeout_s=30,
+                      batch=BatchConfig(wait_s=0.5 if scheduler == "batch" else 0, max_batch_size=8))
+    with live_server(lambda: ShardGone.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
+        s.engine.gone = True
+        held = HeldStep(s.state.batcher) if scheduler == "continuous" else None
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            if held is not None:
+                running = pool.submit(s.post, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 3})
+                held.wait()
+            scores = [pool.submit(s.post, "/v1/score", score_body(t)) for t in ("one", "two", "three")]
+            if held is not None:
+                wait_until(lambda: s.state.batcher.depth == 3, "the three scoring requests queued")
+                held.release()
+                assert running.result().status_code == 200
+            answers = [f.result() for f in scores]
+        elapsed = time.perf_counter() - t0
+        batches = samples(s)[("moeserve_batch_size_count", ("kind", "score"))]
+    assert [a.status_code for a in answers] == [503] * 3, [a.text for a in answers]
+    assert all(a.json()["error"]["code"] == "unavailable" and a.headers["retry-after"] == "1" for a in answers)
+    assert batches == 1 and elapsed < 10  # one batch, answered at once: not at the 30 s deadline
