@@ -79,6 +79,7 @@ class Record:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each text chunk, seconds since start
     output_tokens: int = 0
     prompt_tokens: int = 0
+    retried: bool = False  # its kept-alive connection was closed before any byte of an answer: sent again once
 
     @property
     def ok(self) -> bool:
@@ -136,31 +137,44 @@ def chunk_text(event: dict, chat: bool) -> str:
 
 
 async def send(client, cfg: ServeBenchConfig, body: dict, t0: float) -> Record:
-    """One streamed request; its record (times in seconds since t0)."""
+    """One streamed request; its record (times in seconds since t0). A request whose connection closed before
+    any byte of an answer came is sent once more, on a new connection: a server may close a kept-alive connection
+    as the client reuses it (llama-server does), and that race is the client's to handle, as HTTP clients retry
+    a request that never reached the server; it is counted in `retries`, not as the server's error. Any other
+    failure, or a second one, counts."""
     import httpx
 
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
     start = time.perf_counter()
     rec = Record(start - t0, "200")
+    answered = False  # the status line arrived
     try:
-        async with client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                rec.status = str(r.status_code)
-                return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    code = (event["error"] or {}).get("code")
-                    rec.status = str(STREAM_ERROR_STATUS.get(code, f"stream:{code}"))
-                    return rec
-                if chunk_text(event, cfg.endpoint == "chat"):
-                    rec.chunk_times.append(time.perf_counter() - start)
-                if event.get("usage"):
-                    rec.output_tokens = event["usage"].get("completion_tokens") or 0
-                    rec.prompt_tokens = event["usage"].get("prompt_tokens") or 0
+        while True:
+            try:
+                async with client.stream("POST", path, json=body) as r:
+                    answered = True
+                    if r.status_code != 200:
+                        await r.aread()
+                        rec.status = str(r.status_code)
+                        return rec
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            code = (event["error"] or {}).get("code")
+                            rec.status = str(STREAM_ERROR_STATUS.get(code, f"stream:{code}"))
+                            return rec
+                        if chunk_text(event, cfg.endpoint == "chat"):
+                            rec.chunk_times.append(time.perf_counter() - start)
+                        if event.get("usage"):
+                            rec.output_tokens = event["usage"].get("completion_tokens") or 0
+                            rec.prompt_tokens = event["usage"].get("prompt_tokens") or 0
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                if answered or rec.retried:
+                    raise
+                rec.retried = True
     except httpx.TimeoutException:
         rec.status = "timeout"
         return rec
@@ -357,7 +371,8 @@ def summarize(kind: str, value: float, records: list[Record], wall_s: float, cfg
     tokens = sum(r.output_tokens for r in ok)
     goodput = [r for r in ok if good(r)]
     return {"kind": kind, "value": value if not math.isinf(value) else "inf", "requests": len(records),
-            "ok": len(ok), "errors": errors, "other_statuses": sorted({r.status for r in records
+            "ok": len(ok), "errors": errors, "retries": sum(r.retried for r in records),
+            "other_statuses": sorted({r.status for r in records
                                                                        if not r.ok and r.status not in errors}),
             "wall_s": round(wall_s, 3), "requests_per_s": len(ok) / wall_s, "output_tokens_per_s": tokens / wall_s,
             "achieved_rate": achieved, "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / len(ok) if ok else None,

@@ -25,6 +25,8 @@ def markdown(report: dict) -> str:
              "E2E p50 / p99 ms | goodput |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for lv in report["levels"]:
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(lv["errors"].items())) or "-"
+        if lv.get("retries"):  # not errors: sent again after a kept-alive connection closed unanswered
+            errors += f" ({lv['retries']} retried)"
         lines.append(f"| {level_name(lv)} | {lv['ok']} / {lv['requests']} | {errors} | {_f(lv['requests_per_s'], 2)} | "
                      f"{_f(lv['output_tokens_per_s'])} | {_f(lv['ttft_ms']['p50'])} / {_f(lv['ttft_ms']['p99'])} | "
                      f"{_f(lv['itl_ms']['p50'])} / {_f(lv['itl_ms']['p99'])} | {_f(lv['e2e_ms']['p50'])} / "

@@ -221,3 +221,69 @@ def test_no_prompt_is_sent_twice_within_a_level():
     assert distinct_prompts(ServeBenchConfig("u", concurrency=(8,), requests=100)) == 100
     assert distinct_prompts(ServeBenchConfig("u", concurrency=(), rates=(2.0,), duration_s=30)) == 60
     assert distinct_prompts(ServeBenchConfig("u", concurrency=(), rates=(float("inf"),), requests=5000)) == 4096
+
+
+class ClosesKeptAliveConnections(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-style endpoint that answers the first request of each connection and keeps the connection open
+    (HTTP/1.1), then reads the next request on it and closes it without a byte of answer: the race of a server
+    that closes a kept-alive connection as the client reuses it. `fail_first`: it closes a new connection's first
+    request unanswered too (a server that fails every request)."""
+
+    protocol_version = "HTTP/1.1"
+    fail_first = False
+
+    def setup(self):
+        super().setup()
+        self.served = 0
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._reply(200, json.dumps({"data": [{"id": "fake", "owned_by": "test"}]}).encode(), "application/json")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.served > 0 or self.fail_first:
+            self.close_connection = True
+            return
+        self.served += 1
+        usage = {"prompt_tokens": max(1, len(body["prompt"]) // 4), "completion_tokens": 3}
+        if not body.get("stream"):
+            return self._reply(200, json.dumps({"choices": [{"text": "abc"}], "usage": usage}).encode(),
+                               "application/json")
+        events = [{"choices": [{"text": t}]} for t in "abc"] + [{"choices": [], "usage": usage}]
+        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        self._reply(200, sse.encode(), "text/event-stream")
+
+
+@pytest.mark.parametrize("fail_first", [False, True])
+def test_a_kept_alive_connection_closed_unanswered_is_retried_once_not_counted(tmp_path, fail_first):
+    """The client's own retry condition is not the server's error: each request after the first on a connection
+    meets a closed connection, is sent again on a new one, and is answered (retries counted, errors none). A
+    server that closes new connections unanswered too gets each request's second failure counted as its error."""
+    handler = type("Handler", (ClosesKeptAliveConnections,), {"fail_first": fail_first})
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        if fail_first:  # the prompt sizing needs one answer: give the prompts
+            (tmp_path / "prompts.txt").write_text("a prompt\n")
+        sizing = ["--prompts", str(tmp_path / "prompts.txt")] if fail_first else ["--input-len", "8"]
+        rc, report = bench(f"http://127.0.0.1:{web.server_port}", tmp_path, "--concurrency", "1", "--requests", "6",
+                           "--duration", "30", "--output-len", "3", "--quiet", *sizing)
+    finally:
+        web.shutdown()
+    level = report["levels"][0]
+    assert level["requests"] == 6
+    if fail_first:
+        assert rc == 1 and (level["ok"], level["errors"], level["retries"]) == (0, {"other": 6}, 6)
+        assert level["other_statuses"] == ["connection"]
+    else:
+        assert rc == 0 and (level["ok"], level["errors"], level["retries"]) == (6, {}, 5)
