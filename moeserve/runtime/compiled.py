@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.runtime import COMPILE_MODES
+from moeserve.runtime.experts import expert_counts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoEAux
@@ -122,8 +123,8 @@ class CompiledDecode:
         logits, routes = self._step(ids_t, slots_t, positions_t)
         if device.type == "cuda":  # a replayed graph's outputs are overwritten by the next replay
             logits, routes = logits.clone(), [r.clone() for r in routes]
-        E = self.model.cfg.n_experts
-        aux = [MoEAux(torch.bincount(r[:B].reshape(-1), minlength=E), None) for r in routes]
+        E = self.model.cfg.n_experts  # counted on the device: bincount would read the largest id back to the host
+        aux = [MoEAux(expert_counts(r[:B].reshape(-1), E), None) for r in routes]
         return logits[:B], aux
 
     def warm_up(self) -> None:

@@ -128,6 +128,43 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
     assert (got - want).abs().mean() <= 2**-10 * scale
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_compiled_decode_step_never_waits_for_the_host(device, monkeypatch):
+    """The step's expert counts are counted on the device (experts.expert_counts), not by torch.bincount, which
+    reads the largest id back to size its output: a host sync after every replay on CUDA. On a CPU, bincount must
+    not be called; on CUDA, replays under sync debug mode 'error' (any synchronizing call raises), with the counts
+    of the rows that ran."""
+    why = compiled_mod.compile_unavailable(torch.device(device))
+    if why is not None:
+        pytest.skip(why)
+    torch.manual_seed(0)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    engine = Engine.from_model(Transformer(preset("tiny", router="softmax")), ByteTokenizer(), dtype=dtype,
+                               device=device, calibration="off", compile="on")
+    runner, tok = engine.runner, ByteTokenizer()
+    cache = runner.new_cache(2, 32)
+    rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import")]
+    with torch.inference_mode():
+        for slot, r in enumerate(rows):
+            runner.prefill(cache, slot, torch.tensor(r, device=device), 0)
+        ids = torch.tensor([7, 11], device=device)
+        runner.decode(cache, [0, 1], ids, [len(r) for r in rows])  # builds and captures the graph
+        monkeypatch.setattr(torch, "bincount", lambda *a, **k: pytest.fail("bincount in a compiled decode step"))
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = [runner.decode(cache, [0, 1], ids, [len(r) + 1 + i for r in rows]) for i in range(3)]
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    assert runner.compiled and runner._decode is not None
+    for out in outs:
+        counts = torch.stack([a.counts for a in out.aux]).cpu()
+        assert counts.sum(-1).tolist() == [2 * 2] * len(out.aux)  # 2 rows x top-2, every MoE layer
+
+
 def test_grouped_decode_is_refused_where_it_cannot_compile():
     ex = Transformer(preset("tiny")).moe_layers[0].experts
     with pytest.raises(ValueError, match=r"decode_grouped runs torch's grouped_mm on plain bfloat16 weights: not "
