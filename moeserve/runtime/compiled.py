@@ -68,6 +68,13 @@ def resolve_compile(mode: str, device: torch.device) -> bool:
     return why is None
 
 
+def to_device(values: list[int], device: torch.device) -> Tensor:
+    """A step's small index tensor on `device`, queued rather than waited for: torch.tensor(..., device="cuda")
+    copies from pageable memory, which waits for the GPU; a copy from pinned memory joins the stream."""
+    t = torch.tensor(values)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def buckets(slots: int) -> list[int]:
     """Batch sizes a graph is built for: powers of two up to `slots`, and `slots` itself."""
     sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
@@ -117,8 +124,8 @@ class CompiledDecode:
         pad = size - B
         self.cache.touch([*slots, self.scratch])
         device = ids_B.device
-        slots_t = torch.tensor(slots + [self.scratch] * pad, device=device)
-        positions_t = torch.tensor(positions + [0] * pad, device=device)[:, None]
+        slots_t = to_device(slots + [self.scratch] * pad, device)
+        positions_t = to_device(positions + [0] * pad, device)[:, None]
         ids_t = torch.cat([ids_B, ids_B.new_zeros(pad)])[:, None]
         logits, routes = self._step(ids_t, slots_t, positions_t)
         if device.type == "cuda":  # a replayed graph's outputs are overwritten by the next replay
