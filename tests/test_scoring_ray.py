@@ -98,17 +98,25 @@ def test_ray_run_interrupted_at_the_driver_resumes_to_the_same_bytes(ckpt, tmp_p
 
 
 def scorer_pids() -> list[int]:
-    """Processes of the scoring actors, by the title Ray gives an actor's process."""
-    pids = []
+    """Processes of this test's scoring actors: by the title Ray gives an actor's process, among the descendants of
+    this process (the Ray it started: raylet, then workers), not another run's Ray on the same machine."""
+    parent, cmdline = {}, {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
+                cmdline[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
+                parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            if b"ChunkScorer" in cmdline:
-                pids.append(int(entry))
-    return pids
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return [pid for pid, cmd in cmdline.items() if b"ChunkScorer" in cmd and ours(pid)]
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the actors' processes in /proc (Linux)")
