@@ -33,7 +33,7 @@ from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner, TorchRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
-from moeserve.runtime.windows import check_stride, consecutive_batches, default_stride, rolling_windows
+from moeserve.runtime.windows import batch_end, check_stride, default_stride, rolling_windows
 from moeserve.tokenizer import Tokenizer, load_checkpoint_tokenizer
 
 __all__ = ["Completion", "Engine", "EngineError", "ExpertLoad", "RowScore", "SamplingParams", "Score", "load_engine"]
@@ -344,9 +344,10 @@ class Engine:
 
     @torch.inference_mode()
     def score_slices(self, rows: list[list[int]], stride: int | None = None,
-                     max_batch_tokens: int = 16384) -> Generator[int, None, list[RowScore]]:
+                     max_batch_tokens: int = 16384) -> Generator[int, int | None, list[RowScore]]:
         """`score_ids` one model call at a time: yields the padded tokens of each batch it has run, and returns
-        the scores. A server runs a long scoring request a batch per turn between decode steps, and stops it
+        the scores. What is sent in at a yield is the next batch's token budget (None: `max_batch_tokens`). A
+        server runs a long scoring request a batch per turn, small ones between decode steps, and stops it
         between two batches once its deadline passes (serve/batcher.py)."""
         if not rows:
             return []
@@ -359,8 +360,10 @@ class Engine:
         stride = default_stride(C) if stride is None else stride
         windows = [(i, row[a:b], k) for i, row in enumerate(rows) for a, b, k in rolling_windows(len(row), C, stride)]
         sums, counts = [0.0] * len(rows), [0] * len(rows)
-        for batch in consecutive_batches([len(ids) for _, ids, _ in windows], max_batch_tokens):
-            group = windows[batch.start:batch.stop]
+        widths, start, budget = [len(ids) for _, ids, _ in windows], 0, max_batch_tokens
+        while start < len(windows):
+            end = batch_end(widths, start, budget)
+            group, start = windows[start:end], end
             logp, _ = self._token_logp([ids for _, ids, _ in group])
             # window w scores positions [len - 1 - scored, len - 1) of its log-probabilities
             end = torch.tensor([len(ids) - 1 for _, ids, _ in group], device=logp.device)[:, None]
@@ -369,7 +372,7 @@ class Engine:
             for (i, _, _), lp in zip(group, (logp * ((pos >= first) & (pos < end))).sum(-1).tolist()):
                 sums[i] += lp
                 counts[i] += 1
-            yield len(group) * max(len(ids) for _, ids, _ in group)
+            budget = (yield len(group) * max(len(ids) for _, ids, _ in group)) or max_batch_tokens
         return [RowScore(s, len(r) - 1, w) for s, r, w in zip(sums, rows, counts)]
 
     @torch.inference_mode()

@@ -38,15 +38,21 @@ def rolling_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
     return windows
 
 
+def batch_end(widths: list[int], start: int, max_tokens: int) -> int:
+    """The end of the consecutive run of items from `start` that is at most `max_tokens` once padded to its widest
+    item (at least one item: an item wider than that goes alone)."""
+    widest, end = widths[start], start + 1
+    while end < len(widths) and (end - start + 1) * max(widest, widths[end]) <= max_tokens:
+        widest, end = max(widest, widths[end]), end + 1
+    return end
+
+
 def consecutive_batches(widths: list[int], max_tokens: int) -> list[range]:
     """Consecutive runs of items, each at most `max_tokens` once padded to its widest item (an item wider
     than that goes alone). In order, unlike a length-sorted plan: windows of one row stay together."""
-    batches, start, widest = [], 0, 0
-    for i, w in enumerate(widths):
-        if i > start and (i - start + 1) * max(widest, w) > max_tokens:
-            batches.append(range(start, i))
-            start, widest = i, 0
-        widest = max(widest, w)
-    if widths:
-        batches.append(range(start, len(widths)))
+    batches, start = [], 0
+    while start < len(widths):
+        end = batch_end(widths, start, max_tokens)
+        batches.append(range(start, end))
+        start = end
     return batches

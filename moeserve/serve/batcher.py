@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generator, Literal
 
 from moeserve.runtime.engine import Engine, SamplingParams, TokenLogprob
-from moeserve.runtime.windows import consecutive_batches, default_stride, rolling_windows
+from moeserve.runtime.windows import batch_end, default_stride, rolling_windows
 
 log = logging.getLogger("moeserve.serve")
 Kind = Literal["complete", "score", "classify"]
@@ -107,8 +107,8 @@ class BatchConfig:
     max_batch_tokens: int = 16384  # padded tokens per engine call (rows x width), bounds activation memory
     wait_s: float = 0.005  # how long the oldest request may wait for others to join its batch
     max_queue: int = 256  # requests waiting; past it, 429 at once
-    # continuous scheduler: padded tokens of scoring or classification run between two decode steps; smaller keeps
-    # the running streams' tokens coming, larger runs a long scoring request in fewer, more efficient calls
+    # continuous scheduler: padded tokens of scoring or classification run between two decode steps while sequences
+    # are generating; smaller keeps their tokens coming, larger runs a long scoring request in fewer, faster calls
     slice_tokens: int = 2048
 
 
@@ -201,12 +201,12 @@ class Batcher:
     def run_batch(self, batch: list[Job]) -> None:
         """Run taken jobs to the end (each alone if the call fails); jobs past their deadline are dropped, and the
         work stops between two model calls once every job of the batch has gone."""
-        work = self.begin(batch, self.cfg.max_batch_tokens)
-        while work is not None and not work.advance():
+        work = self.begin(batch)
+        while work is not None and not work.advance(self.cfg.max_batch_tokens):
             pass
 
-    def begin(self, batch: list[Job], slice_tokens: int) -> BatchWork | None:
-        """The taken jobs still wanted, as work run one model call of at most `slice_tokens` at a time."""
+    def begin(self, batch: list[Job]) -> BatchWork | None:
+        """The taken jobs still wanted, as work run one model call at a time (BatchWork.advance)."""
         now = time.monotonic()
         live = []
         for job in batch:
@@ -220,7 +220,7 @@ class Batcher:
             return None
         if self.metrics:  # counted before any answer leaves, so a client that reads /metrics sees it
             self.metrics.batch_size.labels(live[0].kind).observe(sum(len(j.rows) for j in live))
-        return BatchWork(self, live, slice_tokens)
+        return BatchWork(self, live)
 
     def _token(self, job: Job, i: int, token: int, text: str, logprob: TokenLogprob | None) -> None:
         """A new token of row i of `job`: time to first token, then the job's own callback (streaming)."""
@@ -240,9 +240,10 @@ class Batcher:
         if not job.future.done():
             job.future.set_exception(e)
 
-    def _calls(self, jobs: list[Job], slice_tokens: int) -> Generator[int, None, None]:
-        """The jobs' model work, one engine call per step of the generator (it yields the call's padded tokens;
-        a completion batch is one call), then the answers."""
+    def _calls(self, jobs: list[Job], budget: int) -> Generator[int, int, None]:
+        """The jobs' model work, one engine call per step of the generator, then the answers. It yields each call's
+        padded tokens and is sent the next call's token budget (`budget` the first's); a completion batch is one
+        call."""
         owners = [(job, i) for job in jobs for i in range(len(job.rows))]
         rows = [job.rows[i] for job, i in owners]
         kind = jobs[0].kind
@@ -262,14 +263,16 @@ class Batcher:
             results = [None] * len(rows)
             for stride in {job.stride for job in jobs}:  # jobs of one stride per engine call
                 mine = [r for r, (job, _) in enumerate(owners) if job.stride == stride]
-                scores = yield from self.engine.score_slices([rows[r] for r in mine], stride, slice_tokens)
+                scores = yield from self.engine.score_slices([rows[r] for r in mine], stride, budget)
                 for r, score in zip(mine, scores):
                     results[r] = score
         else:
-            results = []
-            for part in consecutive_batches([len(r) for r in rows], slice_tokens):
-                results += self.engine.classify_ids(rows[part.start:part.stop])
-                yield len(part) * max(len(r) for r in rows[part.start:part.stop])
+            results, start = [], 0
+            while start < len(rows):
+                end = batch_end([len(r) for r in rows], start, budget)
+                results += self.engine.classify_ids(rows[start:end])
+                budget = yield (end - start) * max(len(r) for r in rows[start:end])
+                start = end
         if self.metrics:
             self.metrics.prompt_tokens.inc(sum(len(r) for r in rows))
             if kind == "complete":
@@ -290,32 +293,37 @@ class BatchWork:
     sequences between two calls of a long scoring request (continuous.py), and stops work whose requests have
     all gone (deadline or client) at the next call rather than after the last."""
 
-    def __init__(self, batcher: Batcher, jobs: list[Job], slice_tokens: int):
-        self.batcher, self.jobs, self.slice_tokens = batcher, jobs, slice_tokens
-        self.kind = jobs[0].kind
-        self._calls = batcher._calls(jobs, slice_tokens)
+    def __init__(self, batcher: Batcher, jobs: list[Job]):
+        self.batcher, self.jobs, self.kind = batcher, jobs, jobs[0].kind
+        self._calls: Generator[int, int, None] | None = None
         self.model_s = 0.0  # time in the batch's own model calls
 
-    def advance(self) -> bool:
-        """One model call; True once the batch has ended: answered, failed, or dropped."""
+    def advance(self, budget: int) -> bool:
+        """One model call of at most `budget` padded tokens (one window or text at least); True once the batch
+        has ended: answered, failed, or dropped."""
         if all(job.dropped(time.monotonic()) for job in self.jobs):
-            self._calls.close()
+            if self._calls is not None:
+                self._calls.close()
             for job in self.jobs:
                 if not job.future.done():
                     job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
             return self._end()
         t0, done = time.monotonic(), True
         try:
-            next(self._calls)
+            if self._calls is None:
+                self._calls = self.batcher._calls(self.jobs, budget)
+                next(self._calls)
+            else:
+                self._calls.send(budget)
             done = False
         except StopIteration:
             pass
         except Exception as e:
-            self._failed(e)
+            self._failed(e, budget)
         self.model_s += time.monotonic() - t0
         return self._end() if done else False
 
-    def _failed(self, e: Exception) -> None:
+    def _failed(self, e: Exception, budget: int) -> None:
         """A failed call fails every job at once where no request can run now (a shard unavailable: 503 for each);
         else each job runs again alone, so that one bad request does not fail the others."""
         if len(self.jobs) == 1 or isinstance(e, Unavailable):
@@ -324,7 +332,7 @@ class BatchWork:
             return
         for job in self.jobs:
             try:
-                for _ in self.batcher._calls([job], self.slice_tokens):
+                for _ in self.batcher._calls([job], budget):
                     pass
             except Exception as e1:
                 self.batcher._fail(job, e1)

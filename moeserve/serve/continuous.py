@@ -88,8 +88,10 @@ class StepBatcher(Batcher):
                 else:
                     self._admit(job, now)
             if batch:
-                self._work = self.begin(batch, self.cfg.slice_tokens)
-            if self._work is not None and self._work.advance():
+                self._work = self.begin(batch)
+            # small calls between decode steps; whole batches while no sequence is running (they run faster)
+            budget = self.cfg.max_batch_tokens if self.steps.idle else self.cfg.slice_tokens
+            if self._work is not None and self._work.advance(budget):
                 self._work = None
             if not self.steps.idle:
                 self._step()

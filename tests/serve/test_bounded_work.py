@@ -16,7 +16,7 @@ from moeserve.serve.batcher import BatchConfig, Unavailable
 from moeserve.serve.state import ServeConfig
 
 from .conftest import HeldStep, live_server, wait_until
-from .test_server import samples
+from .test_server import SlowRunner, samples
 
 CONTEXT = 64  # tiny_ckpt's
 TEXT = "def f(x):\n    return x * 2\n" * 60  # 1620 bytes: 1621 tokens with <bos>
@@ -27,13 +27,17 @@ def window_tokens(n: int, stride: int = CONTEXT // 2) -> int:
 
 
 class ScoringTakesTime(Engine):
-    """Each whole-batch forward (scoring, classification) takes at least `delay_s` longer; prefill and decode steps
-    do not: the completions beside a scoring request run at their own pace."""
+    """A whole-batch forward (scoring, classification) takes at least `delay_s` per 256 padded tokens longer, and
+    every prefill or decode step `step_s` longer: a CPU's times, scaled down, whatever the machine."""
 
-    delay_s = 0.2
+    delay_s, step_s = 0.15, 0.05
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runner = SlowRunner(self.runner, self.step_s)
 
     def run(self, input_ids, attention_mask=None):
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s * input_ids.numel() / 256)
         return super().run(input_ids, attention_mask)
 
 
@@ -67,13 +71,14 @@ def test_a_request_past_the_work_cap_gets_413_naming_it_before_any_model_work(ti
 
 
 def test_streams_keep_their_pace_beside_the_largest_score_request(tiny_ckpt):
-    """50 windows in slices of 4 (256 tokens): 13 slices of at least 0.2 s, 2.6 s in all. A stream running
-    beside it gets a token at least every slice; a 4-token completion sent 1 s in finishes within 2 s, long before
-    the scoring request (run as one batch, it waited for all of it)."""
+    """A stream is running when the largest score request the cap allows arrives: 50 windows, run in slices of 4
+    (256 tokens, 0.15 s each) between its decode steps, 13 turns of about 0.2 s. The stream gets a token every
+    turn; a 4-token completion sent 1 s in finishes within 2 s, before the scoring request (run as one batch, the
+    scoring request held both for all of its 1.9 s)."""
     work = window_tokens(len(TEXT.encode()) + 1)
     cfg = ServeConfig(model_name="tiny", max_request_tokens=work, batch=BatchConfig(slice_tokens=256, wait_s=0))
     with live_server(lambda: ScoringTakesTime.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
-        stream_body = {"model": "tiny", "prompt": "a", "max_tokens": 40, "temperature": 0, "stream": True,
+        stream_body = {"model": "tiny", "prompt": "a", "max_tokens": 30, "temperature": 0, "stream": True,
                        "ignore_eos": True}
         short = {"model": "tiny", "prompt": "b", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -92,20 +97,24 @@ def test_streams_keep_their_pace_beside_the_largest_score_request(tiny_ckpt):
             return r.status_code, t0, time.perf_counter()
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            scored = pool.submit(timed, "/v1/score", score_body(), 0.0)
-            wait_until(lambda: s.state.batcher._work is not None, "the score request running")
             streamed = pool.submit(stream)
+            wait_until(lambda: s.state.batcher.steps.running, "the stream generating")
+            scored = pool.submit(timed, "/v1/score", score_body(), 0.0)
             short_f = pool.submit(timed, "/v1/completions", short, 1.0)
-            (score_status, _, score_end), (short_status, short_start, short_end) = scored.result(), short_f.result()
+            (score_status, score_start, score_end) = scored.result()
+            short_status, short_start, short_end = short_f.result()
             tokens = streamed.result()
     assert (score_status, short_status) == (200, 200)
     assert short_end - short_start < 2.0 and short_end < score_end
-    running = [b - a for a, b in zip(tokens, tokens[1:]) if b < score_end]
-    assert running and max(running) < 1.0, running
+    running = [b - a for a, b in zip(tokens, tokens[1:]) if score_start < a and b < score_end]
+    assert len(running) >= 5 and max(running) < 1.0, running
 
 
 def test_a_score_request_past_its_deadline_stops_at_the_next_slice(tiny_ckpt):
-    cfg = ServeConfig(model_name="tiny", request_timeout_s=1.0, batch=BatchConfig(slice_tokens=256, wait_s=0))
+    """With nothing else running a batch runs in calls of up to --max-batch-tokens (here 256: 13 calls of 0.15 s);
+    504 at the 1 s deadline, and the model stops at the next call."""
+    cfg = ServeConfig(model_name="tiny", request_timeout_s=1.0,
+                      batch=BatchConfig(max_batch_tokens=256, slice_tokens=256, wait_s=0))
     with live_server(lambda: ScoringTakesTime.load(tiny_ckpt, dtype="float32", device="cpu"), cfg) as s:
         t0 = time.perf_counter()
         r = s.post("/v1/score", score_body())
@@ -113,9 +122,9 @@ def test_a_score_request_past_its_deadline_stops_at_the_next_slice(tiny_ckpt):
         assert time.perf_counter() - t0 < 2.0
         wait_until(lambda: s.state.batcher._work is None, "the scoring batch dropped")
         got = samples(s)
-    # model time: the slices until the deadline (1 s) and at most the one running then, not all 13 (2.6 s)
+    # model time: the calls until the deadline (1 s) and at most the one running then, not all 13 (1.95 s)
     assert got[("moeserve_batch_size_count", ("kind", "score"))] == 1
-    assert got[("moeserve_batch_duration_seconds_sum", ("kind", "score"))] < 1.0 + 2 * ScoringTakesTime.delay_s + 0.3
+    assert got[("moeserve_batch_duration_seconds_sum", ("kind", "score"))] < 1.0 + 2 * ScoringTakesTime.delay_s + 0.2
 
 
 class ShardGone(Engine):
