@@ -110,6 +110,9 @@ class BatchConfig:
     # continuous scheduler: padded tokens of scoring or classification run between two decode steps while sequences
     # are generating; smaller keeps their tokens coming, larger runs a long scoring request in fewer, faster calls
     slice_tokens: int = 2048
+    # continuous scheduler, while nothing is generating: larger calls run faster, and a completion that arrives waits
+    # for at most one of them (at most max_batch_tokens)
+    idle_slice_tokens: int = 8192
 
 
 class Batcher:

@@ -89,8 +89,9 @@ class StepBatcher(Batcher):
                     self._admit(job, now)
             if batch:
                 self._work = self.begin(batch)
-            # small calls between decode steps; whole batches while no sequence is running (they run faster)
-            budget = self.cfg.max_batch_tokens if self.steps.idle else self.cfg.slice_tokens
+            # small calls between decode steps; larger ones, which run faster, while no sequence is generating
+            budget = (min(self.cfg.idle_slice_tokens, self.cfg.max_batch_tokens) if self.steps.idle
+                      else self.cfg.slice_tokens)
             if self._work is not None and self._work.advance(budget):
                 self._work = None
             if not self.steps.idle:

@@ -59,7 +59,7 @@ class ServeConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         b = self.batch
-        for name in ("max_batch_size", "max_batch_tokens", "max_queue", "slice_tokens"):
+        for name in ("max_batch_size", "max_batch_tokens", "max_queue", "slice_tokens", "idle_slice_tokens"):
             if isinstance(getattr(b, name), bool) or not isinstance(getattr(b, name), int) or getattr(b, name) < 1:
                 raise ValueError(f"{name} = {getattr(b, name)!r}: expected an integer >= 1")
         if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
