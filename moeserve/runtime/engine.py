@@ -362,8 +362,8 @@ class Engine:
         sums, counts = [0.0] * len(rows), [0] * len(rows)
         widths, start, budget = [len(ids) for _, ids, _ in windows], 0, max_batch_tokens
         while start < len(windows):
-            end = batch_end(widths, start, budget)
-            group, start = windows[start:end], end
+            stop = batch_end(widths, start, budget)
+            group, start = windows[start:stop], stop
             logp, _ = self._token_logp([ids for _, ids, _ in group])
             # window w scores positions [len - 1 - scored, len - 1) of its log-probabilities
             end = torch.tensor([len(ids) - 1 for _, ids, _ in group], device=logp.device)[:, None]

@@ -2,12 +2,12 @@
 
 The model thread loops over steps of the step engine (runtime/steps.py). Before each step it admits
 queued completion requests whose rows fit the free cache slots (in arrival order: a request that does
-not fit waits, and nothing overtakes it), and runs one slice (BatchConfig.slice_tokens) of the one
-batch of scoring or classification requests in progress (those have no steps to share, but a long one
-must not hold the thread: the model work of a request is capped, Job.work, and sliced). A request's
-rows leave the step they end,
-and the request is answered as soon as its last row has; a short request that arrives while a long
-one is generating is answered after its own tokens, not the long one's.
+not fit waits, and nothing overtakes it), and runs one model call of the one batch of scoring or
+classification requests in progress (those have no steps to share, but a long one must not hold the
+thread: a request's model work is capped, Job.work, and run a slice at a time, BatchConfig.slice_tokens).
+A request's rows leave the step they end, and the request is answered as soon as its last row has; a
+short request that arrives while a long one is generating is answered after its own tokens, not the
+long one's.
 
 The queue, its bound (429), deadlines and cancellation (504), and the shutdown drain behave as in
 the run-to-completion batcher (batcher.py, `--scheduler batch`), which this one extends.
