@@ -401,3 +401,29 @@ def test_with_one_replica_requests_fail_fast_with_503_until_it_is_replaced(url, 
         assert time.monotonic() - t < 2.0 + 3.0, seen  # the shard timeout and a little, never the 20 s deadline
     assert seen[-1][1] == 200 and seen[-1][0] < 30, seen  # whole again within 30 s of the kill
     assert any(status == 503 for _, status, _ in seen), seen  # the outage was seen, and answered fast
+
+
+def test_a_scoring_batch_that_meets_a_killed_shard_answers_every_request_at_once(url, tmp_path):
+    """Four scoring requests in flight when a shard dies: each is answered within the shard timeout and a little,
+    503 while the shard is away (or 200 once Ray has restarted it), never the 20 s deadline's 504: a batch whose
+    exchange fails answers every request in it, not only the first."""
+    import concurrent.futures
+
+    deploy(url, checkpoint(tmp_path, "softmax"), 2, ServeConfig(model_name="tiny", request_timeout_s=20),
+           shard_timeout_s=2.0)
+    texts = ["def f(x):\n    return x\n" * k for k in (1, 2, 3, 4)]
+
+    def score(text: str) -> tuple[int, str, float]:
+        t = time.monotonic()
+        r = httpx.post(f"{url}/v1/score", json={"model": "tiny", "input": text}, timeout=60)
+        return r.status_code, r.json().get("error", {}).get("code", ""), time.monotonic() - t
+
+    assert score(texts[0])[0] == 200
+    ray.kill(ray.get_actor("moeserve-experts-1", namespace="moeserve"), no_restart=False)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(score, texts))
+    assert all(status in (200, 503) for status, _, _ in answers), answers
+    assert all(code == "unavailable" for status, code, _ in answers if status == 503), answers
+    assert any(status == 503 for status, _, _ in answers), answers  # the outage was met
+    # one shard timeout for the batch that met it, one more for a batch taken meanwhile, and a little
+    assert max(took for *_, took in answers) < 2 * 2.0 + 3.0, answers
