@@ -55,13 +55,13 @@ def test_a_request_past_the_work_cap_gets_413_naming_it_before_any_model_work(ti
         err = r.json()["error"]
         assert (err["code"], err["limit"]) == ("too_much_work", work - 1)
         assert f"asks for {work} tokens of model work (every window of each text)" in err["message"]
-        # a completion: 4 sequences x (prompt + max_tokens), within the context
-        prompt = "x" * 20
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "n": 4, "temperature": 0.5}
-        small = ServeConfig(model_name="tiny", max_request_tokens=4 * (21 + 40) - 1)
         assert s.post("/v1/score", score_body("short text")).status_code == 200  # under the cap
         batches = samples(s).get(("moeserve_batch_size_count", ("kind", "score")))
     assert batches == 1  # the refused request ran nothing: only the short one was a batch
+
+    # a completion: 4 sequences x (<bos> + 20 prompt tokens + max_tokens 40), within the context of 64
+    body = {"model": "tiny", "prompt": "x" * 20, "max_tokens": 40, "n": 4, "temperature": 0.5}
+    small = ServeConfig(model_name="tiny", max_request_tokens=4 * (21 + 40) - 1)
     with live_server(lambda: Engine.load(tiny_ckpt, dtype="float32", device="cpu"), small) as s:
         r = s.post("/v1/completions", body)
         assert r.status_code == 413 and f"asks for {4 * 61} tokens" in r.json()["error"]["message"], r.text
