@@ -90,10 +90,12 @@ def test_timings_agree_with_the_server_and_a_client_of_our_own(tiny_ckpt, tmp_pa
     # the client's clock starts before the server's and stops after it, by an HTTP round trip on loopback
     assert server_ttft - 1 <= level["ttft_ms"]["mean"] <= server_ttft + 20, (level["ttft_ms"], server_ttft)
     assert server_e2e - 1 <= level["e2e_ms"]["mean"] <= server_e2e + 20, (level["e2e_ms"], server_e2e)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    assert len(gaps) >= 5
-    ours = percentile(gaps, 50) * 1e3
-    assert ours / 3 <= level["itl_ms"]["p50"] <= ours * 3, (level["itl_ms"], ours)
+    # our request end to end (to its last chunk), against the bench's: on a busy machine the chunks of one stream can
+    # reach a client together, so single gaps between them are not comparable (0.03 ms here against the bench's
+    # 1.8 ms with a CPU-bound process beside the suite), while the whole request is
+    assert len(times) >= 6
+    ours = times[-1] * 1e3
+    assert ours / 3 <= level["e2e_ms"]["p50"] <= ours * 3, (level["e2e_ms"], ours)
     assert level["ttft_ms"]["p50"] + 11 * level["itl_ms"]["p50"] <= level["e2e_ms"]["max"] * 1.5
     from matplotlib.image import imread
 
