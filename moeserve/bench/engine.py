@@ -150,10 +150,9 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 torch_kernels = Engine.load(path, dtype=dtype, device=device, plan=torch_plan)
                 impls["moeserve Engine, torch's kernels"] = lambda n=new_tokens: ours(torch_kernels, n)
             if compiled:
-                fast = Engine.load(path, dtype=dtype, device=device, calibration=calibration, compile="on")
-                if fast.plan.decode_grouped:  # the default on CUDA in bf16: this row indexes, the next groups
-                    fast = Engine.load(path, dtype=dtype, device=device, compile="on",
-                                       plan=dataclasses.replace(fast.plan, decode_grouped=False))
+                # the eager engine's plan, with indexed experts (grouped is CUDA bf16's default: the next row)
+                fast = Engine.load(path, dtype=dtype, device=device, compile="on",
+                                   plan=dataclasses.replace(engine.plan, decode_grouped=False))
                 t0 = time.perf_counter()
                 fast.warm_up(batch)
                 plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
