@@ -42,12 +42,14 @@ MODELS = {  # transformers MixtralConfig fields; the sizes are those of issue 11
 }
 
 
-def write_mixtral(path: Path, model: str = "tiny", seed: int = 0, **overrides) -> Path:
-    """A random Mixtral of one of MODELS' sizes, saved by transformers."""
+def write_mixtral(path: Path, model: str = "tiny", seed: int = 0, dtype: torch.dtype | None = None,
+                  **overrides) -> Path:
+    """A random Mixtral of one of MODELS' sizes, saved by transformers (in `dtype`: fp32 unless given)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
-    MixtralForCausalLM(MixtralConfig(**{**MODELS[model], **overrides})).eval().save_pretrained(path)
+    hf = MixtralForCausalLM(MixtralConfig(**{**MODELS[model], **overrides})).eval()
+    (hf if dtype is None else hf.to(dtype)).save_pretrained(path)
     return path
 
 

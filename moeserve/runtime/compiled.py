@@ -8,7 +8,10 @@ every time, so here it is made shape-static:
 - the batch is padded up to the next bucket (1, 2, 4, ... up to the cache's slots): one graph per
   bucket. Padding rows write their keys and values into a scratch slot (the cache's last, which no
   sequence owns) and are dropped from the logits and from the expert-load counts;
-- every row attends over the whole cache length, masked by its position (no length that grows);
+- every row attends over a span of the cache: the live length (the longest row's position + 1) rounded up to a
+  power of two (`spans`), masked by its position. The span is a dynamic dimension: one compile covers every span
+  (a symbolic length), and on CUDA one graph is recorded per (bucket, span), so a step reads the keys its rows
+  can see, never the whole cache: at 100 tokens of context a 32k-context model decodes as fast as a 2k one;
 - the experts run the sync-free path (experts.moe_indexed: no host sync, fixed shapes) on plain
   weights (oneDNN-packed weights are opaque to the compiler);
 - the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
@@ -20,6 +23,7 @@ Same tokens as eager in fp32 (tests/runtime/test_compiled.py); the logits differ
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 
 import torch
 from torch import Tensor, nn
@@ -81,6 +85,17 @@ def buckets(slots: int) -> list[int]:
     return [*sizes, slots]
 
 
+LEAST_SPAN = 256  # the shortest key span of a compiled step (spans)
+
+
+def spans(max_len: int, least: int = LEAST_SPAN) -> list[int]:
+    """Key lengths a step attends over: `least`, doubling, up to the cache's `max_len`, and `max_len` itself.
+    A row at position p reads the first span > p: at most twice the keys it can see (a span per length would
+    record a graph per token), and few enough spans to record every one at warm-up (8 for a 32k context)."""
+    sizes = [least << i for i in range(max(max_len // least, 1).bit_length()) if least << i < max_len]
+    return [*sizes, max_len]
+
+
 class _Step(nn.Module):
     """model + the cache's tensors as buffers: the pure function (ids, slots, positions) -> logits, routes."""
 
@@ -91,8 +106,11 @@ class _Step(nn.Module):
             self.register_buffer(f"k{i}", k, persistent=False)
             self.register_buffer(f"v{i}", v, persistent=False)
 
-    def forward(self, ids_B1: Tensor, slots_B: Tensor, positions_B1: Tensor) -> tuple[Tensor, list[Tensor]]:
-        out = self.model(ids_B1, cache=CacheRows(self.cache, slots_B, positions_B1, self.cache.max_len))
+    def forward(self, ids_B1: Tensor, slots_B: Tensor, positions_B1: Tensor, span_L: Tensor
+                ) -> tuple[Tensor, list[Tensor]]:
+        """span_L: any tensor whose length is the keys attended over (a dynamic dimension: a size passed as an int
+        would be a constant of the graph, compiled again per span)."""
+        out = self.model(ids_B1, cache=CacheRows(self.cache, slots_B, positions_B1, span_L.shape[0]))
         routes = [a.routing.expert_ids if a.routing is not None else a.codes[:, None] for a in out.aux]
         return out.logits, routes
 
@@ -101,13 +119,18 @@ class CompiledDecode:
     """The decode step of `model` over `cache`, compiled once per batch bucket (lazily, on first use of a bucket).
 
     The cache must have one slot more than the sequences that use it (KVCache.for_model(model, slots + 1)):
-    the last is the padding rows' scratch slot."""
+    the last is the padding rows' scratch slot. `least_span`: the shortest key span (`spans`).
 
-    def __init__(self, model: Transformer, cache: KVCache):
+    `steps[(bucket, span)]` counts the calls of each graph: the tokens a replay decoded are those of its rows."""
+
+    def __init__(self, model: Transformer, cache: KVCache, least_span: int | None = None):
         self.model, self.cache = model, cache
         self.scratch = cache.slots - 1
         self.buckets = buckets(self.scratch)
+        self.spans = spans(cache.max_len, least_span or LEAST_SPAN)
         device = model.tok_embeddings.weight.device
+        self._span_views: dict[int, Tensor] = {}
+        self.steps: Counter[tuple[int, int]] = Counter()
         mode = "reduce-overhead" if device.type == "cuda" else "default"
         # One graph per bucket, each a cache entry of the one code object every compiled step shares: each step
         # makes room for its own (dynamo's default holds 8 per code object, then refuses to compile more), so
@@ -121,24 +144,41 @@ class CompiledDecode:
         size = next((b for b in self.buckets if b >= B), None)
         if size is None:
             raise ValueError(f"{B} rows in a decode step; the cache has {self.scratch} slots")
+        need = max(positions) + 1
+        span = next((s for s in self.spans if s >= need), None)
+        if span is None or min(positions) < 0:
+            raise ValueError(f"positions {min(positions)}..{need - 1} do not fit a cache of {self.cache.max_len}")
         pad = size - B
         self.cache.touch([*slots, self.scratch])
         device = ids_B.device
         slots_t = to_device(slots + [self.scratch] * pad, device)
         positions_t = to_device(positions + [0] * pad, device)[:, None]
         ids_t = torch.cat([ids_B, ids_B.new_zeros(pad)])[:, None]
-        logits, routes = self._step(ids_t, slots_t, positions_t)
+        logits, routes = self._step(ids_t, slots_t, positions_t, self._span(span))
+        self.steps[(size, span)] += 1
         if device.type == "cuda":  # a replayed graph's outputs are overwritten by the next replay
             logits, routes = logits.clone(), [r.clone() for r in routes]
         E = self.model.cfg.n_experts  # counted on the device: bincount would read the largest id back to the host
         aux = [MoEAux(expert_counts(r[:B].reshape(-1), E), None) for r in routes]
         return logits[:B], aux
 
+    def _span(self, span: int) -> Tensor:
+        """The step's span argument: `span` bytes, its length marked dynamic once."""
+        if span not in self._span_views:
+            view = self.cache.k[0].new_empty(span, dtype=torch.uint8)
+            torch._dynamo.mark_dynamic(view, 0)
+            self._span_views[span] = view
+        return self._span_views[span]
+
     def warm_up(self) -> None:
-        """Build every bucket's graph now (a server does this before it says ready). Every row is on the
-        scratch slot at position 0: no sequence's keys are touched."""
+        """Compile each bucket's step and (CUDA) record its graph at every span now, as a server does before it
+        says ready; on CUDA the graphs are recorded on their second call. Every row is on the scratch slot at
+        position 0: no sequence's keys are touched."""
         device = self.model.tok_embeddings.weight.device
         self.cache.touch([self.scratch])
         for b in self.buckets:
-            self._step(torch.zeros(b, 1, dtype=torch.long, device=device),
-                       torch.full((b,), self.scratch, device=device), torch.zeros(b, 1, dtype=torch.long, device=device))
+            for span in self.spans:
+                for _ in range(2 if device.type == "cuda" else 1):
+                    self._step(torch.zeros(b, 1, dtype=torch.long, device=device),
+                               torch.full((b,), self.scratch, device=device),
+                               torch.zeros(b, 1, dtype=torch.long, device=device), self._span(span))

@@ -11,6 +11,7 @@ neither changes nor is counted in the expert load).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -162,6 +163,8 @@ class Engine:
         self.name, self.path = name, path
         n_moe = len(self.cfg.moe_layer_ids) if self.model is None else len(self.model.moe_layers)
         self.expert_load = ExpertLoad(n_moe, self.cfg.n_experts, self.device)
+        # decode tokens by how they ran: "graph" (a compiled step's replay) or "eager" (moeserve_decode_tokens_total)
+        self.decode_tokens: collections.Counter[str] = collections.Counter()
         self._lock = threading.RLock()
 
     def _compiled(self, mode: str) -> bool:
@@ -276,7 +279,10 @@ class Engine:
             raise EngineError(f"{self.name} is a {self.cfg.task} model; generation needs a language model")
         return StepEngine(self.runner, self.tokenizer, self.eos_id, slots=slots,
                           max_len=max_len or self.cfg.max_seq_len, prefill_chunk=prefill_chunk,
-                          on_aux=self.expert_load.add, share_prefill=share_prefill)
+                          on_aux=self.expert_load.add, share_prefill=share_prefill, on_decode=self._count_decode)
+
+    def _count_decode(self, path: str, rows: int) -> None:
+        self.decode_tokens[path] += rows
 
     @property
     def lock(self) -> threading.RLock:

@@ -24,11 +24,15 @@ class KVCache:
     Positions a query does not read still enter its masked product with a weight of 0, so they must
     hold finite numbers: a slot is zeroed the first time it is used (`touch`), not at allocation, so
     that start-up does not write the whole cache (1 GiB for 8 slots of a 4096-token Mixtral context)
-    and a slot no request ever takes is never written at all."""
+    and a slot no request ever takes is never written at all.
+
+    `spare` positions past max_len are allocated and never used: a compiled step slices the keys to a symbolic
+    span (compiled.py), and a slice as long as its dimension is a case torch.compile specializes on, compiling the
+    longest span again as a constant."""
 
     def __init__(self, n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None = None):
-        shape = (slots, n_kv_heads, max_len, head_dim)
+                 dtype: torch.dtype, device: torch.device | str | None = None, spare: int = 0):
+        shape = (slots, n_kv_heads, max_len + spare, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.slots, self.max_len = slots, max_len
@@ -51,14 +55,14 @@ class KVCache:
             t[dst, :, :length] = t[src, :, :length]
 
     @classmethod
-    def for_model(cls, model: nn.Module, slots: int, max_len: int | None = None) -> "KVCache":
+    def for_model(cls, model: nn.Module, slots: int, max_len: int | None = None, spare: int = 0) -> "KVCache":
         """Room for `slots` sequences of the Transformer `model` (its config and its embedding's dtype and device);
         a module, not model.Transformer, so that this file does not import the model that imports it."""
         cfg, w = model.cfg, model.tok_embeddings.weight
         max_len = max_len or cfg.max_seq_len
         if max_len > cfg.max_seq_len:
             raise ValueError(f"cache length {max_len} exceeds max_seq_len={cfg.max_seq_len}")
-        return cls(cfg.n_layers, slots, max_len, cfg.kv_heads, cfg.head_dim, w.dtype, w.device)
+        return cls(cfg.n_layers, slots, max_len, cfg.kv_heads, cfg.head_dim, w.dtype, w.device, spare)
 
     def claim(self, slots: list[int], starts: list[int], n_tokens: int) -> int:
         """Check that rows of `n_tokens` from `starts` fit their distinct `slots` (a ValueError if not), zero the

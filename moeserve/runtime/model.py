@@ -154,6 +154,7 @@ class Block(nn.Module):
 class ModelOutput:
     logits: Tensor  # [B, S, V] for language models, [B, C] for classifiers
     aux: list[MoEAux] = field(default_factory=list)  # one per MoE layer, in layer order
+    graph: bool = False  # a compiled decode step's (runner.py): counted as moeserve_decode_tokens_total{path="graph"}
 
 
 class _SkipInit(TorchFunctionMode):

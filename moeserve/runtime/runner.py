@@ -77,8 +77,14 @@ class TorchRunner:
         if not self.compiled:
             return KVCache.for_model(self.model, slots, max_len)
         if self._decode is None or self._decode.scratch < slots:  # one slot more: the padding rows' scratch
-            self._decode = CompiledDecode(self.model, KVCache.for_model(self.model, slots + 1))
+            self._decode = CompiledDecode(self.model, KVCache.for_model(self.model, slots + 1, spare=1))
         return self._decode.cache
+
+    @property
+    def graph_decode(self) -> bool:
+        """Decode rows run on the compiled step, apart from a prompt's chunk (StepEngine): riding in the chunk's
+        eager call would take them off the graph whenever prompts arrive."""
+        return self.compiled
 
     def warm_up(self, slots: int) -> None:
         """Build the compiled decode step's graphs now, for up to `slots` rows (nothing to do when eager)."""
@@ -101,7 +107,7 @@ class TorchRunner:
         if self.compiled and self._decode is not None and cache is self._decode.cache:
             out = self._guarded(self._decode, slots, ids_B, positions)
             if out is not None:
-                return ModelOutput(*out)
+                return ModelOutput(*out, graph=True)
         if self.model.step_kernel is not None:
             return self.model.decode_step(cache, slots, ids_B, positions)
         return self.model(ids_B[:, None], cache=cache.rows(slots, positions, 1))

@@ -114,16 +114,21 @@ class StepEngine:
 
     `share_prefill`: when a prompt's prefill ends, waiting sequences with the same prompt (a request's n
     choices) take free slots at once with a copy of its cache rows and its last logits, instead of
-    computing them again (where the runner can copy cache rows: `copy_prefix`)."""
+    computing them again (where the runner can copy cache rows: `copy_prefix`).
+
+    Decode rows ride in the step's prompt chunk (one read of the weights for both) unless the runner decodes on a
+    compiled graph (`graph_decode`): then they take the graph after the chunk, as vLLM runs its decode batch on a
+    CUDA graph beside the prefill. `on_decode(path, n)`: n rows decoded on the "graph" or "eager"."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, eos_id: int | None, *, slots: int,
                  max_len: int, prefill_chunk: int = 512, on_aux: Callable[[list[MoEAux]], None] | None = None,
-                 share_prefill: bool = True):
+                 share_prefill: bool = True, on_decode: Callable[[str, int], None] | None = None):
         if slots < 1 or prefill_chunk < 1:
             raise ValueError(f"slots = {slots}, prefill_chunk = {prefill_chunk}: expected integers >= 1")
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
-        self.on_aux = on_aux
+        self.on_aux, self.on_decode = on_aux, on_decode
+        self.graph_decode = bool(getattr(runner, "graph_decode", False))
         self.share_prefill = share_prefill and hasattr(runner, "copy_prefix")
         self.cache: Any = runner.new_cache(slots, max_len)
         self._free = list(range(slots))  # a heap: the lowest free slot first, so live slots stay one range
@@ -164,8 +169,9 @@ class StepEngine:
             if seq.cancelled is not None and seq.cancelled():
                 self._finish(seq, "cancelled", ended)
         decoding = [s for s in self.running if len(s.out) > 0 and not s.done]
-        if not self._prefill(ended, decoding if hasattr(self.runner, "step_rows") else []):
-            self._decode(ended)
+        carry = hasattr(self.runner, "step_rows") and not self.graph_decode
+        if not self._prefill(ended, decoding if carry else []):
+            self._decode(ended, decoding if self.graph_decode else None)
         return ended
 
     def _prefill(self, ended: list[Sequence], decoding: list[Sequence]) -> bool:
@@ -208,6 +214,7 @@ class StepEngine:
                     self._choose(live, out.logits[b:b + 1, -1].expand(len(live), -1), ended)
             if carry:
                 self._choose(carry, out.logits[len(group):, -1], ended)
+                self._count("eager", len(carry))
                 carried = True
         return carried
 
@@ -276,19 +283,28 @@ class StepEngine:
                 forks.append(w)
         return forks
 
-    def _decode(self, ended: list[Sequence]) -> None:
-        rows = [s for s in self.running if len(s.out) > 0 and not s.done]
+    def _decode(self, ended: list[Sequence], rows: list[Sequence] | None = None) -> None:
+        """A token for each of `rows` still running (default: every running sequence with a token to extend)."""
+        if rows is None:
+            rows = [s for s in self.running if len(s.out) > 0 and not s.done]
+        else:  # the rows that were decoding when the step began, less those it ended
+            rows = [s for s in rows if not s.done]
         if not rows:
             return
         ids = torch.tensor([s.out[-1] for s in rows], device=self.runner.device)
         out = self.runner.decode(self.cache, [s.slot for s in rows], ids, [self._position(s) for s in rows])
         self._account(out.aux)
+        self._count("graph" if out.graph else "eager", len(rows))
         self._choose(rows, out.logits[:, -1], ended)
 
     @staticmethod
     def _position(seq: Sequence) -> int:
         """Where a running sequence's last token goes in its slot."""
         return len(seq.prompt) + len(seq.out) - 1
+
+    def _count(self, path: str, rows: int) -> None:
+        if self.on_decode is not None:
+            self.on_decode(path, rows)
 
     def _account(self, aux: list[MoEAux]) -> None:
         if self.on_aux is not None:

@@ -12,7 +12,7 @@ avg by (layer) (rate(moeserve_expert_routed_tokens_total[5m]))`.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -62,6 +62,24 @@ class ExpertLoadCollector(Collector):
             dead.add_metric([str(layer)], float((row == 0).sum()))
         yield imbalance
         yield dead
+
+
+class DecodeTokensCollector(Collector):
+    """moeserve_decode_tokens_total{path}: tokens decoded by a compiled step's replay ("graph") or eagerly
+    ("eager": no compiled step, or a row that could not take it), read from the engine's count when scraped."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int] | None]):
+        self.counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        counts = self.counts()
+        if counts is None:  # the model is still loading
+            return
+        family = CounterMetricFamily("moeserve_decode_tokens", "Tokens decoded, by how their step ran: graph (a "
+                                     "compiled step's replay) or eager", labels=["path"])
+        for path in ("graph", "eager"):
+            family.add_metric([path], counts.get(path, 0))
+        yield family
 
 
 class Metrics:
@@ -130,6 +148,11 @@ class Metrics:
         if per_expert is None:
             per_expert = len(layer_ids) * n_experts <= MAX_AUTO_EXPERT_SERIES
         collector = ExpertLoadCollector(load, layer_ids, per_expert)
+        self.registry.register(collector)
+        self.collectors.append(collector)
+
+    def watch_decode(self, counts: Callable[[], Mapping[str, int] | None]) -> None:
+        collector = DecodeTokensCollector(counts)
         self.registry.register(collector)
         self.collectors.append(collector)
 

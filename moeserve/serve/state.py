@@ -111,6 +111,7 @@ class ServerState:
             self.chat_template = self._chat_template(engine)
             self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
                                        engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
+            self.metrics.watch_decode(lambda: self.engine.decode_tokens if self.engine else None)
             if engine.cfg.task == "lm":
                 engine.warm_up(self.cfg.kv_slots if self.cfg.scheduler == "continuous" else self.cfg.batch.max_batch_size)
             self._warm_up(engine)

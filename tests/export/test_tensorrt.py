@@ -97,6 +97,7 @@ def test_missing_gpu_is_named(tmp_path):
     assert not (tmp_path / "m.engine").exists()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(tensorrt_missing() is not None, reason=f"TensorRT engine build: {tensorrt_missing()}")
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_engine_matches_onnxruntime(tmp_path, precision):

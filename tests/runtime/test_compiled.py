@@ -13,7 +13,7 @@ from moeserve.config import preset
 from moeserve.runtime import compiled as compiled_mod
 from moeserve.runtime import experts as experts_mod
 from moeserve.runtime.calibration import default_plan
-from moeserve.runtime.compiled import CompileError, buckets, resolve_compile
+from moeserve.runtime.compiled import CompileError, buckets, resolve_compile, spans
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.sampling import SamplingParams
@@ -28,6 +28,13 @@ def test_buckets():
     assert buckets(3) == [1, 2, 3]
     assert buckets(8) == [1, 2, 4, 8]
     assert buckets(12) == [1, 2, 4, 8, 12]
+
+
+def test_spans():
+    assert spans(64, 16) == [16, 32, 64]
+    assert spans(100, 16) == [16, 32, 64, 100]
+    assert spans(32768) == [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert spans(128) == [128]  # a context shorter than the least span: one span, the whole of it
 
 
 def test_modes():
@@ -165,6 +172,39 @@ def test_a_compiled_decode_step_never_waits_for_the_host(device, monkeypatch):
         assert counts.sum(-1).tolist() == [2 * 2] * len(out.aux)  # 2 rows x top-2, every MoE layer
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_decode_attends_over_the_live_span(device, monkeypatch):
+    """A row at position p reads the first span > p of its slot, not the whole cache: a sequence from position 9 to
+    48 steps through spans 16, 32 and 64 of a 64-position cache, with one compile for all three (the span is a
+    dynamic dimension), and the same tokens as eager (fp32), which reads exactly the live length."""
+    why = compiled_mod.compile_unavailable(torch.device(device))
+    if why is not None:
+        pytest.skip(why)
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(compiled_mod, "LEAST_SPAN", 16)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="softmax"))
+    tok = ByteTokenizer()
+    eager = Engine.from_model(model, tok, device=device, calibration="off")
+    fast = Engine.from_model(Transformer(model.cfg), tok, device=device, calibration="off", compile="on")
+    fast.model.load_state_dict(model.state_dict())
+    fast.model.prepare_inference(fast.plan)
+    prompt = [tok.encode("def f(x):", bos=True)]
+    assert len(prompt[0]) == 10
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = eager.generate_ids(prompt, params)[0]
+    graphs = counters["stats"]["unique_graphs"]
+    got = fast.generate_ids(prompt, params)[0]
+    assert got == want
+    decode = fast.runner._decode
+    assert decode.spans == [16, 32, 64]
+    # positions 10..48 (the last token is chosen, not decoded): 6 steps below 16, 16 below 32, 17 below 64
+    assert decode.steps == {(1, 16): 6, (1, 32): 16, (1, 64): 17}
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
 def test_grouped_decode_is_refused_where_it_cannot_compile():
     ex = Transformer(preset("tiny")).moe_layers[0].experts
     with pytest.raises(ValueError, match=r"decode_grouped runs torch's grouped_mm on plain bfloat16 weights: not "
@@ -173,3 +213,45 @@ def test_grouped_decode_is_refused_where_it_cannot_compile():
     with pytest.raises(ValueError, match="not with grouped_mm=False"):
         ex.to(torch.bfloat16).prepare_inference(grouped_mm=False, decode_grouped=True)
     assert ex.prepare_inference(grouped_mm=True, decode_grouped=True).decode_grouped
+
+
+@pytest.mark.slow
+def test_decode_stays_on_the_graph_while_prompts_arrive():
+    """A prompt arriving while a sequence decodes is prefilled eagerly, and the decoding row takes the compiled step
+    in the same step rather than riding in the prompt's call: every decode token is a replay, counted as such in
+    moeserve_decode_tokens_total, with the tokens of the eager engine, whose rows ride in the prompt's call."""
+    if not HAS_CXX:
+        pytest.skip("no C++ compiler: inductor cannot build a CPU graph here")
+    from moeserve.runtime.steps import Sequence
+    from moeserve.serve.metrics import Metrics
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="softmax"))
+    tok = ByteTokenizer()
+    eager = Engine.from_model(model, tok, calibration="off")
+    fast = Engine.from_model(Transformer(model.cfg), tok, calibration="off", compile="on")
+    fast.model.load_state_dict(model.state_dict())
+    fast.model.prepare_inference(fast.plan)
+    prompts = [tok.encode(t, bos=True) for t in ("def f(x):", "import os", "class A:")]
+    tokens = {}
+    for name, engine in (("eager", eager), ("compiled", fast)):
+        steps = engine.step_engine(slots=3)
+        seqs = [Sequence(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+        with torch.inference_mode():
+            steps.add(seqs[0])
+            for i in range(10):  # a prompt joins at steps 3 and 6, while the first decodes
+                if i in (3, 6):
+                    steps.add(seqs[i // 3])
+                steps.step()
+            while not steps.idle:
+                steps.step()
+        tokens[name] = [s.out for s in seqs]
+    assert tokens["compiled"] == tokens["eager"]
+    # each sequence's first token comes from its prefill, the other 11 from decode steps
+    assert eager.decode_tokens == {"eager": 33}
+    assert fast.decode_tokens == {"graph": 33}
+    metrics = Metrics()
+    metrics.watch_decode(lambda: fast.decode_tokens)
+    text = metrics.render().decode()
+    assert 'moeserve_decode_tokens_total{path="graph"} 33.0' in text
+    assert 'moeserve_decode_tokens_total{path="eager"} 0.0' in text

@@ -65,3 +65,31 @@ def test_bf16_on_cuda_is_fp32_within_bf16_rounding(router):
     assert (got - want).abs().max() <= 2**-5 * scale
     assert (got - want).abs().mean() <= 2**-10 * scale
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9  # the greedy choice, at most positions
+
+
+@pytest.mark.parametrize("S", [1, 7])
+def test_attention_runs_a_fused_sdpa_kernel(S):
+    """A cached call's attention (a boolean mask over the cache, grouped-query heads) and an uncached causal one run
+    one of SDPA's fused CUDA kernels in bf16, not its math fallback: SDPA limited to flash, memory-efficient and
+    cuDNN raises where none of them takes the inputs. Same outputs as the math kernel, within bf16's rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moeserve.config import preset
+    from moeserve.runtime.kv_cache import KVCache
+    from moeserve.runtime.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset("small")).to("cuda", torch.bfloat16).eval()  # 8 heads over 4 kv heads
+    assert model.cfg.kv_heads < model.cfg.n_heads
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 20), device="cuda")
+    outs = {}
+    for name, backends in (("fused", fused), ("math", [SDPBackend.MATH])):
+        cache = KVCache.for_model(model, 2, 64)
+        with torch.inference_mode(), sdpa_kernel(backends):
+            uncached = model(ids).logits
+            model(ids, cache=cache.rows([0, 1], [0, 0], 20))
+            cached = model(ids[:, :S], cache=cache.rows([0, 1], [20, 20], S)).logits
+        outs[name] = (uncached.float(), cached.float())
+    for got, want in zip(outs["fused"], outs["math"]):
+        assert (got - want).abs().max() <= 2**-5 * want.abs().max()

@@ -1,0 +1,219 @@
+"""`moeserve bench gpu`: the one run whoever has a GPU makes first, written to one JSON.
+
+It runs, on the first CUDA device:
+1. the `cuda` tests (pytest -m cuda over the runtime, the engine bench and the exports): fp32 parity with the CPU,
+   bf16 within its rounding, no host sync in a replay, graphs used, ONNX Runtime CUDA and TensorRT parity where
+   those are installed. Each skip comes back with its reason;
+2. `moeserve bench engine` on the 2.4B Mixtral in bf16 at batch 1 and 32: eager, compiled with indexed experts,
+   compiled with grouped_mm experts, and transformers' `generate` on the same weights in the same run;
+3. decode at ~100 tokens of context for the same weights declared with a 2k and a 32k context: a step reads the
+   keys its rows can see, not the whole cache, so the two should match.
+
+The issue's goals are computed from those numbers (`goals`), each with the value it asks for. What could not run
+here is in `skipped`, with why.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from moeserve.bench.engine import _sync, bench_engine, write_mixtral
+from moeserve.bench.report import BenchError, check_plot, finish
+from moeserve.runtime.engine import Engine, SamplingParams
+
+TESTS = ["tests/runtime", "tests/bench/test_engine_bench.py", "tests/export/test_tensorrt.py",
+         "tests/export/test_onnx_cuda.py"]
+CONTEXTS = (2048, 32768)
+BATCHES = (1, 32)
+
+
+def run_tests(root: Path, timeout: float, paths: list[str] = TESTS) -> dict:
+    """pytest -m cuda over `paths` in a child process: counts, the failures' names, each skip reason's count."""
+    if not (root / "tests").is_dir():
+        return {"skipped": f"no tests/ in {root}: run from a checkout of the repository"}
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-p", "no:xdist",
+               f"--junitxml={xml}", *paths]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"command": " ".join(cmd[1:]), "exit_code": None, "error": f"still running after {timeout:.0f} s"}
+        report = {"command": " ".join(["python", *cmd[1:]]).replace(f" --junitxml={xml}", ""),
+                  "exit_code": proc.returncode, "seconds": round(time.perf_counter() - t0, 1)}
+        if not xml.exists():
+            return report | {"error": (proc.stdout + proc.stderr)[-2000:]}
+        passed, failed, skipped = 0, [], Counter()
+        for case in ET.parse(xml).iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(name)
+            elif (skip := case.find("skipped")) is not None:
+                skipped[skip.get("message", "")] += 1
+            else:
+                passed += 1
+    return report | {"passed": passed, "failed": failed, "skipped": dict(skipped)}
+
+
+def with_context(path: Path, context: int, into: Path) -> Path:
+    """The checkpoint at `path` declared with a `context`-token context: its config rewritten, its weights linked."""
+    into.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.name != "config.json" and not (into / f.name).exists():
+            (into / f.name).symlink_to(f.resolve())
+    config = json.loads((path / "config.json").read_text())
+    (into / "config.json").write_text(json.dumps(config | {"max_position_embeddings": context}))
+    return into
+
+
+def live_length(path: Path, contexts=CONTEXTS, context_tokens: int = 100, new_tokens: int = 32,
+                repeats: int = 5, device: str = "cuda", dtype: str = "bfloat16", progress=print) -> dict:
+    """ms per decode step (compiled, batch 1) from `context_tokens` of context, for each declared context."""
+    rows = {}
+    prompt = torch.randint(0, 1000, (1, context_tokens), generator=torch.Generator().manual_seed(0)).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        for context in contexts:
+            progress(f"live length: {context}-token context ...")
+            engine = Engine.load(with_context(path, context, Path(tmp) / str(context)), dtype=dtype,
+                                 device=device, compile="on")
+            t0 = time.perf_counter()
+            engine.warm_up(1)
+
+            def generate(n: int) -> float:
+                _sync(device)
+                t = time.perf_counter()
+                engine.generate_ids(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                _sync(device)
+                return time.perf_counter() - t
+
+            generate(new_tokens + 1)
+            build_s = time.perf_counter() - t0
+            steps = [(generate(new_tokens + 1) - generate(1)) / new_tokens for _ in range(repeats)]
+            rows[str(context)] = {"decode_ms": round(1e3 * statistics.median(steps), 3),
+                                  "spans": engine.runner._decode.spans, "warm_up_s": round(build_s, 1)}
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    first, last = (rows[str(c)]["decode_ms"] for c in (contexts[0], contexts[-1]))
+    return {"context_tokens": context_tokens, "new_tokens": new_tokens, "contexts": rows,
+            "ratio": round(last / first, 3)}
+
+
+def goals(engine: dict) -> dict:
+    """Issue 40's performance goals against this run's numbers."""
+    out = {}
+    for batch, report in engine.items():
+        rows = report["results"]
+        ours = max((r for r in rows if r["impl"].startswith("moeserve")), key=lambda r: r["decode_tokens_per_s"])
+        theirs = max((r for r in rows if r["impl"].startswith("transformers")), key=lambda r: r["decode_tokens_per_s"])
+        speedup = round(ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 2)
+        goal = {"ours": ours["impl"], "theirs": theirs["impl"], "decode_speedup": speedup,
+                "decode_speedup_goal": 3.0 if batch == "1" else 2.0}
+        if "pct_of_read_bandwidth" in ours:
+            goal |= {"pct_of_read_bandwidth": ours["pct_of_read_bandwidth"], "pct_of_read_bandwidth_goal": 50.0}
+        out[f"batch_{batch}"] = goal
+    return out
+
+
+def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | None = None,
+              test_timeout: float = 240.0, progress=print) -> dict:
+    if not torch.cuda.is_available():
+        raise BenchError("no CUDA device here (torch.cuda.is_available() is False): this bench is for a GPU")
+    started = time.perf_counter()
+    seconds, skipped = {}, {}
+    root = root or Path(__file__).resolve().parents[2]
+    report: dict = {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+    if tests:
+        progress("cuda tests ...")
+        report["tests"] = run_tests(root, test_timeout)
+        seconds["tests"] = round(time.perf_counter() - started, 1)
+        if "skipped" in report["tests"] and isinstance(report["tests"]["skipped"], str):
+            skipped["tests"] = report["tests"]["skipped"]
+    else:
+        skipped["tests"] = "--skip-tests"
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        if checkpoint is None:
+            progress("writing a random 2.4B Mixtral (bf16) with transformers ...")
+            checkpoint = write_mixtral(Path(tmp) / "mixtral-2.4b", "2.4b", dtype=torch.bfloat16)
+        report["model"] = str(checkpoint)
+        report["engine"] = {}
+        for batch in BATCHES:
+            progress(f"bench engine, batch {batch} ...")
+            report["engine"][str(batch)] = bench_engine(["bfloat16"], new_tokens=64, repeats=3, checkpoint=checkpoint,
+                                                        compiled=True, device="cuda", batch=batch,
+                                                        progress=lambda msg: None)
+        seconds["engine"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        report["live_length"] = live_length(checkpoint, progress=progress)
+        seconds["live_length"] = round(time.perf_counter() - t0, 1)
+    report["goals"] = goals(report["engine"])
+    skipped["served"] = ("the served comparison (the built-in model on the GPU against 2 CPU cores at 32 clients) is "
+                         "`moeserve bench serve` against two servers, not part of this run")
+    report["skipped"] = skipped
+    seconds["total"] = round(time.perf_counter() - started, 1)
+    report["seconds"] = seconds
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"GPU: {report['gpu']} (CUDA {report['cuda']}), model {report['model']}", ""]
+    t = report.get("tests")
+    if t and "passed" in t:
+        lines += [f"cuda tests: {t['passed']} passed, {len(t['failed'])} failed, {sum(t['skipped'].values())} skipped "
+                  f"in {t['seconds']} s (`{t['command']}`)"]
+        lines += [f"- failed: {name}" for name in t["failed"]]
+        lines += [f"- skipped ({n}): {why}" for why, n in t["skipped"].items()]
+        lines += [""]
+    elif t:
+        lines += [f"cuda tests: {t.get('error') or t.get('skipped')}", ""]
+    lines += ["| batch | implementation | decode tokens/s | same tokens | % of read bandwidth |",
+              "| ---: | --- | ---: | --- | ---: |"]
+    for batch, r in report["engine"].items():
+        for row in r["results"]:
+            lines.append(f"| {batch} | {row['impl']} | {row['decode_tokens_per_s']} | "
+                         f"{'yes' if row['same_tokens'] else 'no'} | {row.get('pct_of_read_bandwidth', '-')} |")
+    ll = report["live_length"]
+    lines += ["", f"Decode at {ll['context_tokens']} tokens of context (compiled, batch 1): "
+              + ", ".join(f"{c}-token context {v['decode_ms']} ms a step" for c, v in ll["contexts"].items())
+              + f" (ratio {ll['ratio']})", "", "| goal | measured | asked |", "| --- | ---: | ---: |"]
+    for name, g in report["goals"].items():
+        lines.append(f"| {name}: {g['ours']} / {g['theirs']} | {g['decode_speedup']}x | {g['decode_speedup_goal']}x |")
+        if "pct_of_read_bandwidth" in g:
+            lines.append(f"| {name}: % of read bandwidth | {g['pct_of_read_bandwidth']}% | "
+                         f"{g['pct_of_read_bandwidth_goal']}% |")
+    lines += [""] + [f"skipped {k}: {why}" for k, why in report["skipped"].items()]
+    lines += [f"seconds: {report['seconds']}"]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    from moeserve.bench.engine import plot as engine_plot
+
+    engine_plot(report["engine"]["1"] | {"bench": "engine"}, path)
+
+
+def main(args) -> int:
+    try:
+        check_plot(args)
+        report = bench_gpu(args.checkpoint, tests=not args.skip_tests,
+                           progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except BenchError as e:
+        print(f"moeserve bench gpu: {e}", file=sys.stderr)
+        return 2
+    print(markdown(report))
+    finish(report, args, "gpu")
+    failed = report.get("tests", {}).get("failed")
+    return 1 if failed or report.get("tests", {}).get("error") else 0
+

@@ -1,0 +1,85 @@
+"""`moeserve bench gpu`'s parts that run anywhere: the cuda tests' report from a real pytest child, the goals from
+engine reports, the page, the refusal without a GPU. The run itself is made on a GPU (docs/bench/gpu-*.json)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeserve.bench.gpu import goals, markdown, run_tests, with_context
+
+
+def test_run_tests_counts_failures_and_skip_reasons(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_some.py").write_text(
+        "import pytest\n"
+        "pytestmark = pytest.mark.cuda\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 == 2\n"
+        "@pytest.mark.skip(reason='no TensorRT')\n"
+        "def test_trt(): pass\n")
+    (tmp_path / "tests" / "test_other.py").write_text("def test_not_cuda(): assert False\n")  # deselected by -m cuda
+    report = run_tests(tmp_path, 120, ["tests"])
+    assert report["exit_code"] == 1
+    assert report["passed"] == 1
+    assert report["failed"] == ["tests.test_some::test_bad"]
+    assert report["skipped"] == {"no TensorRT": 1}
+    assert run_tests(tmp_path / "nowhere", 120) == {
+        "skipped": f"no tests/ in {tmp_path / 'nowhere'}: run from a checkout of the repository"}
+
+
+def _engine(batch: int, ours: float, theirs: float) -> dict:
+    rows = [{"impl": "moeserve Engine", "decode_tokens_per_s": ours / 3, "same_tokens": True},
+            {"impl": "moeserve Engine, compiled decode", "decode_tokens_per_s": ours, "same_tokens": False},
+            {"impl": "transformers generate (eager)", "decode_tokens_per_s": theirs, "same_tokens": False},
+            {"impl": "transformers generate (grouped_mm)", "decode_tokens_per_s": theirs / 2, "same_tokens": False}]
+    if batch == 1:
+        for r in rows:
+            r["pct_of_read_bandwidth"] = round(r["decode_tokens_per_s"] / 20, 1)
+    return {"results": rows}
+
+
+def test_goals_take_the_fastest_of_each_side_and_the_page_shows_them():
+    engine = {"1": _engine(1, 600.0, 150.0), "32": _engine(32, 5000.0, 2000.0)}
+    got = goals(engine)
+    assert got == {
+        "batch_1": {"ours": "moeserve Engine, compiled decode", "theirs": "transformers generate (eager)",
+                    "decode_speedup": 4.0, "decode_speedup_goal": 3.0, "pct_of_read_bandwidth": 30.0,
+                    "pct_of_read_bandwidth_goal": 50.0},
+        "batch_32": {"ours": "moeserve Engine, compiled decode", "theirs": "transformers generate (eager)",
+                     "decode_speedup": 2.5, "decode_speedup_goal": 2.0}}
+    report = {"gpu": "H100", "cuda": "13.0", "model": "m", "engine": engine, "goals": got,
+              "tests": {"passed": 3, "failed": ["t::x"], "skipped": {"no TensorRT": 2}, "seconds": 9.0,
+                        "command": "python -m pytest -m cuda"},
+              "live_length": {"context_tokens": 100, "ratio": 1.01,
+                              "contexts": {"2048": {"decode_ms": 1.5}, "32768": {"decode_ms": 1.515}}},
+              "skipped": {"served": "not part of this run"}, "seconds": {"total": 300.0}}
+    page = markdown(report)
+    assert "cuda tests: 3 passed, 1 failed, 2 skipped in 9.0 s" in page
+    assert "- skipped (2): no TensorRT" in page
+    assert "| batch_1: % of read bandwidth | 30.0% | 50.0% |" in page
+    assert "2048-token context 1.5 ms a step, 32768-token context 1.515 ms a step (ratio 1.01)" in page
+    assert "skipped served: not part of this run" in page
+
+
+def test_with_context_rewrites_the_config_and_links_the_weights(tmp_path):
+    src = tmp_path / "m"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"max_position_embeddings": 1024, "hidden_size": 8}))
+    (src / "model.safetensors").write_bytes(b"weights")
+    out = with_context(src, 32768, tmp_path / "long")
+    assert json.loads((out / "config.json").read_text()) == {"max_position_embeddings": 32768, "hidden_size": 8}
+    assert (out / "model.safetensors").read_bytes() == b"weights" and (out / "model.safetensors").is_symlink()
+    assert json.loads((src / "config.json").read_text())["max_position_embeddings"] == 1024
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a machine without a GPU")
+def test_refused_without_a_gpu():
+    p = subprocess.run([sys.executable, "-m", "moeserve.cli", "bench", "gpu", "--skip-tests"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert "moeserve bench gpu: no CUDA device here (torch.cuda.is_available() is False)" in p.stderr
