@@ -15,6 +15,7 @@ here is in `skipped`, with why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
@@ -126,6 +127,15 @@ def goals(engine: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _kept(errors: dict, part: str):
+    """A part that fails is written down and the run goes on: one GPU run is all a session may get."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - any failure is a finding of the run, kept in its report
+        errors[part] = f"{type(e).__name__}: {e}"[:2000]
+
+
 def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | None = None,
               test_timeout: float = 240.0, progress=print) -> dict:
     if not torch.cuda.is_available():
@@ -148,17 +158,20 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
             progress("writing a random 2.4B Mixtral (bf16) with transformers ...")
             checkpoint = write_mixtral(Path(tmp) / "mixtral-2.4b", "2.4b", dtype=torch.bfloat16)
         report["model"] = str(checkpoint)
-        report["engine"] = {}
+        report["engine"], errors = {}, {}
         for batch in BATCHES:
             progress(f"bench engine, batch {batch} ...")
-            report["engine"][str(batch)] = bench_engine(["bfloat16"], new_tokens=64, repeats=3, checkpoint=checkpoint,
-                                                        compiled=True, device="cuda", batch=batch,
-                                                        progress=lambda msg: None)
+            with _kept(errors, f"engine batch {batch}"):
+                report["engine"][str(batch)] = bench_engine(
+                    ["bfloat16"], new_tokens=64, repeats=3, checkpoint=checkpoint, compiled=True, device="cuda",
+                    batch=batch, progress=lambda msg: None)
         seconds["engine"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        report["live_length"] = live_length(checkpoint, progress=progress)
+        with _kept(errors, "live length"):
+            report["live_length"] = live_length(checkpoint, progress=progress)
         seconds["live_length"] = round(time.perf_counter() - t0, 1)
     report["goals"] = goals(report["engine"])
+    report["errors"] = errors
     skipped["served"] = ("the served comparison (the built-in model on the GPU against 2 CPU cores at 32 clients) is "
                          "`moeserve bench serve` against two servers, not part of this run")
     report["skipped"] = skipped
@@ -184,7 +197,7 @@ def markdown(report: dict) -> str:
         for row in r["results"]:
             lines.append(f"| {batch} | {row['impl']} | {row['decode_tokens_per_s']} | "
                          f"{'yes' if row['same_tokens'] else 'no'} | {row.get('pct_of_read_bandwidth', '-')} |")
-    ll = report["live_length"]
+    ll = report.get("live_length") or {"context_tokens": "-", "contexts": {}, "ratio": "-"}
     lines += ["", f"Decode at {ll['context_tokens']} tokens of context (compiled, batch 1): "
               + ", ".join(f"{c}-token context {v['decode_ms']} ms a step" for c, v in ll["contexts"].items())
               + f" (ratio {ll['ratio']})", "", "| goal | measured | asked |", "| --- | ---: | ---: |"]
@@ -194,6 +207,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name}: % of read bandwidth | {g['pct_of_read_bandwidth']}% | "
                          f"{g['pct_of_read_bandwidth_goal']}% |")
     lines += [""] + [f"skipped {k}: {why}" for k, why in report["skipped"].items()]
+    lines += [f"error in {k}: {why}" for k, why in report.get("errors", {}).items()]
     lines += [f"seconds: {report['seconds']}"]
     return "\n".join(lines)
 
@@ -215,5 +229,5 @@ def main(args) -> int:
     print(markdown(report))
     finish(report, args, "gpu")
     failed = report.get("tests", {}).get("failed")
-    return 1 if failed or report.get("tests", {}).get("error") else 0
+    return 1 if failed or report.get("tests", {}).get("error") or report["errors"] else 0
 
