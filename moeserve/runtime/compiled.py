@@ -26,10 +26,10 @@ import shutil
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.runtime import COMPILE_MODES
-from moeserve.runtime.experts import expert_counts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoEAux
@@ -97,22 +97,28 @@ def spans(max_len: int, least: int = LEAST_SPAN) -> list[int]:
 
 
 class _Step(nn.Module):
-    """model + the cache's tensors as buffers: the pure function (ids, slots, positions) -> logits, routes."""
+    """model + the cache's tensors as buffers: the pure function (ids, slots, positions, span) -> logits, expert
+    counts."""
 
     def __init__(self, model: Transformer, cache: KVCache):
         super().__init__()
         self.model, self.cache = model, cache
+        self.scratch = cache.slots - 1
         for i, (k, v) in enumerate(zip(cache.k, cache.v)):
             self.register_buffer(f"k{i}", k, persistent=False)
             self.register_buffer(f"v{i}", v, persistent=False)
 
-    def forward(self, ids_B1: Tensor, slots_B: Tensor, positions_B1: Tensor, span_L: Tensor
-                ) -> tuple[Tensor, list[Tensor]]:
-        """span_L: any tensor whose length is the keys attended over (a dynamic dimension: a size passed as an int
-        would be a constant of the graph, compiled again per span)."""
+    def forward(self, ids_B1: Tensor, slots_B: Tensor, positions_B1: Tensor, span_L: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits [B, 1, V], expert counts [MoE layers, E] int32 of the real rows). span_L: any tensor whose
+        length is the keys attended over (a dynamic dimension: a size passed as an int would be a constant of the
+        graph, compiled again per span). The counts are made here, in the graph, rather than by a few small
+        kernels per layer after each replay; padding rows (on the scratch slot) are routed but not counted."""
         out = self.model(ids_B1, cache=CacheRows(self.cache, slots_B, positions_B1, span_L.shape[0]))
-        routes = [a.routing.expert_ids if a.routing is not None else a.codes[:, None] for a in out.aux]
-        return out.logits, routes
+        real_B = (slots_B != self.scratch).to(torch.int32)
+        E = self.model.cfg.n_experts
+        counts = [(F.one_hot(a.routing.expert_ids if a.routing is not None else a.codes[:, None], E).to(torch.int32)
+                   * real_B[:, None, None]).sum((0, 1)) for a in out.aux]
+        return out.logits, torch.stack(counts).to(torch.int32)
 
 
 class CompiledDecode:
@@ -154,13 +160,11 @@ class CompiledDecode:
         slots_t = to_device(slots + [self.scratch] * pad, device)
         positions_t = to_device(positions + [0] * pad, device)[:, None]
         ids_t = torch.cat([ids_B, ids_B.new_zeros(pad)])[:, None]
-        logits, routes = self._step(ids_t, slots_t, positions_t, self._span(span))
+        logits, counts = self._step(ids_t, slots_t, positions_t, self._span(span))
         self.steps[(size, span)] += 1
         if device.type == "cuda":  # a replayed graph's outputs are overwritten by the next replay
-            logits, routes = logits.clone(), [r.clone() for r in routes]
-        E = self.model.cfg.n_experts  # counted on the device: bincount would read the largest id back to the host
-        aux = [MoEAux(expert_counts(r[:B].reshape(-1), E), None) for r in routes]
-        return logits[:B], aux
+            logits, counts = logits.clone(), counts.clone()
+        return logits[:B], [MoEAux(c, None) for c in counts.unbind(0)]
 
     def _span(self, span: int) -> Tensor:
         """The step's span argument: `span` bytes, its length marked dynamic once."""
