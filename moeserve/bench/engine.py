@@ -145,6 +145,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 return e.generate_ids(prompts.tolist(), dataclasses.replace(params, max_new_tokens=n))[0]
 
             impls = {"moeserve Engine": lambda n=new_tokens: ours(engine, n)}  # each: n new tokens
+            engines = {"moeserve Engine": engine}  # whose decode tokens by path (graph / eager) each row reports
             if engine.plan.kernel_experts or engine.plan.kernel_dense or engine.plan.kernel_norms:  # the baseline
                 pack = onednn_packing_available(device, dtype)  # the C kernel replaced
                 torch_plan = dataclasses.replace(engine.plan, kernel_experts=False, kernel_dense=False,
@@ -159,11 +160,13 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 fast.warm_up(batch)
                 plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
                 impls["moeserve Engine, compiled decode"] = lambda n=new_tokens: ours(fast, n)
+                engines["moeserve Engine, compiled decode"] = fast
                 if torch.device(device).type == "cuda" and dtype == torch.bfloat16:  # the experts the other way
                     grouped = Engine.load(path, dtype=dtype, device=device, compile="on",
                                           plan=dataclasses.replace(fast.plan, grouped_mm=True, decode_grouped=True))
                     grouped.warm_up(batch)
                     impls[f"moeserve Engine, compiled decode, {GROUPED}"] = lambda n=new_tokens: ours(grouped, n)
+                    engines[f"moeserve Engine, compiled decode, {GROUPED}"] = grouped
             ids = prompts.to(device)
             for backend in backends:
                 hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend)
@@ -210,6 +213,8 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                        "p50_s": round(statistics.median(times[name]), 4),
                        "decode_tokens_per_s": round(decode_tps, 1),
                        "same_tokens": tokens[name] == tokens["moeserve Engine"]}
+                if name in engines:  # every run's decode tokens, warm-up's included: a compiled row's must replay
+                    row["decode_paths"] = dict(engines[name].decode_tokens)
                 if batch == 1:  # a decode step reads each weight once for one token: bandwidth-bound
                     row["weights_gb_per_s"] = round(weight_bytes * decode_tps / 1e9, 1)
                     row["pct_of_copy_bandwidth"] = round(100 * weight_bytes * decode_tps / 1e9 / bandwidth, 1)

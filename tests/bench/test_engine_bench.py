@@ -36,6 +36,8 @@ def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, devi
     assert ours["impl"] == "moeserve Engine" and theirs["impl"] == "transformers generate (eager)"
     assert ours["same_tokens"] and theirs["same_tokens"] and theirs["matching_prefix"] == batch * 6
     assert report["batch"] == batch and report["copy_bandwidth_gb_per_s"] > 0 and report["read_bandwidth_gb_per_s"] > 0
+    assert list(ours["decode_paths"]) == ["eager"] and ours["decode_paths"]["eager"] > 0  # no compiled step asked
+    assert "decode_paths" not in theirs
     text = markdown(report)
     plot(report, tmp_path / "engine.png")
     assert png_size(tmp_path / "engine.png") == (800, 450)
@@ -68,6 +70,7 @@ def test_compiled_decode_both_ways_on_cuda(small):
     rows = {r["impl"]: r for r in report["results"]}
     for impl in ("moeserve Engine, compiled decode", f"moeserve Engine, compiled decode, {GROUPED}"):
         assert 0 < rows[impl]["decode_tokens_per_s"] < float("inf"), impl
+        assert list(rows[impl]["decode_paths"]) == ["graph"], rows[impl]  # every decode token a replay
     assert report["plans"]["bfloat16"]["compile_s"] > 0
 
 

@@ -38,14 +38,15 @@ def hand_graph(*nodes: onnx.NodeProto) -> onnx.ModelProto:
 
 def test_operator_list_is_the_parsers_support_matrix():
     data = json.loads(OPS_FILE.read_text(encoding="utf-8"))
-    assert data["source"].startswith("https://github.com/onnx/onnx-tensorrt/blob/6d0ab7be")
-    assert data["tensorrt_version"] == "8.5" and data["max_opset"] == 17 and data["retrieved"]
-    assert data["supported"] == sorted(set(data["supported"])) and len(data["supported"]) == 142
+    assert data["source"].startswith("https://github.com/onnx/onnx-tensorrt/blob/96e78110")  # 10.1 GA
+    assert data["tensorrt_version"] == "10.1" and data["max_opset"] == 20 and data["retrieved"]
+    assert data["supported"] == sorted(set(data["supported"])) and len(data["supported"]) == 150
+    assert list(data["types"]) == data["supported"] and data["types"]["MatMul"] == ["FP32", "FP16", "BF16"]
     ops = supported_ops()
     assert {"MatMul", "Softmax", "TopK", "Gather", "Reshape", "Transpose", "Where", "Erf", "OneHot",
-            "ReduceMean", "Range", "Split"} <= ops
-    assert not ops & {"Unique", "SequenceAt", "LayerNormalization", "IsInf", "MatMulInteger"}  # N in 8.5
-    assert set(data["restrictions"]) <= ops and "initializer" in data["restrictions"]["TopK"]
+            "ReduceMean", "Range", "Split", "LayerNormalization", "IsInf"} <= ops  # the last two new since 8.5
+    assert not ops & {"Unique", "SequenceAt", "MatMulInteger", "DFT"}  # N in 10.1
+    assert set(data["restrictions"]) <= ops and "less than 3840" in data["restrictions"]["TopK"]  # K: 1..8 here
     ops.add("Unique")  # a copy: the cached list is untouched
     assert "Unique" not in supported_ops()
 
@@ -61,7 +62,11 @@ def test_unsupported_ops_names_custom_domains_and_unlisted_ops():
 
 @pytest.mark.parametrize("router", ROUTERS)
 def test_portable_graph_stays_inside_tensorrts_operators(router):
-    assert unsupported_ops(tiny_graph(router, "portable")) == []
+    graph = tiny_graph(router, "portable")
+    assert unsupported_ops(graph) == []
+    types = json.loads(OPS_FILE.read_text(encoding="utf-8"))["types"]
+    # a bf16 engine: every operator takes BF16, but the logical ones, which take BOOL only
+    assert {op for op in {n.op_type for n in graph.graph.node} if "BF16" not in types[op]} <= {"And", "Or", "Not"}
 
 
 def test_fused_graph_is_refused_before_any_tensorrt_work(tmp_path):
@@ -99,7 +104,7 @@ def test_missing_gpu_is_named(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(tensorrt_missing() is not None, reason=f"TensorRT engine build: {tensorrt_missing()}")
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_engine_matches_onnxruntime(tmp_path, precision):
     assert precision in TENSORRT_PRECISIONS
     torch.manual_seed(0)
