@@ -394,6 +394,11 @@ class Engine:
         if self.cfg.task != "lm":
             raise EngineError(f"{self.name} is a {self.cfg.task} model; scoring needs a language model")
         ids, mask = self._right_pad(rows)  # causal attention never reaches the padding
+        if hasattr(self.runner, "target_logprobs"):  # the head a few rows at a time: no [B, S, V] logits
+            with self._lock:
+                out = self.runner.target_logprobs(ids, mask, ids[:, 1:])
+            self.expert_load.add(out.aux)
+            return out.logits, mask[:, 1:]
         logits = self.run(ids, attention_mask=mask).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         return logp, mask[:, 1:]

@@ -29,7 +29,8 @@ from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
 from moeserve.runtime.routing import Routing
 
-ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
+ExpertsFactory = Callable[[int], nn.Module]
+HEAD_ROWS = 128  # rows of logits a scoring call holds at once (Transformer._target_logprobs)  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -293,7 +294,8 @@ class Transformer(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                cache: CacheRows | StepRows | None = None, last_only: bool = False) -> ModelOutput:
+                cache: CacheRows | StepRows | None = None, last_only: bool = False,
+                targets: Tensor | None = None) -> ModelOutput:
         """input_ids [B, S]. Without a cache: positions 0..S-1, and attention_mask [B, S] (1 real, 0 padding;
         padding is never attended to and never routed to an expert). With one: the tokens sit at
         `cache.positions` of their slots and attend to everything their sequence wrote before them.
@@ -301,7 +303,9 @@ class Transformer(nn.Module):
         nothing here waits for the device (with a cache the host has said where every row is).
         last_only: logits of each row's last token only, [B, 1, V] (a prefill needs no more).
         With StepRows (rows of any lengths, KVCache.step_rows): input_ids [1, T], the rows' tokens end to end in
-        `cache.order`, and the logits of each row's last token come back, [R, 1, V] in the rows' order."""
+        `cache.order`, and the logits of each row's last token come back, [R, 1, V] in the rows' order.
+        targets [B, T], T <= S (a language model, no cache; nanoGPT's way): `logits` is then log p(targets[b, t] |
+        input_ids[b, :t + 1]), [B, T] float32, from the head run a few rows at a time (_target_logprobs)."""
         B, S = input_ids.shape
         if (self.step_kernel is not None and isinstance(cache, CacheRows) and S == 1 and attention_mask is None
                 and not torch.is_grad_enabled()):
@@ -341,13 +345,32 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if self.cfg.task == "classify":
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
+        if targets is not None:
+            return ModelOutput(self._target_logprobs(x[:, :targets.shape[1]], targets), aux)
+        return ModelOutput(self._head(x), aux)
+
+    def _head(self, x: Tensor) -> Tensor:
+        """The LM head: normed hidden states [..., D] -> logits [..., V], packed or on the C kernel where laid out so."""
         if self.head_packed is not None and not torch.is_grad_enabled():
-            return ModelOutput(packed_linear(x, self.head_packed), aux)
+            return packed_linear(x, self.head_packed)
         if self.head_kernel and not torch.is_grad_enabled() and x.dtype == self.tok_embeddings.weight.dtype:
-            return ModelOutput(cpu_kernel.linear(x, self.tok_embeddings.weight), aux)
+            return cpu_kernel.linear(x, self.tok_embeddings.weight)
         if self.cfg.tie_embeddings:
-            return ModelOutput(F.linear(x, self.tok_embeddings.weight), aux)
-        return ModelOutput(self.output(x), aux)
+            return F.linear(x, self.tok_embeddings.weight)
+        return self.output(x)
+
+    def _target_logprobs(self, x_BTD: Tensor, targets_BT: Tensor) -> Tensor:
+        """log p(targets) [B, T] float32: the head and log-softmax over HEAD_ROWS rows at a time. Whole, a batch of
+        16,384 tokens of a 32,000-token vocabulary holds 2.1 GB of logits and as much again of their log-softmax,
+        allocated afresh (and page-faulted in) by every batch; a chunk's 16 MB stays in the allocator's reach.
+        Each row's numbers are those of the whole batch's log_softmax: the chunks only split the rows."""
+        B, T, D = x_BTD.shape
+        x_ND, t_N = x_BTD.reshape(-1, D), targets_BT.reshape(-1, 1)
+        out = torch.empty(B * T, dtype=torch.float32, device=x_BTD.device)
+        for a in range(0, B * T, HEAD_ROWS):
+            logp = torch.log_softmax(self._head(x_ND[a:a + HEAD_ROWS]).float(), dim=-1)
+            out[a:a + HEAD_ROWS] = logp.gather(-1, t_N[a:a + HEAD_ROWS])[:, 0]
+        return out.view(B, T)
 
     def decode_step(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
         """One token a row, row b's ids_B[b] at positions[b] of slot slots[b], on the kernel's whole-step call

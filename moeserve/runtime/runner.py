@@ -1,6 +1,7 @@
 """The model-runner seam: the few calls the Engine makes into a model, whatever runs it.
 
     forward(ids, mask)                    a whole batch, no cache (scoring, classification, routes)
+    target_logprobs(ids, mask, targets)   optional: forward's log p of `targets` only, [B, T] (scoring)
     new_cache(slots, max_len)             room for `slots` sequences of up to `max_len` positions
     prefill(cache, slot, ids, start)      a sequence's tokens start.. written into its slot (logits of
                                           the last at least; of every one with all_logits=True)
@@ -72,6 +73,10 @@ class TorchRunner:
 
     def forward(self, ids: Tensor, attention_mask: Tensor | None = None) -> ModelOutput:
         return self.model(ids, attention_mask=attention_mask)
+
+    def target_logprobs(self, ids: Tensor, attention_mask: Tensor | None, targets: Tensor) -> ModelOutput:
+        """forward whose `logits` are log p(targets) [B, T] (Transformer.forward's targets): no [B, S, V] logits."""
+        return self.model(ids, attention_mask=attention_mask, targets=targets)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         if not self.compiled:

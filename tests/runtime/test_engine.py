@@ -243,3 +243,24 @@ def test_run_never_records_a_graph():
     assert out.logits.is_inference() and not out.logits.requires_grad
     torch.testing.assert_close(out.logits.float(), engine.forward(torch.tensor([engine.encode("def f(x):")])),
                                atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scoring_runs_the_head_a_few_rows_at_a_time(dtype, monkeypatch):
+    """Scores come from the head and log-softmax over HEAD_ROWS rows at a time, never the batch's [B, S, V] logits,
+    with each token's log-probability exactly that of the whole logits' log-softmax (the chunks split rows only)."""
+    from moeserve.runtime import model as model_mod
+
+    monkeypatch.setattr(model_mod, "HEAD_ROWS", 7)
+    engine = make_engine(dtype=dtype)
+    rows = [engine.encode(p) for p in PROMPTS]
+    seen = []
+    head = engine.model._head
+    monkeypatch.setattr(engine.model, "_head", lambda x: seen.append(x.shape[0]) or head(x))
+    got = engine.token_logprobs_ids(rows)
+    assert seen and max(seen) == 7 and sum(seen) == len(rows) * (max(map(len, rows)) - 1)
+    ids, mask = engine._right_pad(rows)
+    with torch.inference_mode():
+        logits = engine.model(ids, attention_mask=mask).logits  # the whole batch's, as scoring computed them before
+    want = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert got == [lp[:len(r) - 1] for lp, r in zip(want.tolist(), rows)]
