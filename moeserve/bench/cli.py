@@ -82,6 +82,24 @@ def add_bench(sub, calibrate_help: str) -> None:
     bg.add_argument("--skip-tests", action="store_true", help="leave out the cuda tests")
     _report_files(bg, "batch 1's tokens/s by implementation, as a PNG (needs matplotlib: the bench extra)")
     bg.set_defaults(func=_main("moeserve.bench.gpu"))
+    bsc = bsub.add_parser("score", help="batch scoring: moeserve score from a cold process and a warm engine, beside "
+                          "llama.cpp's perplexity tool", description="Score records of about --tokens tokens (cut "
+                          "from the built-in corpus) with `moeserve score` in a child process, timed by wall clock "
+                          "from its start, and with Engine.score_ids in this process after one untimed pass; with "
+                          "llama.cpp's llama-perplexity and a GGUF of the same weights, it too on the same text.")
+    bsc.add_argument("--checkpoint", type=Path, help="a language model (default: the built-in default model)")
+    bsc.add_argument("--dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"),
+                     help="(default: float32)")
+    bsc.add_argument("--records", type=int, default=16, metavar="N", help="records (default: 16)")
+    bsc.add_argument("--tokens", type=int, default=512, metavar="T", help="tokens per record (default: 512)")
+    bsc.add_argument("--repeats", type=int, default=2, metavar="R", help="timed warm passes, median (default: 2)")
+    bsc.add_argument("--threads", type=int, metavar="N", help="threads of every side (default: torch's)")
+    bsc.add_argument("--llama-perplexity", metavar="PATH", help="llama.cpp's perplexity tool (default: "
+                     "llama-perplexity on PATH, if any)")
+    bsc.add_argument("--gguf", nargs="+", metavar="DTYPE=FILE", help="the same weights as GGUF, per dtype, e.g. "
+                     "float32=mix-f32.gguf bfloat16=mix-bf16.gguf (convert_hf_to_gguf.py --outtype f32 / bf16)")
+    _report_files(bsc)
+    bsc.set_defaults(func=_main("moeserve.bench.score"))
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
                          description="Export a checkpoint in each ONNX mode (parity-checked) and time the scoring "
                          "forward (ids -> logits) of the torch Engine in fp32 and of each export on ONNX Runtime's "

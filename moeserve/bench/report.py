@@ -16,7 +16,8 @@ from moeserve.runtime.device import machine
 # bench name -> the module that renders its reports: markdown(report) and plot(report, path)
 MODULES = {"train": "moeserve.bench.train", "layer": "moeserve.bench.layer", "engine": "moeserve.bench.engine",
            "onnx": "moeserve.bench.onnx", "http": "moeserve.bench.http_report", "serve": "moeserve.bench.serve_report",
-           "shards": "moeserve.bench.shards", "gpu": "moeserve.bench.gpu"}
+           "shards": "moeserve.bench.shards", "gpu": "moeserve.bench.gpu",
+           "score": "moeserve.bench.score"}
 
 
 class BenchError(ValueError):

@@ -1,0 +1,198 @@
+"""`moeserve bench score`: batch scoring's tokens per second from a cold process and from a warm engine, beside
+llama.cpp's perplexity tool on the same weights where it is installed, in one run.
+
+Every `moeserve score` run is a fresh process, so the number a user meets is the cold one: import, load, the first
+batch. It is timed as a user runs it (`moeserve score CHECKPOINT --input F --output G`, a child process, wall
+clock); the warm engine is the same rows through `Engine.score_ids` in this process after one untimed pass. The
+two should be close: a cold run within 1.3x of a warm one is the goal (issue 44).
+
+llama.cpp's `llama-perplexity -m MODEL.gguf -f TEXT -c 512 -b 2048 -t THREADS` evaluates the same text in
+512-token windows (its own tokenizer, so its token count is its own); it is timed by wall clock too, from its
+start, model load included. Without the binary or a GGUF for a dtype, the command to run is reported instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moeserve.bench.report import BenchError, check_plot, finish
+from moeserve.runtime.device import machine
+from moeserve.runtime.engine import Engine
+
+
+def records(engine: Engine, n: int, tokens: int) -> list[str]:
+    """`n` texts of about `tokens` tokens each (this engine's tokenizer), consecutive lines of the built-in corpus
+    (the standard library's source)."""
+    from moeserve.bench.serve import corpus_text
+
+    lines = corpus_text(400 * n * tokens // 100 + 100_000).splitlines(keepends=True)
+    out, cur, i = [], [], 0
+    while len(out) < n:
+        if i == len(lines):
+            raise BenchError(f"the built-in corpus has fewer than {n} records of {tokens} tokens")
+        cur.append(lines[i])
+        i += 1
+        if len(engine.encode("".join(cur), any_length=True)) >= tokens - 2:
+            out.append("".join(cur))
+            cur = []
+    return out
+
+
+def parse_llama_perplexity(log: str) -> dict:
+    """Tokens and milliseconds of llama.cpp's prompt evaluation, from its perf line (stderr), e.g.
+    `llama_perf_context_print: prompt eval time =   78012.34 ms /  7680 tokens (...)`."""
+    m = re.search(r"prompt eval time\s*=\s*([\d.]+)\s*ms\s*/\s*(\d+)\s*tokens", log)
+    if m is None:
+        raise BenchError("llama-perplexity printed no 'prompt eval time = ... ms / N tokens' line")
+    return {"eval_ms": float(m.group(1)), "tokens": int(m.group(2))}
+
+
+def cold_score(checkpoint: Path, input_path: Path, dtype: str, threads: int | None) -> dict:
+    """`moeserve score` in a child process, timed from its start to its exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "scores.jsonl"
+        cmd = [sys.executable, "-m", "moeserve.cli", "score", str(checkpoint), "--input", str(input_path),
+               "--output", str(out), "--dtype", dtype, "--quiet"]
+        env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise BenchError(f"moeserve score exited {proc.returncode}: {proc.stderr.strip()[-1000:]}")
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return {"seconds": round(seconds, 2), "logprobs": [r["logprob"] for r in lines],
+            "command": " ".join(["moeserve", *cmd[3:]])}
+
+
+def llama_perplexity(binary: str, gguf: Path, text: Path, threads: int) -> dict:
+    cmd = [binary, "-m", str(gguf), "-f", str(text), "-c", "512", "-b", "2048", "-t", str(threads)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-1000:]}")
+    return {"seconds": round(seconds, 2), **parse_llama_perplexity(proc.stderr + proc.stdout), "command": " ".join(cmd)}
+
+
+def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens: int = 512, repeats: int = 2,
+                threads: int | None = None, llama: str | None = None, gguf: dict[str, Path] | None = None,
+                progress=print) -> dict:
+    threads = threads or torch.get_num_threads()
+    llama = llama or shutil.which("llama-perplexity")
+    rows, skipped = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in dtypes:
+            progress(f"{dtype}: loading a warm engine ...")
+            engine = Engine.load(checkpoint, dtype=dtype, device="cpu")
+            if engine.tokenizer is None:
+                raise BenchError(f"{checkpoint} has no tokenizer: scoring text needs one")
+            texts = records(engine, n_records, tokens)
+            input_path, text_path = Path(tmp) / f"score-{dtype}.jsonl", Path(tmp) / f"score-{dtype}.txt"
+            input_path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+            text_path.write_text("".join(texts))
+            ids = [engine.encode(t, any_length=True) for t in texts]
+            n_tokens = sum(map(len, ids))
+            engine.score_ids(ids)  # untimed: the warm engine's first pass
+            warm = []
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                scores = engine.score_ids(ids)
+                warm.append(time.perf_counter() - t0)
+            warm_s = statistics.median(warm)
+            del engine
+            progress(f"{dtype}: moeserve score from a cold process ...")
+            cold = cold_score(checkpoint, input_path, dtype, threads)
+            same = max(abs(a - b.logprob) for a, b in zip(cold.pop("logprobs"), scores))
+            row = {"dtype": dtype, "records": n_records, "tokens": n_tokens, "warm_s": round(warm_s, 2),
+                   "warm_tokens_per_s": round(n_tokens / warm_s, 1), "cold_s": cold["seconds"],
+                   "cold_tokens_per_s": round(n_tokens / cold["seconds"], 1),
+                   "cold_over_warm": round(cold["seconds"] / warm_s, 2), "max_logprob_diff": same,
+                   "cold_command": cold["command"]}
+            model = (gguf or {}).get(dtype)
+            if llama and model:
+                progress(f"{dtype}: llama-perplexity ...")
+                ll = llama_perplexity(llama, model, text_path, threads)
+                row |= {"llama_s": ll["seconds"], "llama_tokens": ll["tokens"],
+                        "llama_tokens_per_s": round(ll["tokens"] / ll["seconds"], 1),
+                        "llama_eval_tokens_per_s": round(ll["tokens"] / ll["eval_ms"] * 1e3, 1),
+                        "cold_over_llama": round(n_tokens / cold["seconds"] / (ll["tokens"] / ll["seconds"]), 2),
+                        "llama_command": ll["command"]}
+            else:
+                why = "no llama-perplexity (--llama-perplexity or on PATH)" if not llama else f"no --gguf {dtype}=FILE"
+                skipped[dtype] = (f"llama.cpp: {why}; run `llama-perplexity -m MODEL-{dtype}.gguf -f TEXT -c 512 -b "
+                                  f"2048 -t {threads}` on the same weights (convert_hf_to_gguf.py --outtype "
+                                  f"{'f32' if dtype == 'float32' else 'bf16'})")
+            rows.append(row)
+    return {"checkpoint": str(checkpoint), "threads": threads, "records": n_records, "tokens_per_record": tokens,
+            "repeats": repeats, "machine": machine(), "results": rows, "skipped": skipped}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"checkpoint: {report['checkpoint']}, {report['records']} records of ~{report['tokens_per_record']} "
+             f"tokens, {report['threads']} threads", "",
+             "| dtype | tokens | warm engine tokens/s | moeserve score (cold) tokens/s | cold / warm time | "
+             "llama-perplexity tokens/s (wall) | moeserve cold / llama.cpp |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["results"]:
+        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['warm_tokens_per_s']} | {r['cold_tokens_per_s']} | "
+                     f"{r['cold_over_warm']}x | {r.get('llama_tokens_per_s', '-')} | "
+                     f"{r.get('cold_over_llama', '-')}{'x' if 'cold_over_llama' in r else ''} |")
+    lines += [""] + [f"skipped {d}: {why}" for d, why in report["skipped"].items()]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    from moeserve.bench.plots import bars, pyplot, save
+
+    rows = report["results"]
+    dtypes = [r["dtype"] for r in rows]
+    series = {"warm engine": [r["warm_tokens_per_s"] for r in rows],
+              "moeserve score (cold)": [r["cold_tokens_per_s"] for r in rows],
+              "llama-perplexity": [r.get("llama_tokens_per_s") for r in rows]}
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
+    bars(ax, dtypes, series, "tokens/s", f"{report['records']} records of ~{report['tokens_per_record']} tokens")
+    save(fig, path, f"moeserve bench score: {Path(report['checkpoint']).name}")
+
+
+def _gguf(values: list[str]) -> dict[str, Path]:
+    out = {}
+    for v in values:
+        dtype, sep, file = v.partition("=")
+        if not sep or dtype not in ("float32", "bfloat16") or not file:
+            raise BenchError(f"--gguf {v!r}: expected DTYPE=FILE with DTYPE float32 or bfloat16")
+        if not Path(file).is_file():
+            raise BenchError(f"--gguf {v!r}: no such file")
+        out[dtype] = Path(file)
+    return out
+
+
+def main(args) -> int:
+    try:
+        check_plot(args)
+        if args.llama_perplexity and not (shutil.which(args.llama_perplexity) or Path(args.llama_perplexity).is_file()):
+            raise BenchError(f"--llama-perplexity {args.llama_perplexity}: not found")
+        checkpoint = args.checkpoint
+        if checkpoint is None:
+            from moeserve.training.default_model import default_model_path
+
+            checkpoint = default_model_path(progress=True)
+        report = bench_score(checkpoint, args.dtypes, args.records, args.tokens, args.repeats, args.threads,
+                             args.llama_perplexity, _gguf(args.gguf or []),
+                             progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except BenchError as e:
+        print(f"moeserve bench score: {e}", file=sys.stderr)
+        return 2
+    print(markdown(report))
+    finish(report, args, "score")
+    return 0

@@ -1,0 +1,60 @@
+"""`moeserve bench score`: a real `moeserve score` child process against a warm engine on the same records, the
+report and its refusals; llama.cpp's perf line parsed as it prints it (the tool itself is not installed here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeserve.bench.report import BenchError
+from moeserve.bench.score import _gguf, bench_score, markdown, parse_llama_perplexity
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.runtime.model import Transformer
+
+LLAMA_TAIL = """[1]14.5091,[2]12.8163,[3]13.1018,
+Final estimate: PPL = 13.1018 +/- 0.51234
+llama_perf_context_print:        load time =     812.44 ms
+llama_perf_context_print: prompt eval time =   78012.34 ms /  7680 tokens (   10.16 ms per token,    98.45 tokens per second)
+llama_perf_context_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", max_seq_len=128))
+    return save_checkpoint(tmp_path_factory.mktemp("score-bench") / "tiny", model.cfg, model.state_dict())
+
+
+def test_llama_perplexity_perf_line_is_parsed():
+    assert parse_llama_perplexity(LLAMA_TAIL) == {"eval_ms": 78012.34, "tokens": 7680}
+    with pytest.raises(BenchError, match="no 'prompt eval time"):
+        parse_llama_perplexity("Final estimate: PPL = 13.1\n")
+
+
+def test_cold_process_and_warm_engine_score_the_same_records(checkpoint, tmp_path):
+    report = bench_score(checkpoint, ["float32"], n_records=3, tokens=40, repeats=1, threads=1,
+                         progress=lambda msg: None)
+    (row,) = report["results"]
+    assert row["records"] == 3 and row["tokens"] >= 3 * 38
+    assert row["max_logprob_diff"] <= 1e-3  # the child's scores are the warm engine's
+    assert row["cold_s"] > 0 and row["warm_s"] > 0
+    assert row["cold_tokens_per_s"] == round(row["tokens"] / row["cold_s"], 1)
+    assert row["cold_command"].startswith(f"moeserve score {checkpoint} --input ")
+    assert "llama_tokens_per_s" not in row and "llama-perplexity -m MODEL-float32.gguf" in report["skipped"]["float32"]
+    page = markdown(report)
+    assert f"| float32 | {row['tokens']} | {row['warm_tokens_per_s']} | {row['cold_tokens_per_s']} |" in page
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(BenchError, match="expected DTYPE=FILE"):
+        _gguf(["f32.gguf"])
+    with pytest.raises(BenchError, match="no such file"):
+        _gguf([f"float32={tmp_path / 'none.gguf'}"])
+    p = subprocess.run([sys.executable, "-m", "moeserve.cli", "bench", "score", "--llama-perplexity",
+                        str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--llama-perplexity" in p.stderr and "not found" in p.stderr
