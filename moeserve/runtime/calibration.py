@@ -59,13 +59,19 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 7  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 8  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
 # ahead at 128, 10% behind at 1024), so the ladder must reach the regime where the GEMMs dominate.
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DENSE_TOKENS = (1, 16, 128)
+# Where the C kernel was chosen, it and torch's GEMMs on the same plain weights are timed again at a prompt's or a
+# scoring batch's row counts: the kernel's lead at a few tokens turned at a few hundred (644M Mixtral, fp32, Zen 4:
+# experts 173 against 146 ms at 512 tokens, 708 against 437 at 2048), so past the crossover the kernel's layers run
+# torch's GEMMs (DispatchPlan.kernel_max_tokens): 1.6x the tokens/s of a 16-record scoring batch.
+LARGE_TOKENS = (1024, 2048)
+LARGE_DENSE_TOKENS = (512, 2048)
 COUNT_S = 0.1  # each count is timed for about this long, and at least MIN_ROUNDS rounds
 # A model's decode step reads each weight once, from memory, not from a cache: consecutive calls of a
 # measurement go to different weights (dense) and different experts (MoE), cycling through about this many
@@ -112,6 +118,10 @@ class DispatchPlan:
     kernel_dense: bool = False  # the other linear maps too (never with pack_dense)
     kernel_norms: bool = False  # RMSNorm and decode attention on the C kernel, whatever the GEMMs' layout
     decode_grouped: bool = False  # a compiled decode step's experts: one grouped_mm call, not indexed per token
+    # more tokens than this in one call: the C kernel's experts (dense layers) run torch's GEMMs on the same plain
+    # weights, faster there (None: the kernel at every count)
+    kernel_max_tokens: int | None = None
+    dense_kernel_max_tokens: int | None = None
 
     def describe(self) -> str:
         grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
@@ -120,6 +130,8 @@ class DispatchPlan:
                 f"token{'s' if self.gather_max != 1 else ''} then {grouped}; dense layers "
                 f"{'packed' if self.pack_dense else 'C kernel' if self.kernel_dense else 'plain'}"
                 f"{'; norms and decode attention C kernel' if self.kernel_norms else ''}"
+                f"{f'; torch GEMMs past {self.kernel_max_tokens} tokens (experts)' if self.kernel_experts and self.kernel_max_tokens is not None else ''}"
+                f"{f', {self.dense_kernel_max_tokens} (dense)' if self.kernel_dense and self.dense_kernel_max_tokens is not None else ''}"
                 f"{'; compiled decode: grouped_mm' if self.decode_grouped else ''} ({self.source})")
 
 
@@ -241,6 +253,14 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
             for n, t in ms.items():
                 timings[n][T] = t
         timings.update(_dense_timings(D, dtype, g, COUNT_S))
+        if "kernel" in layouts:  # the kernel against torch's GEMMs where a prompt or a scoring batch runs
+            for T in LARGE_TOKENS:
+                r = _routing(shape, T, dtype, g)
+                ms = _median_ms({n: (lambda w=w: moe_grouped(*r, w))
+                                 for n, w in (("large/kernel", layouts["kernel"]), ("large/plain", layouts["plain"]))},
+                                0.0)
+                for n, t in ms.items():
+                    timings.setdefault(n, {})[T] = t
     return choose(timings, skipped)
 
 
@@ -272,6 +292,13 @@ def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: flo
                         min_time)
         for n, t in ms.items():
             out[n][T] = t
+    if "linear/kernel" in layouts:  # at a prompt's row counts, the kernel against torch's GEMM only
+        for T in LARGE_DENSE_TOKENS:
+            x = torch.randn(T, D, generator=g).to(dtype)
+            ms = _median_ms({f"large-{n}": lambda fn=fn, ws=itertools.cycle(ws): fn(x, next(ws))
+                             for n, (fn, ws) in layouts.items() if n in ("linear/kernel", "linear/plain")}, min_time)
+            for n, t in ms.items():
+                out.setdefault(n, {})[T] = t
     return out
 
 
@@ -320,7 +347,7 @@ def _fails(fn: Callable[[], object]) -> str | None:
 def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None = None) -> DispatchPlan:
     """The plan from measured times (module docstring): pure, so that tests can hand it any timings."""
     counts = sorted(timings["gather/plain"])
-    expert = [n for n in timings if not n.startswith("linear/")]
+    expert = [n for n in timings if not n.startswith(("linear/", "large"))]
     best = {T: min(timings[n][T] for n in expert) for T in counts}
     scores: dict[str, tuple[float, int]] = {}
     for name, (gather, grouped, _, _) in CONFIGS.items():
@@ -357,8 +384,35 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
         reason += "; norms and decode attention on the C kernel"
     if skipped:
         reason += "; not candidates: " + "; ".join(f"{n}: {why}" for n, why in skipped.items())
+    limit = dense_limit = None
+    if kernel_experts:
+        limit = kernel_limit({**timings["grouped/kernel"], **timings.get("large/kernel", {})},
+                             {**timings["grouped/plain"], **timings.get("large/plain", {})})
+        if limit is not None:
+            reason += f"; experts on torch's GEMMs past {limit} tokens (faster at every count above)"
+    if dense == "kernel":
+        dense_limit = kernel_limit({**timings["linear/kernel"], **timings.get("large-linear/kernel", {})},
+                                   {**timings["linear/plain"], **timings.get("large-linear/plain", {})})
+        if dense_limit is not None:
+            reason += f"; dense layers on torch's GEMM past {dense_limit} rows"
     return DispatchPlan(dense == "packed", pack_experts, grouped_mm, gather_max, "measured", reason, timings,
-                        kernel_experts=kernel_experts, kernel_dense=dense == "kernel", kernel_norms=kernel_norms)
+                        kernel_experts=kernel_experts, kernel_dense=dense == "kernel", kernel_norms=kernel_norms,
+                        kernel_max_tokens=limit, dense_kernel_max_tokens=dense_limit)
+
+
+def kernel_limit(kernel: dict[int, float], plain: dict[int, float]) -> int | None:
+    """The most tokens at which the C kernel still runs: the count below the smallest one from which torch's GEMMs
+    are faster at every larger count measured (0: at every count); None where the kernel wins at the largest."""
+    counts = sorted(set(kernel) & set(plain))
+    first = None
+    for T in reversed(counts):
+        if plain[T] >= kernel[T]:
+            break
+        first = T
+    if first is None:
+        return None
+    i = counts.index(first)
+    return counts[i - 1] if i > 0 else 0
 
 
 def per_token_ratio(a: dict[int, float], b: dict[int, float]) -> float:

@@ -133,9 +133,11 @@ class KernelLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight = linear.weight
+        self.max_rows: int | None = None  # more rows: torch's GEMM, faster there (DispatchPlan.dense_kernel_max_tokens)
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.dtype not in DTYPES:
+        if (torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.dtype not in DTYPES
+                or (self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1])):
             return F.linear(x, self.weight)
         return linear(x, self.weight)
 

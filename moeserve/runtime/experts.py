@@ -160,6 +160,7 @@ class InferenceWeights:
     sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
     decode_grouped: bool = False  # a compiled decode step's experts: moe_grouped's grouped_mm, not moe_indexed
     fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # w1 / w3 / w2 as they lie, on the C kernel
+    kernel_max_tokens: int | None = None  # past this many tokens the kernel's layer runs torch's GEMMs (moe_sorted)
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
 
@@ -329,7 +330,8 @@ class Experts(nn.Module):
     @torch.no_grad()
     def prepare_inference(self, pack: bool | None = None, grouped_mm: bool | None = None,
                           gather_max: int | None = None, sync_free: bool | None = None,
-                          kernel: bool = False, decode_grouped: bool = False) -> InferenceWeights:
+                          kernel: bool = False, decode_grouped: bool = False,
+                          kernel_max_tokens: int | None = None) -> InferenceWeights:
         """Build the inference layout from the current weights (again after any weight change).
         pack=None: oneDNN packing where available; grouped_mm=None and sync_free=None: on CUDA only;
         kernel: plain weights run by the C kernel (cpu_kernel.py), where the calibration measured it faster;
@@ -344,6 +346,7 @@ class Experts(nn.Module):
                              f"grouped_mm={grouped_mm}, kernel={kernel} and {str(dtype).removeprefix('torch.')}")
         self.inference = fuse_expert_weights(self.w1, self.w2, self.w3, self.act, pack, grouped_mm, sync_free, kernel)
         self.inference.decode_grouped = decode_grouped
+        self.inference.kernel_max_tokens = kernel_max_tokens if kernel else None
         if gather_max is not None:
             self.inference.gather_max = gather_max
         return self.inference
@@ -354,6 +357,8 @@ class Experts(nn.Module):
             return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
         if torch.compiler.is_compiling():  # a compiled decode step (compiled.py): fixed shapes, no host sync
             return (moe_grouped if w.decode_grouped else moe_indexed)(x_TD, expert_ids_TK, gates_TK, w)
+        if w.kernel_max_tokens is not None and x_TD.shape[0] > w.kernel_max_tokens:  # the kernel's weights, as they
+            return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3)  # lie, on torch's GEMMs
         if x_TD.shape[0] <= w.gather_max:
             return (moe_indexed if w.sync_free else moe_gather)(x_TD, expert_ids_TK, gates_TK, w)
         return moe_grouped(x_TD, expert_ids_TK, gates_TK, w)

@@ -183,6 +183,7 @@ class Transformer(nn.Module):
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_packed: Tensor | None = None  # tied LM head, packed by prepare_inference
         self.head_kernel = False  # tied LM head run by cpu_kernel.linear (prepare_inference)
+        self.head_kernel_max_rows: int | None = None  # past this many rows, torch's GEMM instead
         self.step_kernel: KernelDecodeStep | None = None  # a whole decode step in one C call (prepare_inference)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -237,7 +238,8 @@ class Transformer(nn.Module):
         plan = plan or default_plan(w.device, w.dtype)
         for layer in self.moe_layers:
             layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
-                                    kernel=plan.kernel_experts, decode_grouped=plan.decode_grouped)
+                                    kernel=plan.kernel_experts, decode_grouped=plan.decode_grouped,
+                                    kernel_max_tokens=plan.kernel_max_tokens)
         self.head_packed, self.head_kernel = None, False
         tied = self.cfg.task == "lm" and self.cfg.tie_embeddings
         unpack_linears_(self)
@@ -250,7 +252,11 @@ class Transformer(nn.Module):
                 raise cpu_kernel.KernelError(f"the plan runs dense layers on the CPU kernel, which is not available "
                                              f"here: {cpu_kernel.unavailable_reason()}")
             wrap_linears_(self, KernelLinear)
+            for m in self.modules():
+                if isinstance(m, KernelLinear):
+                    m.max_rows = plan.dense_kernel_max_tokens
             self.head_kernel = tied
+        self.head_kernel_max_rows = plan.dense_kernel_max_tokens
         if plan.kernel_norms and not cpu_kernel.available():
             raise cpu_kernel.KernelError(f"the plan runs norms and decode attention on the CPU kernel, which is not "
                                          f"available here: {cpu_kernel.unavailable_reason()}")
@@ -353,7 +359,8 @@ class Transformer(nn.Module):
         """The LM head: normed hidden states [..., D] -> logits [..., V], packed or on the C kernel where laid out so."""
         if self.head_packed is not None and not torch.is_grad_enabled():
             return packed_linear(x, self.head_packed)
-        if self.head_kernel and not torch.is_grad_enabled() and x.dtype == self.tok_embeddings.weight.dtype:
+        if (self.head_kernel and not torch.is_grad_enabled() and x.dtype == self.tok_embeddings.weight.dtype
+                and (self.head_kernel_max_rows is None or x.numel() <= self.head_kernel_max_rows * x.shape[-1])):
             return cpu_kernel.linear(x, self.tok_embeddings.weight)
         if self.cfg.tie_embeddings:
             return F.linear(x, self.tok_embeddings.weight)

@@ -92,6 +92,31 @@ def test_the_kernel_fast_at_decode_wins_over_packing_fast_at_prefill():
     assert plan.kernel_experts and not plan.pack_experts and plan.gather_max == 0
     assert plan.reason.startswith("experts kernel: 1.05x the best time per token") and "packed 1.23x" in plan.reason
     assert cal.per_token_ratio(t["grouped/packed"], t["grouped/kernel"]) == pytest.approx(1.178, abs=1e-3)
+    # plain torch GEMMs on the same weights beat the kernel from 256 tokens on (74.63 against 76.69 ms): past 128
+    # tokens the kernel's layers run them (no dense kernel here: nothing said of dense rows)
+    assert plan.kernel_max_tokens == 128 and plan.dense_kernel_max_tokens is None
+    assert "experts on torch's GEMMs past 128 tokens" in plan.reason
+    assert "torch GEMMs past 128 tokens (experts)" in plan.describe()
+    t["large/kernel"], t["large/plain"] = {1024: 400.0, 2048: 900.0}, {1024: 300.0, 2048: 500.0}
+    assert choose(t).kernel_max_tokens == 128  # still losing at a scoring batch's counts
+    t["large/kernel"][2048] = 450.0  # the kernel ahead again at the largest: it keeps every count
+    assert choose(t).kernel_max_tokens is None
+
+
+def test_kernel_limit_is_where_torch_wins_every_larger_count():
+    k = {1: 1.0, 16: 2.0, 128: 10.0, 512: 40.0, 2048: 200.0}
+    assert cal.kernel_limit(k, {T: 2 * ms for T, ms in k.items()}) is None  # the kernel everywhere
+    assert cal.kernel_limit(k, {1: 2.0, 16: 4.0, 128: 9.0, 512: 30.0, 2048: 150.0}) == 16
+    assert cal.kernel_limit(k, {1: 2.0, 16: 1.0, 128: 20.0, 512: 30.0, 2048: 150.0}) == 128  # an early win: no
+    assert cal.kernel_limit(k, {T: ms / 2 for T, ms in k.items()}) == 0  # torch at every count
+    # dense rows: the kernel past its limit hands over to torch's GEMM
+    t = timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 2, 2, 2],
+                gather__kernel=[0.5, 1, 2, 4, 8], grouped__kernel=[1, 1, 1, 1, 1])
+    t["linear/plain"], t["linear/kernel"] = {1: 1.0, 16: 2.0, 128: 5.0}, {1: 0.3, 16: 1.0, 128: 4.0}
+    t["large-linear/plain"], t["large-linear/kernel"] = {512: 10.0, 2048: 40.0}, {512: 12.0, 2048: 60.0}
+    plan = choose(t)
+    assert plan.kernel_experts and plan.kernel_dense and plan.dense_kernel_max_tokens == 128
+    assert plan.kernel_max_tokens is None and "dense layers on torch's GEMM past 128 rows" in plan.reason
 
 
 def test_within_two_percent_the_simpler_configuration_is_kept():

@@ -7,6 +7,7 @@ gives the plain model's logits and tokens, alone and in a batch."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -280,6 +281,28 @@ def test_a_model_on_the_kernel_gives_the_plain_models_logits_and_tokens(engines)
     with torch.no_grad():
         torch.testing.assert_close(kern.model(ids).logits, plain.model(ids).logits, atol=1e-4, rtol=0)
     assert kern.generate(PROMPTS, max_new_tokens=16) == plain.generate(PROMPTS, max_new_tokens=16)
+
+
+@requires_kernel
+def test_past_the_kernels_limits_the_same_weights_run_torchs_gemms(engines, monkeypatch):
+    """kernel_max_tokens / dense_kernel_max_tokens: a call of more tokens runs torch's GEMMs on the weights the
+    kernel reads (no copy), a call of as many or fewer the kernel; the logits are the kernel's within 1e-4."""
+    plain, kern = engines
+    limited = Engine.from_model(make_engine("softmax").model, ByteTokenizer(),
+                                plan=dataclasses.replace(KERNEL_PLAN, kernel_max_tokens=4, dense_kernel_max_tokens=4))
+    assert "torch GEMMs past 4 tokens (experts), 4 (dense)" in limited.plan.describe()
+    calls = {"moe": 0, "linear": 0}
+    moe, linear = cpu_kernel.KernelExperts.moe, cpu_kernel.linear
+    monkeypatch.setattr(cpu_kernel.KernelExperts, "moe", lambda *a: calls.__setitem__("moe", calls["moe"] + 1) or moe(*a))
+    monkeypatch.setattr(cpu_kernel, "linear", lambda *a: calls.__setitem__("linear", calls["linear"] + 1) or linear(*a))
+    for n_tokens, on_kernel in ((4, True), (9, False)):
+        ids = torch.tensor([plain.encode("def f(x):\n    return x")[:n_tokens]])
+        calls.update(moe=0, linear=0)
+        with torch.inference_mode():
+            got = limited.model(ids).logits
+        assert (calls["moe"] > 0, calls["linear"] > 0) == (on_kernel, on_kernel), (n_tokens, calls)
+        with torch.inference_mode():
+            torch.testing.assert_close(got, kern.model(ids).logits, atol=1e-4, rtol=0)
 
 
 @requires_kernel
