@@ -7,8 +7,10 @@ clock); the warm engine is the same rows through `Engine.score_ids` in this proc
 two should be close: a cold run within 1.3x of a warm one is the goal (issue 44).
 
 llama.cpp's `llama-perplexity -m MODEL.gguf -f TEXT -c 512 -b 2048 -t THREADS` evaluates the same text in
-512-token windows (its own tokenizer, so its token count is its own); it is timed by wall clock too, from its
-start, model load included. Without the binary or a GGUF for a dtype, the command to run is reported instead.
+512-token windows, timed by wall clock too, from its start, model load included. It tokenizes the text itself:
+a GGUF's vocabulary converted from the same SentencePiece model may cut it into other tokens, so each side's
+tokens/s counts its own tokens, and the text's bytes per second compare the two end to end. Without the binary
+or a GGUF for a dtype, the command to run is reported instead.
 """
 
 from __future__ import annotations
@@ -49,13 +51,13 @@ def records(engine: Engine, n: int, tokens: int) -> list[str]:
     return out
 
 
-def parse_llama_perplexity(log: str) -> dict:
-    """Tokens and milliseconds of llama.cpp's prompt evaluation, from its perf line (stderr), e.g.
-    `llama_perf_context_print: prompt eval time =   78012.34 ms /  7680 tokens (...)`."""
-    m = re.search(r"prompt eval time\s*=\s*([\d.]+)\s*ms\s*/\s*(\d+)\s*tokens", log)
+def parse_llama_perplexity(log: str) -> int:
+    """The tokens llama.cpp's perplexity tool evaluated, from its log: `perplexity: calculating perplexity over N
+    chunks, n_ctx=C, ...` (N windows of C tokens of its own tokenization)."""
+    m = re.search(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)", log)
     if m is None:
-        raise BenchError("llama-perplexity printed no 'prompt eval time = ... ms / N tokens' line")
-    return {"eval_ms": float(m.group(1)), "tokens": int(m.group(2))}
+        raise BenchError("llama-perplexity printed no 'calculating perplexity over N chunks, n_ctx=C' line")
+    return int(m.group(1)) * int(m.group(2))
 
 
 def cold_score(checkpoint: Path, input_path: Path, dtype: str, threads: int | None) -> dict:
@@ -82,7 +84,8 @@ def llama_perplexity(binary: str, gguf: Path, text: Path, threads: int) -> dict:
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise BenchError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-1000:]}")
-    return {"seconds": round(seconds, 2), **parse_llama_perplexity(proc.stderr + proc.stdout), "command": " ".join(cmd)}
+    return {"seconds": round(seconds, 2), "tokens": parse_llama_perplexity(proc.stderr + proc.stdout),
+            "command": " ".join(cmd)}
 
 
 def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens: int = 512, repeats: int = 2,
@@ -101,6 +104,7 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
             input_path, text_path = Path(tmp) / f"score-{dtype}.jsonl", Path(tmp) / f"score-{dtype}.txt"
             input_path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
             text_path.write_text("".join(texts))
+            text_bytes = text_path.stat().st_size
             ids = [engine.encode(t, any_length=True) for t in texts]
             n_tokens = sum(map(len, ids))
             engine.score_ids(ids)  # untimed: the warm engine's first pass
@@ -125,9 +129,9 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
                 ll = llama_perplexity(llama, model, text_path, threads)
                 row |= {"llama_s": ll["seconds"], "llama_tokens": ll["tokens"],
                         "llama_tokens_per_s": round(ll["tokens"] / ll["seconds"], 1),
-                        "llama_eval_tokens_per_s": round(ll["tokens"] / ll["eval_ms"] * 1e3, 1),
                         "cold_over_llama": round(n_tokens / cold["seconds"] / (ll["tokens"] / ll["seconds"]), 2),
-                        "llama_command": ll["command"]}
+                        "text_bytes": text_bytes, "cold_bytes_per_s": round(text_bytes / cold["seconds"]),
+                        "llama_bytes_per_s": round(text_bytes / ll["seconds"]), "llama_command": ll["command"]}
             else:
                 why = "no llama-perplexity (--llama-perplexity or on PATH)" if not llama else f"no --gguf {dtype}=FILE"
                 skipped[dtype] = (f"llama.cpp: {why}; run `llama-perplexity -m MODEL-{dtype}.gguf -f TEXT -c 512 -b "
@@ -142,12 +146,13 @@ def markdown(report: dict) -> str:
     lines = [f"checkpoint: {report['checkpoint']}, {report['records']} records of ~{report['tokens_per_record']} "
              f"tokens, {report['threads']} threads", "",
              "| dtype | tokens | warm engine tokens/s | moeserve score (cold) tokens/s | cold / warm time | "
-             "llama-perplexity tokens/s (wall) | moeserve cold / llama.cpp |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "llama-perplexity tokens/s (wall) | moeserve cold / llama.cpp (tokens/s) | text bytes/s, cold / llama.cpp |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
         lines.append(f"| {r['dtype']} | {r['tokens']} | {r['warm_tokens_per_s']} | {r['cold_tokens_per_s']} | "
                      f"{r['cold_over_warm']}x | {r.get('llama_tokens_per_s', '-')} | "
-                     f"{r.get('cold_over_llama', '-')}{'x' if 'cold_over_llama' in r else ''} |")
+                     f"{r.get('cold_over_llama', '-')}{'x' if 'cold_over_llama' in r else ''} | "
+                     + (f"{r['cold_bytes_per_s']} / {r['llama_bytes_per_s']} |" if "llama_bytes_per_s" in r else "- |"))
     lines += [""] + [f"skipped {d}: {why}" for d, why in report["skipped"].items()]
     return "\n".join(lines)
 
