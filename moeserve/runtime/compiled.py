@@ -11,7 +11,8 @@ every time, so here it is made shape-static:
 - every row attends over a span of the cache: the live length (the longest row's position + 1) rounded up to a
   power of two (`spans`), masked by its position. The span is a dynamic dimension: one compile covers every span
   (a symbolic length), and on CUDA one graph is recorded per (bucket, span), so a step reads the keys its rows
-  can see, never the whole cache: at 100 tokens of context a 32k-context model decodes as fast as a 2k one;
+  can see, never the whole cache: at 100 tokens of context a 32k-context model took 1.10x the step time of a
+  2k one on an H100 (1.63x when every row read the whole cache; docs/benchmarks.md);
 - the experts run the sync-free path (experts.moe_indexed: no host sync, fixed shapes) on plain
   weights (oneDNN-packed weights are opaque to the compiler);
 - the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
