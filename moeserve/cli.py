@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from moeserve.bench.cli import add_bench
+from moeserve.convert import add_convert
 from moeserve.papers_cli import add_paper_commands
 from moeserve.config import MANIFEST_FILE, PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
@@ -229,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_export(sub)
     _add_score(sub)
+    add_convert(sub)
     add_paper_commands(sub)
     add_bench(sub, CALIBRATE_HELP)
     return p

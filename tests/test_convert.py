@@ -1,0 +1,54 @@
+"""`moeserve convert`: a Hugging Face Mixtral directory written as a moeserve checkpoint gives the same logits and
+tokens, keeps its tokenizer and chat template files, loads its experts as the file's own pages, and refuses to
+overwrite or to write over its source."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeserve.bench.engine import write_mixtral
+from moeserve.checkpoint import CheckpointError, load_checkpoint
+from moeserve.convert import convert
+from moeserve.runtime.engine import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    path = write_mixtral(tmp_path_factory.mktemp("convert") / "mixtral", "tiny",
+                         num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=300,
+                         num_attention_heads=4, num_key_value_heads=2)
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return path
+
+
+def test_the_converted_checkpoint_is_the_mixtral(mixtral, tmp_path):
+    out = convert(mixtral, tmp_path / "converted")
+    assert (out / "moeserve.json").is_file() and (out / "chat_template.jinja").read_text().startswith("{% for")
+    ckpt = load_checkpoint(out, dtype=None)
+    assert any(name.endswith("experts.w1") for name in ckpt.state_dict)  # stacked once, here
+    ids = torch.tensor([[1, 5, 9, 200, 3, 7]])
+    src, got = Engine.load(mixtral, dtype="float32"), Engine.load(out, dtype="float32")
+    assert torch.equal(got.forward(ids), src.forward(ids))
+    rows = [[1, 5, 9], [1, 200, 3, 7, 11]]
+    params = SamplingParams(max_new_tokens=6)
+    assert got.generate_ids(rows, params)[0] == src.generate_ids(rows, params)[0]
+    bf16 = convert(mixtral, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((bf16 / "config.json").read_text())["d_model"] == 64
+    assert next(iter(load_checkpoint(bf16, dtype=None).state_dict.values())).dtype == torch.bfloat16
+
+
+def test_refusals(mixtral, tmp_path):
+    out = convert(mixtral, tmp_path / "once")
+    with pytest.raises(CheckpointError, match="exists; --overwrite replaces it"):
+        convert(mixtral, out)
+    assert convert(mixtral, out, overwrite=True) == out
+    with pytest.raises(CheckpointError, match="must not be the checkpoint it is converted from"):
+        convert(out, out, overwrite=True)
+    p = subprocess.run([sys.executable, "-m", "moeserve.cli", "convert", str(tmp_path / "nothing"), "--out",
+                        str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "moeserve convert: error:" in p.stderr and not (tmp_path / "x").exists()
