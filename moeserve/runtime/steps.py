@@ -128,7 +128,6 @@ class StepEngine:
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.on_aux, self.on_decode = on_aux, on_decode
-        self.graph_decode = bool(getattr(runner, "graph_decode", False))
         self.share_prefill = share_prefill and hasattr(runner, "copy_prefix")
         self.cache: Any = runner.new_cache(slots, max_len)
         self._free = list(range(slots))  # a heap: the lowest free slot first, so live slots stay one range
@@ -151,6 +150,11 @@ class StepEngine:
             seq.finish_reason = "length"
             return
         self.waiting.append(seq)
+
+    @property
+    def graph_decode(self) -> bool:
+        """Asked each step: a compiled runner whose graph failed goes eager for good (runner._guarded)."""
+        return bool(getattr(self.runner, "graph_decode", False))
 
     @property
     def idle(self) -> bool:
