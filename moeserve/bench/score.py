@@ -38,7 +38,7 @@ def records(engine: Engine, n: int, tokens: int) -> list[str]:
     (the standard library's source)."""
     from moeserve.bench.serve import corpus_text
 
-    lines = corpus_text(400 * n * tokens // 100 + 100_000).splitlines(keepends=True)
+    lines = corpus_text(8 * n * tokens + 100_000).splitlines(keepends=True)  # ~4 characters a token of source
     out, cur, i = [], [], 0
     while len(out) < n:
         if i == len(lines):
