@@ -118,7 +118,7 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
             progress(f"{dtype}: moeserve score from a cold process ...")
             cold = cold_score(checkpoint, input_path, dtype, threads)
             same = max(abs(a - b.logprob) for a, b in zip(cold.pop("logprobs"), scores))
-            row = {"dtype": dtype, "records": n_records, "tokens": n_tokens, "warm_s": round(warm_s, 2),
+            row = {"dtype": dtype, "records": n_records, "tokens": n_tokens, "warm_s": round(warm_s, 4),
                    "warm_tokens_per_s": round(n_tokens / warm_s, 1), "cold_s": cold["seconds"],
                    "cold_tokens_per_s": round(n_tokens / cold["seconds"], 1),
                    "cold_over_warm": round(cold["seconds"] / warm_s, 2), "max_logprob_diff": same,
