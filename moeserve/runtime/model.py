@@ -29,8 +29,8 @@ from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
 from moeserve.runtime.routing import Routing
 
-ExpertsFactory = Callable[[int], nn.Module]
-HEAD_ROWS = 128  # rows of logits a scoring call holds at once (Transformer._target_logprobs)  # layer id -> that MoE layer's experts (MoELayer's `experts`)
+ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
+HEAD_ROWS = 128  # rows of logits a scoring call holds at once (Transformer._target_logprobs)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
