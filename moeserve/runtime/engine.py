@@ -265,10 +265,8 @@ class Engine:
     def warm_up(self, slots: int) -> None:
         """Build what the first requests would otherwise wait for: the compiled decode step's graphs for up to
         `slots` rows (nothing when eager)."""
-        warm = getattr(self.runner, "warm_up", None)
-        if warm is not None:
-            with self._lock, torch.inference_mode():
-                warm(slots)
+        with self._lock, torch.inference_mode():
+            self.runner.warm_up(slots)
 
     def step_engine(self, slots: int, max_len: int | None = None, prefill_chunk: int = 512,
                     share_prefill: bool = True) -> StepEngine:
@@ -394,14 +392,10 @@ class Engine:
         if self.cfg.task != "lm":
             raise EngineError(f"{self.name} is a {self.cfg.task} model; scoring needs a language model")
         ids, mask = self._right_pad(rows)  # causal attention never reaches the padding
-        if hasattr(self.runner, "target_logprobs"):  # the head a few rows at a time: no [B, S, V] logits
-            with self._lock:
-                out = self.runner.target_logprobs(ids, mask, ids[:, 1:])
-            self.expert_load.add(out.aux)
-            return out.logits, mask[:, 1:]
-        logits = self.run(ids, attention_mask=mask).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-        return logp, mask[:, 1:]
+        with self._lock:  # the head a few rows at a time (torch): no [B, S, V] logits
+            out = self.runner.target_logprobs(ids, mask, ids[:, 1:])
+        self.expert_load.add(out.aux)
+        return out.logits, mask[:, 1:]
 
     def score(self, texts: list[str], stride: int | None = None) -> list[Score]:
         """Per text: log-probability, tokens scored, bits per UTF-8 byte, windows (any length: see score_ids)."""

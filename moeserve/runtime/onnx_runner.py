@@ -67,6 +67,8 @@ class OnnxRunner:
     prefix each step); a decode step runs each slot on its own, since the graph takes one past length
     per call."""
 
+    can_step_rows = can_copy_prefix = graph_decode = False
+
     def __init__(self, session, cfg: MoEConfig, mode: str):
         self.session, self.cfg, self.mode = session, cfg, mode
         self._outputs = [o.name for o in session.get_outputs()]
@@ -102,8 +104,23 @@ class OnnxRunner:
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask
         return self._session_run(ids, mask)[0]
 
+    def target_logprobs(self, ids: Tensor, attention_mask: Tensor | None, targets: Tensor) -> ModelOutput:
+        """forward's log p(targets) [B, T] (the graph returns every logit, so they are computed whole)."""
+        out = self.forward(ids, attention_mask)
+        logp = torch.log_softmax(out.logits[:, :targets.shape[1]].float(), dim=-1).gather(-1, targets[..., None])
+        return ModelOutput(logp[..., 0], out.aux)
+
     def new_cache(self, slots: int, max_len: int) -> dict[int, object]:
         return {}
+
+    def warm_up(self, slots: int) -> None:
+        """Nothing to build ahead: the session was built at load."""
+
+    def step_rows(self, cache: dict, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
+        raise NotImplementedError("an ONNX Runtime session runs each sequence alone (can_step_rows is False)")
+
+    def copy_prefix(self, cache: dict, src: int, dst: int, length: int) -> None:
+        raise NotImplementedError("an ONNX Runtime runner keeps no shared cache rows (can_copy_prefix is False)")
 
     def prefill(self, cache: dict, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:
         """Logits of every token of ids_S at least (the graph computes them all: all_logits changes nothing)."""

@@ -35,7 +35,14 @@ log = logging.getLogger("moeserve.runtime")
 
 
 class ModelRunner(Protocol):
+    """What the Engine and the step engine call. The optional calls are declared, not probed: a runner says
+    whether it takes rows of any lengths in one call (`can_step_rows`), copies cache rows (`can_copy_prefix`)
+    and decodes on a compiled graph (`graph_decode`, read each step: a graph that failed goes eager for good)."""
+
     cfg: MoEConfig
+    can_step_rows: bool
+    can_copy_prefix: bool
+    graph_decode: bool
 
     @property
     def device(self) -> torch.device: ...
@@ -51,11 +58,21 @@ class ModelRunner(Protocol):
 
     def decode(self, cache: Any, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput: ...
 
+    def target_logprobs(self, ids: Tensor, attention_mask: Tensor | None, targets: Tensor) -> ModelOutput: ...
+
+    def step_rows(self, cache: Any, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput: ...
+
+    def copy_prefix(self, cache: Any, src: int, dst: int, length: int) -> None: ...
+
+    def warm_up(self, slots: int) -> None: ...
+
 
 class TorchRunner:
     """The Transformer over a slot KV cache (kv_cache.KVCache); with `compiled`, its decode step is one
     compiled graph per batch bucket (compiled.py), over a cache kept from one call to the next so that
     the graphs are built once. `fallback`: if building the graph fails, say so and run eager."""
+
+    can_step_rows = can_copy_prefix = True
 
     def __init__(self, model: Transformer, compiled: bool = False, fallback: bool = False):
         self.model = model

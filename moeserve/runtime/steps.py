@@ -128,7 +128,7 @@ class StepEngine:
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.on_aux, self.on_decode = on_aux, on_decode
-        self.share_prefill = share_prefill and hasattr(runner, "copy_prefix")
+        self.share_prefill = share_prefill and runner.can_copy_prefix
         self.cache: Any = runner.new_cache(slots, max_len)
         self._free = list(range(slots))  # a heap: the lowest free slot first, so live slots stay one range
         self.waiting: deque[Sequence] = deque()
@@ -154,7 +154,7 @@ class StepEngine:
     @property
     def graph_decode(self) -> bool:
         """Asked each step: a compiled runner whose graph failed goes eager for good (runner._guarded)."""
-        return bool(getattr(self.runner, "graph_decode", False))
+        return self.runner.graph_decode
 
     @property
     def idle(self) -> bool:
@@ -173,7 +173,7 @@ class StepEngine:
             if seq.cancelled is not None and seq.cancelled():
                 self._finish(seq, "cancelled", ended)
         decoding = [s for s in self.running if len(s.out) > 0 and not s.done]
-        carry = hasattr(self.runner, "step_rows") and not self.graph_decode
+        carry = self.runner.can_step_rows and not self.graph_decode
         if not self._prefill(ended, decoding if carry else []):
             self._decode(ended, decoding if self.graph_decode else None)
         return ended
@@ -247,7 +247,7 @@ class StepEngine:
         scored = head.params.prompt_logprobs is not None
         takes = [int(min(budget, len(head.prompt) - head.prefilled, self.prefill_chunk if scored else math.inf))]
         group = [head]
-        if scored or not hasattr(self.runner, "step_rows"):
+        if scored or not self.runner.can_step_rows:
             return group, takes
         left = budget - takes[0]
         for seq in self.prefilling[1:]:

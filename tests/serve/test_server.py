@@ -48,6 +48,11 @@ class SlowRunner:
     def __init__(self, runner, delay_s: float):
         self.runner, self.delay_s, self.cfg = runner, delay_s, runner.cfg
         self.device, self.dtype = runner.device, runner.dtype
+        self.can_step_rows, self.can_copy_prefix = runner.can_step_rows, runner.can_copy_prefix
+
+    @property
+    def graph_decode(self) -> bool:
+        return self.runner.graph_decode
 
     def new_cache(self, slots, max_len):
         return self.runner.new_cache(slots, max_len)
