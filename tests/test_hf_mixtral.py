@@ -20,7 +20,7 @@ from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 from moeserve.checkpoint import (  # noqa: E402
     CheckpointError, describe, is_expert_weight, load_checkpoint, load_expert_slice, verify_checkpoint,
 )
-from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges  # noqa: E402
+from moeserve.runtime.backends.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
 from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402

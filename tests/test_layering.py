@@ -70,7 +70,7 @@ def test_the_graph_is_read() -> None:
     graph = import_graph()
     assert "moeserve.runtime.model" in graph["moeserve.runtime.engine"]
     assert "moeserve.checkpoint" in graph["moeserve.runtime.loading"]
-    assert "moeserve.runtime.onnx_runner" in graph["moeserve.runtime.engine"]  # a lazy import counts
+    assert "moeserve.runtime.backends.onnx" in graph["moeserve.runtime.engine"]  # a lazy import counts
 
 
 def test_no_import_cycles() -> None:

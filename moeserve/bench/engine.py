@@ -23,10 +23,10 @@ import torch
 
 from moeserve.bench.report import BenchError, check_plot, finish
 from moeserve.checkpoint import parameter_counts
-from moeserve.runtime.calibration import interleaved_ms
+from moeserve.runtime.backends.calibration import interleaved_ms
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES, Engine, SamplingParams
-from moeserve.runtime.packing import onednn_packing_available
+from moeserve.runtime.backends.packing import onednn_packing_available
 
 _MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
                 tie_word_embeddings=False)

@@ -26,12 +26,12 @@ from moeserve.bench.report import check_plot, finish
 from moeserve.bench.stats import percentile
 from moeserve.config import MoEConfig
 from moeserve.runtime import cpu_kernel
-from moeserve.runtime.calibration import ExpertShape, calibrate, interleaved_ms, plan_for
+from moeserve.runtime.backends.calibration import ExpertShape, calibrate, interleaved_ms, plan_for
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES
 from moeserve.runtime.experts import moe_reference
 from moeserve.runtime.moe import MoELayer
-from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
+from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
 
 
 @dataclass

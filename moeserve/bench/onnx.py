@@ -18,7 +18,7 @@ import torch
 from moeserve.bench.report import check_plot, finish
 from moeserve.export import MODES
 from moeserve.export.onnx_export import export_onnx
-from moeserve.runtime.calibration import interleaved_ms
+from moeserve.runtime.backends.calibration import interleaved_ms
 from moeserve.runtime.device import machine
 from moeserve.runtime.engine import Engine, load_engine
 

@@ -27,7 +27,7 @@ from moeserve.bench.report import check_plot, finish
 from moeserve.bench.stats import percentile
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
-from moeserve.runtime.expert_shards import ShardedExperts
+from moeserve.runtime.backends.expert_shards import ShardedExperts
 from moeserve.runtime.experts import dispatch
 from moeserve.runtime.model import Transformer
 

@@ -125,7 +125,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     from moeserve.export.graph import OPSET
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
-    from moeserve.runtime.calibration import DispatchPlan
+    from moeserve.runtime.backends.calibration import DispatchPlan
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.loading import load_model
 

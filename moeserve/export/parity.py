@@ -12,7 +12,7 @@ import torch
 
 from moeserve.export.onnx_graph import expert_output_name
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.onnx_runner import presents_as_past, session_feed
+from moeserve.runtime.backends.onnx import presents_as_past, session_feed
 
 # fp32 graphs: the same math in another order, ~1e-6 on logits of trained models; past 1e-4 something differs.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2e-1}

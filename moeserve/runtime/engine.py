@@ -25,13 +25,13 @@ from torch import Tensor
 
 from moeserve.config import MoEConfig
 from moeserve.runtime import BACKENDS
-from moeserve.runtime.calibration import DispatchPlan, ExpertShape, plan_for, resolve_mode
-from moeserve.runtime.compiled import COMPILE_MODES, CompileError, model_uncompilable, resolve_compile
+from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, plan_for, resolve_mode
+from moeserve.runtime.backends.compiled import COMPILE_MODES, CompileError, model_uncompilable, resolve_compile
 from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
 from moeserve.runtime.loading import load_model, verifying
 from moeserve.runtime.model import ExpertsFactory, ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
-from moeserve.runtime.runner import ModelRunner, TorchRunner
+from moeserve.runtime.backends.base import ModelRunner, TorchRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
 from moeserve.runtime.windows import batch_end, check_stride, default_stride, rolling_windows
@@ -441,7 +441,7 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | tor
         raise EngineError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     is_onnx = Path(path).suffix == ".onnx"
     if backend == "onnx" or (backend == "auto" and is_onnx):
-        from moeserve.runtime.onnx_runner import load_onnx_runner  # onnxruntime is an optional dependency
+        from moeserve.runtime.backends.onnx import load_onnx_runner  # onnxruntime is an optional dependency
 
         if compile == "on":
             raise EngineError("--compile on: an ONNX Runtime session is compiled by onnxruntime itself; use auto or off")

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.runtime import cpu_kernel
-from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
+from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
 
 # Called as observer(expert, linear_map_name, inputs_NI) with the rows one linear map of one expert
 # received; the OMoE optimizer uses it to record each expert's mean inputs (paper 003, R step).

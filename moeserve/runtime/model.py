@@ -20,13 +20,13 @@ from torch.overrides import TorchFunctionMode
 
 from moeserve.config import MoEConfig
 from moeserve.runtime import cpu_kernel
-from moeserve.runtime.calibration import DispatchPlan, default_plan
+from moeserve.runtime.backends.calibration import DispatchPlan, default_plan
 from moeserve.runtime.cpu_kernel import KernelLinear, KernelRMSNorm
 from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.kernel_decode import KernelDecodeBlock, KernelDecodeStep
 from moeserve.runtime.kv_cache import CacheRows, KVCache, StepRows
 from moeserve.runtime.moe import MoEAux, MoELayer
-from moeserve.runtime.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
+from moeserve.runtime.backends.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
 from moeserve.runtime.routing import Routing
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.moe import MoEAux
-from moeserve.runtime.runner import ModelRunner
+from moeserve.runtime.backends.base import ModelRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample, token_logprobs
 from moeserve.tokenizer import IncrementalDecoder, Tokenizer
 

@@ -41,7 +41,7 @@ from torch import Tensor
 from moeserve.checkpoint import load_expert_slice, read_config
 from moeserve.ray_cluster import connect
 from moeserve.runtime.engine import DTYPES, Engine, resolve_device, resolve_dtype
-from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges
+from moeserve.runtime.backends.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges
 from moeserve.serve.app import create_app
 from moeserve.serve import ray_metrics
 from moeserve.serve.batcher import BatchConfig, Unavailable

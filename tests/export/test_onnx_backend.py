@@ -18,7 +18,7 @@ from moeserve.export.onnx_export import export_onnx
 from moeserve.export.tensorrt import build_engine, unsupported_ops
 from moeserve.runtime.engine import Engine, EngineError, load_engine
 from moeserve.runtime.model import Transformer
-from moeserve.runtime.onnx_runner import OnnxRunner
+from moeserve.runtime.backends.onnx import OnnxRunner
 from moeserve.serve.state import ServeConfig
 
 from ..serve.conftest import live_server

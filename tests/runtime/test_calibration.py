@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from moeserve.config import preset
-from moeserve.runtime import calibration as cal
+from moeserve.runtime.backends import calibration as cal
 from moeserve.runtime import device
-from moeserve.runtime.calibration import (
+from moeserve.runtime.backends.calibration import (
     CalibrationError,
     DispatchPlan,
     ExpertShape,
@@ -24,7 +24,7 @@ from moeserve.runtime.calibration import (
 )
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.model import Transformer
-from moeserve.runtime.packing import PackedLinear, onednn_packing_available
+from moeserve.runtime.backends.packing import PackedLinear, onednn_packing_available
 from moeserve.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -353,7 +353,7 @@ def test_default_plan_follows_the_device_and_dtype():
 def test_interleaved_turns_blocks_and_between_rounds():
     """The benches' options of the one timing loop: warm-up calls, untimed calls at each turn, several timed
     calls per turn, and a hook between rounds; the order of calls is exactly that."""
-    from moeserve.runtime.calibration import interleaved_ms
+    from moeserve.runtime.backends.calibration import interleaved_ms
 
     calls: list[str] = []
     times = interleaved_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 0.0, min_rounds=2,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moeserve.config import preset
-from moeserve.runtime import compiled as compiled_mod
+from moeserve.runtime.backends import compiled as compiled_mod
 from moeserve.runtime import experts as experts_mod
-from moeserve.runtime.calibration import default_plan
-from moeserve.runtime.compiled import CompileError, buckets, resolve_compile, spans
+from moeserve.runtime.backends.calibration import default_plan
+from moeserve.runtime.backends.compiled import CompileError, buckets, resolve_compile, spans
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.sampling import SamplingParams

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.runtime import cpu_kernel
-from moeserve.runtime.calibration import DispatchPlan, ExpertShape, calibrate, choose
+from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, calibrate, choose
 from moeserve.runtime.cpu_kernel import KernelError, KernelLinear
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.experts import fuse_expert_weights, moe_gather, moe_grouped, moe_reference
@@ -112,7 +112,7 @@ def _probe(env: dict[str, str], code: str) -> str:
 PROBE = """
 import torch
 from moeserve.runtime import cpu_kernel
-from moeserve.runtime.calibration import calibrate, ExpertShape
+from moeserve.runtime.backends.calibration import calibrate, ExpertShape
 print(cpu_kernel.available(), cpu_kernel.unavailable_reason(), sep=" | ")
 plan = calibrate(ExpertShape(16, 24, 4, 2, "swiglu"), torch.float32, max_s=0.5)
 print(plan.kernel_experts, plan.kernel_dense or plan.kernel_norms, sorted(plan.timings),
@@ -353,7 +353,7 @@ def test_a_kernel_plan_where_the_kernel_is_off_is_refused_by_name(tmp_path):
     code = """
 import torch
 from moeserve.config import preset
-from moeserve.runtime.calibration import DispatchPlan
+from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.cpu_kernel import KernelError
 from moeserve.runtime.model import Transformer
 for plan in (DispatchPlan(kernel_dense=True), DispatchPlan(kernel_norms=True)):
@@ -372,7 +372,7 @@ for plan in (DispatchPlan(kernel_dense=True), DispatchPlan(kernel_norms=True)):
 def test_a_cached_calibration_is_keyed_by_the_built_kernel(monkeypatch):
     """A new kernel (source, compiler, flags, CPU: the library's name) is measured again, not read from a plan
     measured with the old one."""
-    from moeserve.runtime.calibration import calibration_key
+    from moeserve.runtime.backends.calibration import calibration_key
 
     shape = ExpertShape(16, 24, 4, 2, "swiglu")
     built = calibration_key(shape, torch.float32)["kernel"]

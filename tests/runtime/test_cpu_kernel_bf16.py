@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeserve.runtime import cpu_kernel
-from moeserve.runtime.calibration import DispatchPlan, ExpertShape, calibrate
+from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, calibrate
 from moeserve.runtime.cpu_kernel import KernelError
 from moeserve.runtime.device import cpu_flags
 from moeserve.runtime.engine import Engine

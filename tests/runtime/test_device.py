@@ -17,7 +17,7 @@ import moeserve.runtime.engine as engine_mod
 from moeserve.cli import main as cli_main
 from moeserve.runtime import device
 from moeserve.runtime.engine import EngineError, resolve_dtype
-from moeserve.runtime.packing import PackingError, onednn_packing_available, pack_weight
+from moeserve.runtime.backends.packing import PackingError, onednn_packing_available, pack_weight
 
 X86_MKLDNN = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
 
@@ -68,7 +68,7 @@ def test_packing_forced_on_where_the_cpu_has_it(monkeypatch):
     monkeypatch.setattr(device, "onednn_bf16_available", lambda: True)
     w = torch.randn(32, 16).bfloat16()
     x = torch.randn(4, 16).bfloat16()
-    from moeserve.runtime.packing import packed_linear
+    from moeserve.runtime.backends.packing import packed_linear
 
     torch.testing.assert_close(packed_linear(x, pack_weight(w)).float(), (x.float() @ w.float().T), atol=0.1, rtol=0.05)
 

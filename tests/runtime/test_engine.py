@@ -11,7 +11,7 @@ from moeserve.runtime import device
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams, resolve_dtype
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import Transformer
-from moeserve.runtime.packing import PackedLinear, onednn_packing_available
+from moeserve.runtime.backends.packing import PackedLinear, onednn_packing_available
 from moeserve.tokenizer import ByteTokenizer
 
 PROMPTS = ["def f(x):", "import os\nimport sys\nclass A:\n", "a", "x = [1, 2,"]

@@ -8,7 +8,7 @@ import torch
 
 from moeserve.config import preset
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.expert_shards import ExpertShard, ShardedExperts
+from moeserve.runtime.backends.expert_shards import ExpertShard, ShardedExperts
 from moeserve.runtime.experts import Experts, moe_reference
 from moeserve.runtime.model import Transformer
 from moeserve.tokenizer import ByteTokenizer

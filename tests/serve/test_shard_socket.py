@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.runtime.expert_shards import ExpertShard
+from moeserve.runtime.backends.expert_shards import ExpertShard
 from moeserve.serve.shard_socket import (ANSWER, MAX_ROWS, REQUEST, REQUEST_MAGIC, ExchangeError, ShardConnections,
                                          ShardListener, from_wire, recv_bytes, to_wire)
 

@@ -57,7 +57,7 @@ from moeserve.config import MoEConfig
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.device import cpu_name
 from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
-from moeserve.runtime.packing import onednn_packing_available, pack_weight, packed_linear
+from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
 
 VERSION = 8  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.compiled import CompiledDecode
+from moeserve.runtime.backends.compiled import CompiledDecode
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
 
