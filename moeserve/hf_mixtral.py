@@ -95,7 +95,7 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
     are freed once stacked. RoPE is rotate-half in both, so q and k need no permutation.
 
     w1 and w3 come back as the two halves of one [E, 2F, D] tensor, the layout inference runs on
-    (experts.fuse_expert_weights takes it without a copy); every tensor is in `dtype` (None: as stored),
+    (backends/experts.fuse_expert_weights takes it without a copy); every tensor is in `dtype` (None: as stored),
     converted while it is copied into its stack rather than after. experts=False: the experts are left out
     (not stacked, not copied): the dense part of a model whose experts are served by shards
     (`mixtral_expert_slice`)."""

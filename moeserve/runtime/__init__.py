@@ -1,2 +1,2 @@
 COMPILE_MODES = ("auto", "on", "off")  # the decode step compiled (compiled.py); here so that the CLI's --help imports no torch
-BACKENDS = ("auto", "torch", "onnx")  # Engine over torch, or over ONNX Runtime (OnnxRunner); auto: by the model path
+BACKENDS = ("auto", "torch", "onnx")  # Engine over torch, or over ONNX Runtime (OnnxBackend); auto: by the model path

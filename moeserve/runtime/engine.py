@@ -12,7 +12,6 @@ neither changes nor is counted in the expert load).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import os
 import threading
@@ -31,7 +30,7 @@ from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
 from moeserve.runtime.loading import load_model, verifying
 from moeserve.runtime.model import ExpertsFactory, ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
-from moeserve.runtime.backends.base import ModelRunner, TorchRunner
+from moeserve.runtime.backends import ModelRunner, backend_for
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
 from moeserve.runtime.windows import batch_end, check_stride, default_stride, rolling_windows
@@ -149,14 +148,8 @@ class Engine:
                 shape = ExpertShape.of(model.cfg) if model.moe_layers else None
                 plan = plan_for(shape, self.model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype,
                                 calibration)
-            compiled = self._compiled(compile)
-            if compiled and (plan.pack_dense or plan.pack_experts or plan.kernel_dense or plan.kernel_experts
-                             or plan.kernel_norms):
-                plan = dataclasses.replace(plan, pack_dense=False, pack_experts=False, kernel_dense=False,
-                                           kernel_experts=False, kernel_norms=False,
-                                           reason=f"{plan.reason}; plain weights for the compiled decode step")
-            self.plan = self.model.prepare_inference(plan)
-            model = TorchRunner(self.model, compiled, fallback=compile == "auto")
+            model = backend_for(self.model, plan, self._compiled(compile), fallback=compile == "auto")
+            self.plan = model.plan
         self.runner: ModelRunner = model
         self.cfg: MoEConfig = model.cfg
         self.tokenizer = tokenizer
@@ -441,11 +434,11 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | tor
         raise EngineError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     is_onnx = Path(path).suffix == ".onnx"
     if backend == "onnx" or (backend == "auto" and is_onnx):
-        from moeserve.runtime.backends.onnx import load_onnx_runner  # onnxruntime is an optional dependency
+        from moeserve.runtime.backends.onnx import load_onnx_backend  # onnxruntime is an optional dependency
 
         if compile == "on":
             raise EngineError("--compile on: an ONNX Runtime session is compiled by onnxruntime itself; use auto or off")
-        runner, tokenizer = load_onnx_runner(path, dtype=str(dtype), device=str(device), threads=threads)
+        runner, tokenizer = load_onnx_backend(path, dtype=str(dtype), device=str(device), threads=threads)
         return Engine(runner, tokenizer, name=Path(path).stem, path=Path(path))
     if is_onnx:
         raise EngineError(f"{path} is an ONNX export; run it with --backend onnx (or auto)")

@@ -19,15 +19,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from moeserve.config import MoEConfig
-from moeserve.runtime import cpu_kernel
-from moeserve.runtime.backends.calibration import DispatchPlan, default_plan
-from moeserve.runtime.cpu_kernel import KernelLinear, KernelRMSNorm
 from moeserve.runtime.experts import Experts, FeedForward
-from moeserve.runtime.kernel_decode import KernelDecodeBlock, KernelDecodeStep
-from moeserve.runtime.kv_cache import CacheRows, KVCache, StepRows
+from moeserve.runtime.kv_cache import CacheRows, StepRows
 from moeserve.runtime.moe import MoEAux, MoELayer
-from moeserve.runtime.backends.packing import PackedLinear, pack_weight, packed_linear, unpack_linears_, wrap_linears_
-from moeserve.runtime.routing import Routing
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 HEAD_ROWS = 128  # rows of logits a scoring call holds at once (Transformer._target_logprobs)
@@ -55,7 +49,6 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.causal, self.window = cfg.causal, cfg.sliding_window
-        self.kernel_decode = False  # a decode step's attention on the C kernel (prepare_inference, plan.kernel_norms)
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -80,27 +73,8 @@ class Attention(nn.Module):
                 is_causal: bool, cache: CacheRows | None) -> Tensor:
         """q [B, S, H, Dh], k and v [B, S, G, Dh], before RoPE -> the heads' outputs [B, S, H * Dh]."""
         B, S = q.shape[:2]
-        on_kernel = cache is not None and self.kernel_decode and self.causal and not torch.is_grad_enabled()
-        if on_kernel and S == 1:
-            # RoPE, the cache write and attention over the slots where they lie, in one call: no gather, no mask
-            lo, hi = cache.decode_bounds(self.window)
-            y = cpu_kernel.attend_decode(q.view(B, self.n_heads, self.head_dim), cache.cache.k[self.layer_id],
-                                         cache.cache.v[self.layer_id], cache.slots, lo, hi, self.head_dim**-0.5,
-                                         new_kv=(k.view(B, self.n_kv_heads, self.head_dim),
-                                                 v.view(B, self.n_kv_heads, self.head_dim)),
-                                         rope=(cos.reshape(B, self.head_dim), sin.reshape(B, self.head_dim)))
-            return y.view(B, S, -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if on_kernel:
-            # A prompt's queries each as a decode step's: its tokens' keys written first, then every query over its
-            # slot, the same sums as when it decodes, so a prompt's numbers do not depend on how it was chunked
-            cache.write(self.layer_id, k, v)
-            lo, hi = cache.decode_bounds(self.window)
-            y = cpu_kernel.attend_decode(q.transpose(1, 2).reshape(B * S, self.n_heads, self.head_dim),
-                                         cache.cache.k[self.layer_id], cache.cache.v[self.layer_id],
-                                         cache.slots.repeat_interleave(S), lo, hi, self.head_dim**-0.5)
-            return y.view(B, S, -1)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
@@ -110,7 +84,7 @@ class Attention(nn.Module):
 
 def make_norm(cfg: MoEConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return KernelRMSNorm(cfg.d_model, eps=cfg.norm_eps)  # nn.RMSNorm, on the C kernel where the plan says
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
@@ -125,30 +99,33 @@ class Block(nn.Module):
             self.ffn: nn.Module = MoELayer(cfg, experts_factory(layer_id) if experts_factory is not None else None)
         else:
             self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.expert_act)
-        self.decode_kernel: KernelDecodeBlock | None = None  # a decode step's attention half in one C call
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 token_mask: Tensor | None = None,
                 cache: CacheRows | StepRows | None = None) -> tuple[Tensor, MoEAux | None]:
-        if (self.decode_kernel is not None and isinstance(cache, CacheRows) and x.shape[1] == 1
-                and not torch.is_grad_enabled() and x.dtype == self.decode_kernel.dtype):
-            h, hn = self._decode_attention(x, cos, sin, cache)
-        else:
-            h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, cache)
-            hn = self.ffn_norm(h)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, cache)
+        hn = self.ffn_norm(h)
         if isinstance(self.ffn, MoELayer):
             y, aux = self.ffn(hn, token_mask)
             return h + y, aux
         return h + self.ffn(hn), None
 
-    def _decode_attention(self, x_B1D: Tensor, cos: Tensor, sin: Tensor, cache: CacheRows) -> tuple[Tensor, Tensor]:
-        """(h, ffn_norm(h)) of a decode step, h = x + attention(attention_norm(x)), in one call of the C kernel."""
-        a, B = self.attention, x_B1D.shape[0]
-        lo, hi = cache.decode_bounds(a.window)
-        h, hn = self.decode_kernel(x_B1D.view(B, -1), (cos.reshape(B, a.head_dim), sin.reshape(B, a.head_dim)),
-                                   cache.cache.k[a.layer_id], cache.cache.v[a.layer_id], cache.slots, lo, hi,
-                                   a.head_dim**-0.5)
-        return h.view_as(x_B1D), hn.view_as(x_B1D)
+
+class TiedHead(nn.Module):
+    """The LM head of a model whose head is its embedding's transpose: logits = x E^T. It holds no parameter of
+    its own (the state_dict has none: the embedding's is the one), only the embedding module it reads, so a
+    backend lays it out as it lays out an nn.Linear (`weight` is the embedding's)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.__dict__["embedding"] = embedding  # not a child: its parameter is registered once, by the model
+
+    @property
+    def weight(self) -> Tensor:
+        return self.embedding.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
 
 
 @dataclass
@@ -179,12 +156,10 @@ class Transformer(nn.Module):
         self.norm = make_norm(cfg)
         if cfg.task == "classify":
             self.classifier = nn.Linear(cfg.d_model, cfg.n_classes, bias=True)
-        elif not cfg.tie_embeddings:
+        elif cfg.tie_embeddings:
+            self.output: nn.Module = TiedHead(self.tok_embeddings)
+        else:
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head_packed: Tensor | None = None  # tied LM head, packed by prepare_inference
-        self.head_kernel = False  # tied LM head run by cpu_kernel.linear (prepare_inference)
-        self.head_kernel_max_rows: int | None = None  # past this many rows, torch's GEMM instead
-        self.step_kernel: KernelDecodeStep | None = None  # a whole decode step in one C call (prepare_inference)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -228,76 +203,6 @@ class Transformer(nn.Module):
             if hasattr(layer.router, "constrain_"):
                 layer.router.constrain_()
 
-    @torch.no_grad()
-    def prepare_inference(self, plan: DispatchPlan | None = None) -> DispatchPlan:
-        """Lay out the model for inference as `plan` says (calibration.py; None: the defaults for this
-        device and dtype, unmeasured): fused experts and VQ tables in every MoE layer, packed or plain,
-        with the plan's dispatch thresholds, and every other linear map packed or plain. Call again after
-        changing weights, dtype or device."""
-        w = self.tok_embeddings.weight
-        plan = plan or default_plan(w.device, w.dtype)
-        for layer in self.moe_layers:
-            layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
-                                    kernel=plan.kernel_experts, decode_grouped=plan.decode_grouped,
-                                    kernel_max_tokens=plan.kernel_max_tokens)
-        self.head_packed, self.head_kernel = None, False
-        tied = self.cfg.task == "lm" and self.cfg.tie_embeddings
-        unpack_linears_(self)
-        if plan.pack_dense:
-            wrap_linears_(self, PackedLinear)
-            if tied:
-                self.head_packed = pack_weight(w)
-        elif plan.kernel_dense:
-            if not cpu_kernel.available():
-                raise cpu_kernel.KernelError(f"the plan runs dense layers on the CPU kernel, which is not available "
-                                             f"here: {cpu_kernel.unavailable_reason()}")
-            wrap_linears_(self, KernelLinear)
-            for m in self.modules():
-                if isinstance(m, KernelLinear):
-                    m.max_rows = plan.dense_kernel_max_tokens
-            self.head_kernel = tied
-        self.head_kernel_max_rows = plan.dense_kernel_max_tokens
-        if plan.kernel_norms and not cpu_kernel.available():
-            raise cpu_kernel.KernelError(f"the plan runs norms and decode attention on the CPU kernel, which is not "
-                                         f"available here: {cpu_kernel.unavailable_reason()}")
-        for m in self.modules():
-            if isinstance(m, KernelRMSNorm):
-                m.use_kernel = plan.kernel_norms
-            elif isinstance(m, Attention):
-                m.kernel_decode = plan.kernel_norms
-        for block in self.layers:  # the attention half of a decode layer in one call, where all of it is on the kernel
-            block.decode_kernel = self._decode_kernel(block) if plan.kernel_dense and plan.kernel_norms else None
-        self.step_kernel = self._step_kernel()
-        return plan
-
-    def _decode_kernel(self, block: Block) -> KernelDecodeBlock | None:
-        a, norms = block.attention, (block.attention_norm, block.ffn_norm)
-        if not a.causal or not all(isinstance(n, KernelRMSNorm) and n.weight is not None for n in norms):
-            return None  # LayerNorm, or an encoder's attention: the calls one by one
-        eps = [n.eps if n.eps is not None else torch.finfo(n.weight.dtype).eps for n in norms]
-        return KernelDecodeBlock(((norms[0].weight, eps[0]), (norms[1].weight, eps[1])),
-                                 (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
-
-    def _step_kernel(self) -> KernelDecodeStep | None:
-        """The whole decode step in one call, where every part of it is on the kernel: each layer's attention half,
-        router and experts, the final norm and the LM head. Else None: the layers' calls one by one."""
-        parts = []
-        for block in self.layers:
-            ffn = block.ffn
-            if block.decode_kernel is None or not isinstance(ffn, MoELayer) or ffn.kernel_router is None:
-                return None  # no kernel router: a VQ layer, a capacity limit, or experts off the kernel
-            parts.append((block.decode_kernel, ffn.kernel_router, ffn.experts.inference.fused))
-        norm, head = self.norm, None
-        if self.cfg.task == "lm" and self.cfg.tie_embeddings and self.head_kernel:
-            head = self.tok_embeddings.weight
-        elif self.cfg.task == "lm" and not self.cfg.tie_embeddings and isinstance(self.output, KernelLinear):
-            head = self.output.weight
-        if head is None or not (isinstance(norm, KernelRMSNorm) and norm.use_kernel and norm.weight is not None):
-            return None
-        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-        return KernelDecodeStep(parts, (norm.weight, eps), head, self.tok_embeddings.weight,
-                                (self.rope_cos, self.rope_sin), self.cfg.sliding_window)
-
     # ---- forward --------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 cache: CacheRows | StepRows | None = None, last_only: bool = False,
@@ -313,10 +218,6 @@ class Transformer(nn.Module):
         targets [B, T], T <= S (a language model, no cache; nanoGPT's way): `logits` is then log p(targets[b, t] |
         input_ids[b, :t + 1]), [B, T] float32, from the head run a few rows at a time (_target_logprobs)."""
         B, S = input_ids.shape
-        if (self.step_kernel is not None and isinstance(cache, CacheRows) and S == 1 and attention_mask is None
-                and not torch.is_grad_enabled()):
-            return self._decode_step(input_ids[:, 0].long().contiguous(), cache.slots, cache.positions.reshape(-1),
-                                     cache.cache)
         x = self.tok_embeddings(input_ids)
         token_mask = None
         cos = sin = mask = None
@@ -353,18 +254,7 @@ class Transformer(nn.Module):
             return ModelOutput(self.classifier(self._pool(x, attention_mask)), aux)
         if targets is not None:
             return ModelOutput(self._target_logprobs(x[:, :targets.shape[1]], targets), aux)
-        return ModelOutput(self._head(x), aux)
-
-    def _head(self, x: Tensor) -> Tensor:
-        """The LM head: normed hidden states [..., D] -> logits [..., V], packed or on the C kernel where laid out so."""
-        if self.head_packed is not None and not torch.is_grad_enabled():
-            return packed_linear(x, self.head_packed)
-        if (self.head_kernel and not torch.is_grad_enabled() and x.dtype == self.tok_embeddings.weight.dtype
-                and (self.head_kernel_max_rows is None or x.numel() <= self.head_kernel_max_rows * x.shape[-1])):
-            return cpu_kernel.linear(x, self.tok_embeddings.weight)
-        if self.cfg.tie_embeddings:
-            return F.linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+        return ModelOutput(self.output(x), aux)
 
     def _target_logprobs(self, x_BTD: Tensor, targets_BT: Tensor) -> Tensor:
         """log p(targets) [B, T] float32: the head and log-softmax over HEAD_ROWS rows at a time. Whole, a batch of
@@ -375,29 +265,9 @@ class Transformer(nn.Module):
         x_ND, t_N = x_BTD.reshape(-1, D), targets_BT.reshape(-1, 1)
         out = torch.empty(B * T, dtype=torch.float32, device=x_BTD.device)
         for a in range(0, B * T, HEAD_ROWS):
-            logp = torch.log_softmax(self._head(x_ND[a:a + HEAD_ROWS]).float(), dim=-1)
+            logp = torch.log_softmax(self.output(x_ND[a:a + HEAD_ROWS]).float(), dim=-1)
             out[a:a + HEAD_ROWS] = logp.gather(-1, t_N[a:a + HEAD_ROWS])[:, 0]
         return out.view(B, T)
-
-    def decode_step(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
-        """One token a row, row b's ids_B[b] at positions[b] of slot slots[b], on the kernel's whole-step call
-        (step_kernel must be set): forward(ids_B[:, None], cache=cache.rows(slots, positions, 1)) from the host's
-        numbers. A step that streams the weights leaves every cache cold, and there a small torch operation costs
-        50-260 us: here the rows are checked on the host and the C call looks up the embedding, the RoPE rows and
-        the bounds, which CacheRows and forward built in torch (on the 644M Mixtral, 0.82 -> 0.60 ms a token
-        outside the C call)."""
-        cache.claim(slots, positions, 1)
-        rows = torch.tensor([*slots, *positions])
-        return self._decode_step(ids_B, rows[:len(slots)], rows[len(slots):], cache)
-
-    def _decode_step(self, ids_B: Tensor, slots_B: Tensor, positions_B: Tensor, cache: KVCache) -> ModelOutput:
-        """A decode step on the kernel, every layer and the head in one call (KernelDecodeStep): the same numbers
-        as the layers' calls one by one."""
-        logits_BV, ids, gates, counts = self.step_kernel(ids_B, slots_B, positions_B, cache.k, cache.v,
-                                                         self.cfg.head_dim**-0.5)
-        aux = [MoEAux(c if block.ffn.count_load else None, Routing(i, g))
-               for block, c, i, g in zip(self.layers, counts.unbind(0), ids.unbind(0), gates.unbind(0))]
-        return ModelOutput(logits_BV[:, None], aux)
 
     def _mask(self, S: int, attention_mask_BS: Tensor | None) -> Tensor | None:
         """Boolean [B|1, 1, S, S] mask of an uncached call, or None when SDPA's causal flag (or nothing) suffices."""

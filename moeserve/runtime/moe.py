@@ -19,10 +19,7 @@ from torch import Tensor, nn
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.experts import Experts
-from moeserve.runtime.kernel_decode import KernelRouter
-from moeserve.runtime.routing import (
-    Routing, SigmoidRouter, SoftmaxRouter, VectorQuantizer, XMoERouter, capacity_keep, make_router,
-)
+from moeserve.runtime.routing import Routing, VectorQuantizer, capacity_keep, make_router
 
 
 @dataclass
@@ -49,42 +46,15 @@ class MoELayer(nn.Module):
             if is_vq else None
         )
         self.mix = nn.Linear(cfg.d_model, 2, bias=False) if is_vq and cfg.vq_mode == "mixed" else None
-        self.table: Tensor | None = None  # [E, D] f_j(x~_j) for VQ code layers; set by prepare_inference
         self.count_load = True  # the bincount of MoEAux.counts; off only to measure what it costs
-        self.kernel_router: KernelRouter | None = None  # the router on the C kernel, with the experts (prepare_inference)
-
-    @torch.no_grad()
-    def prepare_inference(self, **kwargs) -> None:
-        """Inference layout of the experts (experts.py) and, for VQ with vq_input='code', the table:
-        x~ = up(v_k) is one of E vectors, so f_k(x~) is too (paper 002, eq. 5: the discrete-only
-        layer is a lookup)."""
-        self.experts.prepare_inference(**kwargs)
-        on_kernel = isinstance(self.experts, Experts) and self.experts.inference.kernel
-        self.kernel_router = None
-        if on_kernel and self.quantizer is None and self.cfg.capacity_factor is None:
-            self.kernel_router = kernel_router(self.router)
-        self.table = None
-        if self.quantizer is not None and self.cfg.vq_input == "code":
-            q = self.quantizer
-            v_EC = q.vectors()
-            x_tilde_ED = q.up(v_EC) if q.up is not None else v_EC
-            self.table = self.experts(x_tilde_ED, torch.arange(self.n_experts, device=v_EC.device)[:, None],
-                                      torch.ones(self.n_experts, 1, dtype=x_tilde_ED.dtype, device=v_EC.device))
 
     def _discrete(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """VQ's discrete path: (f_k(x~) [T, D], codes, z, v); a table lookup when one was built."""
-        if self.table is not None and not self.training and not torch.is_grad_enabled():
-            z = self.quantizer.encode(x_TD)
-            codes_T = self.quantizer.nearest(z)
-            return self.table[codes_T], codes_T, z, self.quantizer.vectors()[codes_T].to(z.dtype)
+        """VQ's discrete path: (f_k(x~) [T, D], codes, z, v)."""
         codes_T, x_tilde_TD, z, v = self.quantizer(x_TD)
         ones_T1 = torch.ones(x_TD.shape[0], 1, dtype=x_TD.dtype, device=x_TD.device)
         return self.experts(x_tilde_TD, codes_T[:, None], ones_T1), codes_T, z, v
 
     def _route(self, x_TD: Tensor) -> Routing:
-        kr = self.kernel_router
-        if kr is not None and not torch.is_grad_enabled() and x_TD.dtype == kr.dtype:
-            return Routing(*kr(x_TD))
         routing = self.router(x_TD)
         if self.cfg.capacity_factor is not None:
             capacity = math.ceil(self.cfg.capacity_factor * x_TD.shape[0] * routing.expert_ids.shape[1] / self.n_experts)
@@ -125,17 +95,3 @@ class MoELayer(nn.Module):
             ids = codes_T
         ids = ids.reshape(-1)  # a fixed-size sum rather than bincount, whose size depends on the values: compilable
         return torch.zeros(self.n_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
-
-
-def kernel_router(router: nn.Module) -> KernelRouter | None:
-    """`router` on the C kernel (kernel_decode.KernelRouter), where it is one the kernel computes; else None. Its
-    weights as they are now: prepare_inference builds it again after they change (X-MoE's tau is read here)."""
-    if isinstance(router, SoftmaxRouter):
-        return KernelRouter(router.gate.weight, router.top_k, "softmax", router.renormalize)
-    if isinstance(router, SigmoidRouter):
-        return KernelRouter(router.gate.weight, router.top_k, "sigmoid")
-    if isinstance(router, XMoERouter):
-        tau = float(router.tau.float().clamp(min=1e-3))  # as its forward clamps it
-        return KernelRouter(router.proj.weight, router.top_k, router.gate_kind, embeddings=router.expert_embeddings,
-                            tau=tau)
-    return None

@@ -18,7 +18,7 @@ from moeserve.export.onnx_export import export_onnx
 from moeserve.export.tensorrt import build_engine, unsupported_ops
 from moeserve.runtime.engine import Engine, EngineError, load_engine
 from moeserve.runtime.model import Transformer
-from moeserve.runtime.backends.onnx import OnnxRunner
+from moeserve.runtime.backends.onnx import OnnxBackend
 from moeserve.serve.state import ServeConfig
 
 from ..serve.conftest import live_server
@@ -49,7 +49,7 @@ def lm(tmp_path_factory) -> tuple[Path, Path]:
 def test_scores_generations_routes_and_load_equal_the_torch_engine(lm):
     ckpt, onnx_path = lm
     ref, got = Engine.load(ckpt, dtype="float32", device="cpu"), load_engine(onnx_path)
-    assert isinstance(got.runner, OnnxRunner) and got.runner.mode == "fused"
+    assert isinstance(got.runner, OnnxBackend) and got.runner.mode == "fused"
     for a, b in zip(got.score(TEXTS), ref.score(TEXTS)):
         assert a.n_tokens == b.n_tokens and a.logprob == pytest.approx(b.logprob, abs=1e-3)
     ref.expert_load.reset(), got.expert_load.reset()

@@ -21,7 +21,8 @@ from moeserve.runtime import cpu_kernel
 from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, calibrate, choose
 from moeserve.runtime.cpu_kernel import KernelError, KernelLinear
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.experts import fuse_expert_weights, moe_gather, moe_grouped, moe_reference
+from moeserve.runtime.experts import moe_reference
+from moeserve.runtime.backends.experts import fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.tokenizer import ByteTokenizer
 
 from .test_engine import PROMPTS, make_engine

@@ -14,7 +14,8 @@ from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, cal
 from moeserve.runtime.cpu_kernel import KernelError
 from moeserve.runtime.device import cpu_flags
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.experts import fuse_expert_weights, moe_grouped, moe_reference
+from moeserve.runtime.experts import moe_reference
+from moeserve.runtime.backends.experts import fuse_expert_weights, moe_grouped
 from moeserve.tokenizer import ByteTokenizer
 
 from .test_cpu_kernel import KERNEL_PLAN, ROWS, _probe, requires_kernel, torch_threads

@@ -1,14 +1,14 @@
 """Inference dispatch: every fast path equals the plain per-expert loop `moe_reference`.
 
-Paths (experts.py): `moe_gather` (few tokens), `moe_grouped` (many: a loop over experts, or one
-`grouped_mm` call), each on plain or oneDNN-prepacked weights, and the VQ table (moe.py) for
-vq_input='code'. Checked here:
+Paths (backends/experts.py): `moe_gather` (few tokens), `moe_grouped` (many: a loop over experts, or one
+`grouped_mm` call), each on plain or oneDNN-prepacked weights, and the VQ table (backends/eager.py) for
+vq_input='code' (backends/eager.py). Checked here:
   1. each path on the same weights and routing as the reference: T from 1 to 2048, K in 1, 2, 4,
      gelu and swiglu, experts that receive no token, every token on the same experts;
-  2. a whole MoELayer for every router kind: the path `Experts.forward` picks (forced by
+  2. a whole MoELayer for every router kind: the path `TorchExperts.forward` picks (forced by
      gather_max) gives the layer's reference output, and the VQ code layer really uses its table;
   3. expert-load counts and the token mask (padding neither counted nor changing real tokens);
-  4. with autograd on, the training path still runs after prepare_inference;
+  4. a laid-out layer put back to plain (backends/layout.py) trains again: the training path, its gradients;
   5. the same on CUDA (grouped_mm), where a device is present.
 
 Tolerances. fp32: 1e-5 absolute, inputs scaled so that outputs are O(1) (|y| < 10). bf16: against
@@ -27,19 +27,16 @@ import math
 import pytest
 import torch
 
+import moeserve.runtime.backends.experts as inference_mod
 import moeserve.runtime.experts as experts_mod
 from moeserve.config import MoEConfig
 from moeserve.runtime import device
-from moeserve.runtime.experts import (
-    Experts,
-    InferenceWeights,
-    expert_counts,
-    fuse_expert_weights,
-    moe_gather,
-    moe_grouped,
-    moe_reference,
-    onednn_packing_available,
-)
+from moeserve.runtime.backends.packing import onednn_packing_available
+from moeserve.runtime.experts import Experts, moe_reference
+from moeserve.runtime.backends.experts import InferenceWeights, expert_counts, fuse_expert_weights, moe_gather, moe_grouped
+from moeserve.runtime.backends.eager import TableMoELayer, lay_out_moe
+from moeserve.runtime.backends.experts import TorchExperts, lay_out_experts
+from moeserve.runtime.backends.layout import plain_
 from moeserve.runtime.moe import MoELayer
 from moeserve.runtime.routing import capacity_keep
 
@@ -190,9 +187,10 @@ def calls(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
+    monkeypatch.setattr(experts_mod, "moe_sorted", spy("moe_sorted", experts_mod.moe_sorted))
     for name in ("moe_sorted", "moe_gather", "moe_grouped", "packed_linear"):
-        monkeypatch.setattr(experts_mod, name, spy(name, getattr(experts_mod, name)))
-    monkeypatch.setattr(experts_mod.F, "grouped_mm", spy("grouped_mm", experts_mod.F.grouped_mm))
+        monkeypatch.setattr(inference_mod, name, spy(name, getattr(inference_mod, name)))
+    monkeypatch.setattr(inference_mod.F, "grouped_mm", spy("grouped_mm", inference_mod.F.grouped_mm))
     return seen
 
 
@@ -210,8 +208,7 @@ def make_experts(act: str = "swiglu") -> Experts:
 @pytest.mark.parametrize("gather_max", [0, 1, 16, 63])
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_experts_forward_picks_gather_up_to_gather_max(calls, K, gather_max):
-    ex = make_experts()
-    ex.prepare_inference(pack=False, grouped_mm=False, gather_max=gather_max)
+    ex = lay_out_experts(make_experts(), pack=False, grouped_mm=False, gather_max=gather_max)
     for T in sorted({max(gather_max, 1), gather_max + 1}):
         x, ids, gates = assignments(T, K)
         calls.clear()
@@ -223,14 +220,15 @@ def test_experts_forward_picks_gather_up_to_gather_max(calls, K, gather_max):
 
 
 def test_experts_forward_defaults(calls):
-    """Without prepare_inference, or with a capacity mask, the sorted path; gather_max defaults to 1 token."""
+    """Plain, or laid out but with a capacity mask, the sorted path; gather_max defaults to 1 token."""
     ex = make_experts()
     x, ids, gates = assignments(16, 1)
     with torch.no_grad():
         ex(x, ids, gates)
         assert calls == ["moe_sorted"]
-        w = ex.prepare_inference(pack=False)
-        assert ex.inference is w and w.gather_max == 1 and not w.grouped_mm  # grouped_mm=None: CUDA only
+        ex = lay_out_experts(ex, pack=False)
+        w = ex.w
+        assert isinstance(ex, TorchExperts) and w.gather_max == 1 and not w.grouped_mm  # grouped_mm=None: CUDA only
         calls.clear()
         ex(*assignments(1, 1))
         ex(*assignments(2, 1))
@@ -246,15 +244,16 @@ def test_experts_forward_defaults(calls):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. autograd still takes the training path
+# 4. a layout put back to plain trains again
 
 
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 @pytest.mark.parametrize("T", [1, 64])
-def test_grad_enabled_uses_training_path_after_prepare_inference(calls, act, T):
+def test_plain_again_after_lay_out_takes_the_training_path(calls, act, T):
     K = 2
-    ex = make_experts(act)
-    ex.prepare_inference(pack=onednn_packing_available("cpu", torch.float32), gather_max=10**9)
+    laid = lay_out_experts(make_experts(act), pack=onednn_packing_available("cpu", torch.float32), gather_max=10**9)
+    ex = laid.plain()
+    assert type(ex) is Experts and not hasattr(ex, "w") and ex.w1 is laid.w1
     x, ids, gates = assignments(T, K)
     gy = torch.randn(T, D, generator=torch.Generator().manual_seed(5))
     (ex(x, ids, gates) * gy).sum().backward()
@@ -389,8 +388,8 @@ def test_layer_inference_equals_reference(calls, name, K, path, pack):
         assert set(calls) == {"moe_sorted"}
 
         gather_max, grouped_mm = FORCE[path]
-        layer.prepare_inference(pack=pack, grouped_mm=grouped_mm, gather_max=gather_max)
-        assert (layer.table is not None) == uses_table(name)
+        layer = lay_out_moe(layer, pack=pack, grouped_mm=grouped_mm, gather_max=gather_max)
+        assert isinstance(layer, TableMoELayer) == uses_table(name)
         for (B, S), x, y_sorted, (ref, load) in zip(shapes, xs, ys_sorted, refs):
             calls.clear()
             y, aux = layer(x)
@@ -414,8 +413,7 @@ def test_layer_inference_equals_reference(calls, name, K, path, pack):
 def test_vq_table_is_each_experts_output_on_its_code(name):
     """table[j] = f_j(x~_j): one row per expert, so a code layer's discrete path is a lookup (blend
     layers, whose x~ depends on x, get none: checked in test_layer_inference_equals_reference)."""
-    layer = make_layer(name)
-    layer.prepare_inference(pack=False)
+    layer = lay_out_moe(make_layer(name), pack=False)
     q = layer.quantizer
     with torch.no_grad():
         v = q.vectors()
@@ -429,8 +427,7 @@ def test_vq_table_is_each_experts_output_on_its_code(name):
 @pytest.mark.parametrize("K", [1, 2])
 def test_capacity_limited_layer_stays_on_sorted_path(calls, K):
     """A capacity limit hands Experts a keep mask, which only the sorted path honours."""
-    layer = make_layer("softmax", K, capacity_factor=0.5)
-    layer.prepare_inference(pack=False, gather_max=10**9)
+    layer = lay_out_moe(make_layer("softmax", K, capacity_factor=0.5), pack=False, gather_max=10**9)
     x = layer_input(2, 40)
     with torch.no_grad():
         y, aux = layer(x)
@@ -454,7 +451,7 @@ def test_layer_inference_bf16(name, path, pack):
         y_sorted, aux_sorted = layer(x)
         codes = aux_sorted.codes
         gather_max, grouped_mm = FORCE[path]
-        layer.prepare_inference(pack=pack, grouped_mm=grouped_mm, gather_max=gather_max)
+        layer = lay_out_moe(layer, pack=pack, grouped_mm=grouped_mm, gather_max=gather_max)
         y, aux = layer(x)
     if codes is not None:
         assert torch.equal(aux.codes, codes)
@@ -470,7 +467,7 @@ def test_layer_inference_bf16(name, path, pack):
 @pytest.mark.parametrize("onednn_bf16", ["this cpu", "forced off"])
 @pytest.mark.parametrize("path", list(FORCE))
 def test_bf16_layout_follows_the_packing_probe(monkeypatch, onednn_bf16, path):
-    """prepare_inference's default in bf16 packs only where oneDNN can (AVX512 / AMX); elsewhere the weights
+    """lay_out_experts' default in bf16 packs only where oneDNN can (AVX512 / AMX); elsewhere the weights
     stay plain and every path still equals the reference. The plain side is forced on every machine."""
     if onednn_bf16 == "forced off":
         monkeypatch.setattr(device, "onednn_bf16_available", lambda: False)
@@ -479,7 +476,8 @@ def test_bf16_layout_follows_the_packing_probe(monkeypatch, onednn_bf16, path):
     with torch.no_grad():
         y_sorted, _ = layer(x)
         gather_max, grouped_mm = FORCE[path]
-        w = layer.experts.prepare_inference(grouped_mm=grouped_mm, gather_max=gather_max)
+        layer.experts = lay_out_experts(layer.experts, grouped_mm=grouped_mm, gather_max=gather_max)
+        w = layer.experts.w
         assert w.packed == onednn_packing_available("cpu", torch.bfloat16)
         if onednn_bf16 == "forced off":
             assert not w.packed
@@ -498,7 +496,7 @@ def test_token_mask_padding_is_not_routed_or_counted(name, path):
     layer = make_layer(name, 2)
     if path != "sorted":
         gather_max, grouped_mm = FORCE[path]
-        layer.prepare_inference(pack=False, grouped_mm=grouped_mm, gather_max=gather_max)
+        layer = lay_out_moe(layer, pack=False, grouped_mm=grouped_mm, gather_max=gather_max)
     B, S = 3, 24
     x = layer_input(B, S, seed=4)
     mask = torch.ones(B, S, dtype=torch.bool)
@@ -529,11 +527,13 @@ def test_token_mask_padding_is_not_routed_or_counted(name, path):
 
 
 @pytest.mark.parametrize("name", ["softmax", "vq_mixed_code", "vq_discrete_code"])
-def test_layer_training_path_after_prepare_inference(calls, name):
-    """With autograd on, neither the inference layout nor the VQ table is used: gradients reach
+def test_layer_training_path_after_lay_out_and_plain(calls, name):
+    """A laid-out layer put back to plain (the VQ table and the experts' layout gone) trains: gradients reach
     every expert weight, and the output is the reference one."""
-    layer = make_layer(name, 2)
-    layer.prepare_inference(pack=onednn_packing_available("cpu", torch.float32), gather_max=10**9)
+    laid = lay_out_moe(make_layer(name, 2), pack=onednn_packing_available("cpu", torch.float32), gather_max=10**9)
+    layer = laid.plain() if isinstance(laid, TableMoELayer) else laid
+    plain_(layer)
+    assert type(layer) is MoELayer and type(layer.experts) is Experts
     x = layer_input(1, 32, seed=2)
     calls.clear()
     y, _ = layer(x)
@@ -574,13 +574,13 @@ def test_path_equals_reference_cuda(path, dtype, act, K, T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(ROUTERS))
 def test_layer_inference_cuda(calls, name, dtype):
-    """prepare_inference's CUDA defaults: no oneDNN packing, grouped_mm for many tokens."""
+    """lay_out_moe's CUDA defaults: no oneDNN packing, grouped_mm for many tokens."""
     layer = make_layer(name, 2, dtype).cuda()
     x = layer_input(4, 50).to(device="cuda", dtype=dtype)
     with torch.no_grad():
         y_sorted, _ = layer(x)
-        layer.prepare_inference(gather_max=0)
-        w = layer.experts.inference
+        layer = lay_out_moe(layer, gather_max=0)
+        w = layer.experts.w
         assert w.grouped_mm and not w.packed
         calls.clear()
         y, _ = layer(x)

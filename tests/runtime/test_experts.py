@@ -162,7 +162,7 @@ def test_feedforward_matches_formula():
 @pytest.mark.parametrize("T, K", [(1, 1), (1, 2), (5, 2), (16, 3)])
 def test_indexed_decode_path_equals_reference(act, T, K):
     """moe_indexed (CUDA's sync-free few-token path) on CPU: the same sums as the reference loop."""
-    from moeserve.runtime.experts import fuse_expert_weights, moe_indexed
+    from moeserve.runtime.backends.experts import fuse_expert_weights, moe_indexed
 
     x, ids, gates, w1, w2, w3, _ = make_case(T, K, act, with_keep=False, seed=T + K)
     w = fuse_expert_weights(w1, w2, w3, act, pack=False, sync_free=True)

@@ -16,7 +16,7 @@ from moeserve.runtime.cpu_kernel import KernelError, KernelLinear
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.kernel_decode import KernelDecodeStep, KernelRouter
 from moeserve.runtime.kv_cache import KVCache
-from moeserve.runtime.moe import kernel_router
+from moeserve.runtime.backends.cpu import kernel_router
 from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
 from moeserve.tokenizer import ByteTokenizer
 

@@ -14,7 +14,7 @@ import torch
 
 from moeserve.checkpoint import load_checkpoint, save_checkpoint
 from moeserve.config import preset
-from moeserve.runtime.experts import _halves_of_one, fuse_expert_weights
+from moeserve.runtime.backends.experts import _halves_of_one, fuse_expert_weights
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.loading import load_model
 from moeserve.runtime.model import Transformer

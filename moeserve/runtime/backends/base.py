@@ -1,4 +1,4 @@
-"""The model-runner seam: the few calls the Engine makes into a model, whatever runs it.
+"""The backend seam: the few calls the Engine and the step engine make into a model, whatever runs it.
 
     forward(ids, mask)                    a whole batch, no cache (scoring, classification, routes)
     target_logprobs(ids, mask, targets)   optional: forward's log p of `targets` only, [B, T] (scoring)
@@ -13,26 +13,26 @@
                                           (a prompt's n choices share one prefill)
 
 Each call returns a ModelOutput (logits and per-MoE-layer aux); the Engine does the rest (sampling,
-text, expert-load accounting). `TorchRunner` runs the Transformer; `runtime/onnx_runner.py`'s
-`OnnxRunner` runs an exported graph on ONNX Runtime. Which slots a call touches is decided by the
-caller on the host, so a runner never has to ask the device where a sequence is.
+text, expert-load accounting). Which slots a call touches is decided by the caller on the host, so a
+backend never has to ask the device where a sequence is.
+
+`TorchBackend` is these calls over the Transformer, whose modules are plain math; each backend built on it
+(eager.py, cpu.py, compiled.py) lays the model out its own way once, when it is made, and may replace a call
+(the CPU kernel's whole decode step, the compiled step's graphs). onnx.py's runs an exported graph instead.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.backends.compiled import CompiledDecode
+from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.layout import plain_
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
-
-log = logging.getLogger("moeserve.runtime")
-
 
 class ModelRunner(Protocol):
     """What the Engine and the step engine call. The optional calls are declared, not probed: a runner says
@@ -67,18 +67,24 @@ class ModelRunner(Protocol):
     def warm_up(self, slots: int) -> None: ...
 
 
-class TorchRunner:
-    """The Transformer over a slot KV cache (kv_cache.KVCache); with `compiled`, its decode step is one
-    compiled graph per batch bucket (compiled.py), over a cache kept from one call to the next so that
-    the graphs are built once. `fallback`: if building the graph fails, say so and run eager."""
+class TorchBackend:
+    """The calls over the Transformer on a slot KV cache (kv_cache.KVCache), laid out as `plan` says by `lay_out`,
+    which each backend defines: the model's modules are put back to plain ones first, so a model can be laid out
+    again (after its weights, dtype or device changed) by making a new backend of it."""
 
+    name = "torch"
     can_step_rows = can_copy_prefix = True
+    graph_decode = False
 
-    def __init__(self, model: Transformer, compiled: bool = False, fallback: bool = False):
-        self.model = model
-        self.cfg = model.cfg
-        self.compiled, self.fallback = compiled, fallback
-        self._decode: CompiledDecode | None = None
+    def __init__(self, model: Transformer, plan: DispatchPlan):
+        self.model, self.cfg, self.plan = model, model.cfg, plan
+        with torch.no_grad():
+            plain_(model)
+            self.lay_out(plan)
+
+    def lay_out(self, plan: DispatchPlan) -> None:
+        """Replace the model's modules by the inference forms this backend runs (backends/layout.py)."""
+        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
@@ -96,23 +102,10 @@ class TorchRunner:
         return self.model(ids, attention_mask=attention_mask, targets=targets)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
-        if not self.compiled:
-            return KVCache.for_model(self.model, slots, max_len)
-        if self._decode is None or self._decode.scratch < slots:  # one slot more: the padding rows' scratch
-            self._decode = CompiledDecode(self.model, KVCache.for_model(self.model, slots + 1, spare=1))
-        return self._decode.cache
-
-    @property
-    def graph_decode(self) -> bool:
-        """Decode rows run on the compiled step, apart from a prompt's chunk (StepEngine): riding in the chunk's
-        eager call would take them off the graph whenever prompts arrive."""
-        return self.compiled
+        return KVCache.for_model(self.model, slots, max_len)
 
     def warm_up(self, slots: int) -> None:
-        """Build the compiled decode step's graphs now, for up to `slots` rows (nothing to do when eager)."""
-        if self.compiled:
-            self.new_cache(slots, self.cfg.max_seq_len)
-            self._guarded(self._decode.warm_up)
+        """Build what the first requests would otherwise wait for (nothing, but for a compiled step)."""
 
     def prefill(self, cache: KVCache, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:
         return self.model(ids_S[None], cache=cache.rows([slot], [start], ids_S.shape[0]), last_only=not all_logits)
@@ -126,22 +119,4 @@ class TorchRunner:
         cache.copy_prefix(src, dst, length)
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
-        if self.compiled and self._decode is not None and cache is self._decode.cache:
-            out = self._guarded(self._decode, slots, ids_B, positions)
-            if out is not None:
-                return ModelOutput(*out, graph=True)
-        if self.model.step_kernel is not None:
-            return self.model.decode_step(cache, slots, ids_B, positions)
         return self.model(ids_B[:, None], cache=cache.rows(slots, positions, 1))
-
-    def _guarded(self, fn, *args):
-        """fn(*args); if it fails and the compiled step was only asked for where it may help ('auto'),
-        log why, go eager for good, and return None."""
-        try:
-            return fn(*args)
-        except Exception as e:
-            if not self.fallback:
-                raise
-            log.warning("moeserve: the compiled decode step failed (%s: %s); running eager", type(e).__name__, e)
-            self.compiled = False
-            return None

@@ -56,7 +56,7 @@ from moeserve.cache import cache_root
 from moeserve.config import MoEConfig
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.device import cpu_name
-from moeserve.runtime.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
+from moeserve.runtime.backends.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
 
 VERSION = 8  # bump when what is measured or how it is decided changes: older cache files are then ignored

@@ -13,7 +13,7 @@ every time, so here it is made shape-static:
   (a symbolic length), and on CUDA one graph is recorded per (bucket, span), so a step reads the keys its rows
   can see, never the whole cache: at 100 tokens of context a 32k-context model took 1.10x the step time of a
   2k one on an H100 (1.63x when every row read the whole cache; docs/benchmarks.md);
-- the experts run the sync-free path (experts.moe_indexed: no host sync, fixed shapes) on plain
+- the experts run a path with no host sync and fixed shapes (backends/experts.py: GraphExperts) on plain
   weights (oneDNN-packed weights are opaque to the compiler);
 - the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
 
@@ -23,6 +23,8 @@ Same tokens as eager in fp32 (tests/runtime/test_compiled.py); the logits differ
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import shutil
 from collections import Counter
 
@@ -31,9 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.runtime import COMPILE_MODES
+from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.eager import EagerBackend
 from moeserve.runtime.kv_cache import CacheRows, KVCache
-from moeserve.runtime.model import Transformer
+from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
+
+log = logging.getLogger("moeserve.runtime")
 
 
 class CompileError(RuntimeError):
@@ -187,3 +193,56 @@ class CompiledDecode:
                     self._step(torch.zeros(b, 1, dtype=torch.long, device=device),
                                torch.full((b,), self.scratch, device=device),
                                torch.zeros(b, 1, dtype=torch.long, device=device), self._span(span))
+
+
+class CompiledBackend(EagerBackend):
+    """The torch backend on plain weights whose decode step is one compiled graph per batch bucket (CompiledDecode),
+    over a cache kept from one call to the next so that the graphs are built once. `fallback`: if building or
+    running the graph fails, say so and decode eagerly for good (`graph_decode` turns False)."""
+
+    name = "compiled"
+
+    def __init__(self, model: Transformer, plan: DispatchPlan, fallback: bool = False):
+        if plan.pack_dense or plan.pack_experts or plan.kernel_dense or plan.kernel_experts or plan.kernel_norms:
+            plan = dataclasses.replace(plan, pack_dense=False, pack_experts=False, kernel_dense=False,
+                                       kernel_experts=False, kernel_norms=False,
+                                       reason=f"{plan.reason}; plain weights for the compiled decode step")
+        super().__init__(model, plan)
+        self.fallback, self.graph_decode = fallback, True
+        self._decode: CompiledDecode | None = None
+
+    def experts(self, plan: DispatchPlan) -> dict:
+        return dict(pack=False, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
+                    decode_grouped=plan.decode_grouped, graph=True)
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        if not self.graph_decode:
+            return super().new_cache(slots, max_len)
+        if self._decode is None or self._decode.scratch < slots:  # one slot more: the padding rows' scratch
+            self._decode = CompiledDecode(self.model, KVCache.for_model(self.model, slots + 1, spare=1))
+        return self._decode.cache
+
+    def warm_up(self, slots: int) -> None:
+        """Build the compiled decode step's graphs now, for up to `slots` rows."""
+        if self.graph_decode:
+            self.new_cache(slots, self.cfg.max_seq_len)
+            self._guarded(self._decode.warm_up)
+
+    def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
+        if self.graph_decode and self._decode is not None and cache is self._decode.cache:
+            out = self._guarded(self._decode, slots, ids_B, positions)
+            if out is not None:
+                return ModelOutput(*out, graph=True)
+        return super().decode(cache, slots, ids_B, positions)
+
+    def _guarded(self, fn, *args):
+        """fn(*args); if it fails and the compiled step was only asked for where it may help ('auto'), log why, go
+        eager for good, and return None."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if not self.fallback:
+                raise
+            log.warning("moeserve: the compiled decode step failed (%s: %s); running eager", type(e).__name__, e)
+            self.graph_decode = False
+            return None

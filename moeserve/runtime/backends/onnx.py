@@ -61,12 +61,13 @@ def presents_as_past(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"past_" + k.removeprefix("present_"): v for k, v in outputs.items() if k.startswith("present_")}
 
 
-class OnnxRunner:
+class OnnxBackend:
     """The model-runner protocol (runner.py) over an ONNX Runtime session. A slot's cache is its past
     keys and values (a KV-cache graph) or its token ids so far (a plain graph, which recomputes the
     prefix each step); a decode step runs each slot on its own, since the graph takes one past length
     per call."""
 
+    name = "onnx"
     can_step_rows = can_copy_prefix = graph_decode = False
 
     def __init__(self, session, cfg: MoEConfig, mode: str):
@@ -146,8 +147,8 @@ class OnnxRunner:
         return ModelOutput(logits, aux)
 
 
-def load_onnx_runner(path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None
-                     ) -> tuple[OnnxRunner, Tokenizer | None]:
+def load_onnx_backend(path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None
+                     ) -> tuple[OnnxBackend, Tokenizer | None]:
     """A runner over an ONNX Runtime session of a graph that `moeserve export onnx` wrote, and the
     tokenizer the export carried (engine.load_engine puts them in an Engine)."""
     try:
@@ -172,7 +173,7 @@ def load_onnx_runner(path, dtype: str = "float32", device: str = "auto", *, thre
     if "moeserve.config" not in meta:
         raise EngineError(f"{path} was not written by moeserve export onnx (no moeserve.config metadata)")
     cfg = MoEConfig.from_json(meta["moeserve.config"])
-    runner = OnnxRunner(session, cfg, meta.get("moeserve.mode", "?"))
+    runner = OnnxBackend(session, cfg, meta.get("moeserve.mode", "?"))
     return runner, _tokenizer(cfg, meta)
 
 

@@ -7,7 +7,7 @@ about 2.4x (MKL's sgemm took a slow path there); on an AVX2-only EPYC, packed fp
 than plain ones, and bf16 cannot be packed at all (device.onednn_bf16_available). So packing is
 *available* where torch can do it, and *used* where calibration.py measured it faster on this machine.
 Packed tensors are opaque (no autograd, no views), so packing is for inference only and every packed
-module keeps its plain weight for training, state_dict and export.
+module keeps its plain weight for state_dict and export (backends/layout.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from __future__ import annotations
 import platform
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.runtime import device as device_caps
-from moeserve.runtime.cpu_kernel import KernelLinear
+from moeserve.runtime.backends.layout import Laid
 
 
 class PackingError(ValueError):
@@ -49,44 +48,11 @@ def packed_linear(x_NI: Tensor, w_packed: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x_NI, w_packed, None, "none", [], "")
 
 
-class PackedLinear(nn.Module):
-    """A bias-free nn.Linear whose no-grad forward runs on a packed copy of its weight. `weight` is the
-    original Parameter, so state_dict keys and anything reading `.weight` are unchanged."""
+class PackedLinear(Laid, nn.Linear):
+    """A bias-free linear map (an nn.Linear, or a TiedHead) run on a packed copy of its weight: `packed`, made by
+    `PackedLinear.of(linear, packed=pack_weight(linear.weight))`. The weight Parameter stays where it was."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight = linear.weight
-        self.packed = pack_weight(linear.weight)
+    packed: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
-            return F.linear(x, self.weight)
         return packed_linear(x, self.packed)
-
-
-def unpack_linears_(module: nn.Module) -> int:
-    """Put back a plain bias-free nn.Linear (the same weight Parameter) for every PackedLinear or
-    KernelLinear under `module`; returns how many."""
-    n = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, (PackedLinear, KernelLinear)):
-            linear = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=False, device="meta")
-            linear.weight = child.weight
-            setattr(module, name, linear)
-            n += 1
-        else:
-            n += unpack_linears_(child)
-    return n
-
-
-def wrap_linears_(module: nn.Module, wrap: type[PackedLinear] | type[KernelLinear]) -> int:
-    """Replace every plain bias-free nn.Linear under `module` by wrap(linear) (a PackedLinear or a KernelLinear,
-    which keep its weight Parameter); returns how many. Call unpack_linears_ first to change a layout."""
-    n = 0
-    for name, child in list(module.named_children()):
-        if type(child) is nn.Linear and child.bias is None:
-            setattr(module, name, wrap(child))
-            n += 1
-        else:
-            n += wrap_linears_(child, wrap)
-    return n

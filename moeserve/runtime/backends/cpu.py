@@ -1,0 +1,165 @@
+"""The CPU-kernel backend: the parts of the model the calibration put on the C kernel (cpu_kernel.py) run there,
+the rest as the torch backend runs it, and a decode step is one C call where every part of it is on the kernel.
+
+The kernel's ops are what the model's modules compute, on the same roundings (the tests hold each against its
+torch module, bit for bit where the arithmetic allows): GEMMs for the few rows of decode (KernelLinear), a MoE
+layer's experts in one call (FusedExperts), the router (KernelRouted), RMSNorm (KernelRMSNorm) and attention
+over the cache where it lies (KernelAttention). A prompt's queries on KernelAttention are each computed as a
+decode step's, so a prompt's numbers do not depend on how it was chunked or which rows share its call.
+
+The whole decode step (kernel_decode.KernelDecodeStep) is those ops composed in C, with no torch between them: a
+step that streams the weights leaves every cache cold, and there each small torch operation between the C calls
+cost more than it does warm (docs/design-notes.md). It is this backend's decode; a prompt, or a decode row that
+rides in a prompt's call, runs the ops one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.eager import EagerBackend, is_linear
+from moeserve.runtime.backends.experts import FusedExperts
+from moeserve.runtime.backends.layout import Laid
+from moeserve.runtime.kernel_decode import KernelDecodeBlock, KernelDecodeStep, KernelRouter
+from moeserve.runtime.kv_cache import CacheRows, KVCache
+from moeserve.runtime.model import Attention, ModelOutput, apply_rope
+from moeserve.runtime.moe import MoEAux, MoELayer
+from moeserve.runtime.routing import Routing, SigmoidRouter, SoftmaxRouter, XMoERouter
+
+
+class KernelLinear(Laid, nn.Linear):
+    """A bias-free linear map (an nn.Linear or the tied head) on the kernel's GEMM, up to `max_rows` rows; past
+    them torch's GEMM on the same weight, faster there (DispatchPlan.dense_kernel_max_tokens)."""
+
+    weight: Tensor
+    max_rows: int | None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]:
+            return torch.nn.functional.linear(x, self.weight)
+        return cpu_kernel.linear(x, self.weight)
+
+
+class KernelRMSNorm(Laid, nn.RMSNorm):
+    """nn.RMSNorm in one kernel call: the float32 sums of torch's, rounded once."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cpu_kernel.rms_norm(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
+
+
+class KernelAttention(Laid, Attention):
+    """Causal attention whose cached calls run on the kernel over the cache where it lies (no gather, no mask); an
+    uncached call (scoring) is the module's own."""
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                is_causal: bool, cache: CacheRows | None) -> Tensor:
+        if cache is None:
+            return super()._attend(q, k, v, cos, sin, mask, is_causal, cache)
+        B, S = q.shape[:2]
+        H, G, Dh, kv = self.n_heads, self.n_kv_heads, self.head_dim, cache.cache
+        lo, hi = cache.decode_bounds(self.window)
+        if S == 1:  # RoPE, the cache write and attention in one call
+            y = cpu_kernel.attend_decode(q.view(B, H, Dh), kv.k[self.layer_id], kv.v[self.layer_id], cache.slots, lo,
+                                         hi, Dh**-0.5, new_kv=(k.view(B, G, Dh), v.view(B, G, Dh)),
+                                         rope=(cos.reshape(B, Dh), sin.reshape(B, Dh)))
+            return y.view(B, S, -1)
+        # A prompt's queries each as a decode step's: its tokens' keys written first, then every query over its slot
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer_id, k, v)
+        y = cpu_kernel.attend_decode(q.transpose(1, 2).reshape(B * S, H, Dh), kv.k[self.layer_id],
+                                     kv.v[self.layer_id], cache.slots.repeat_interleave(S), lo, hi, Dh**-0.5)
+        return y.view(B, S, -1)
+
+
+class KernelRouted(Laid, nn.Module):
+    """A router computed by the kernel (kernel_decode.KernelRouter), for any number of tokens."""
+
+    kernel: KernelRouter
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        return Routing(*self.kernel(x_TD))
+
+
+def kernel_router(router: nn.Module) -> KernelRouter | None:
+    """`router` on the C kernel, where it is one the kernel computes; else None. Its weights as they are now (X-MoE's
+    tau is read here): a backend made after they change builds it again."""
+    if isinstance(router, SoftmaxRouter):
+        return KernelRouter(router.gate.weight, router.top_k, "softmax", router.renormalize)
+    if isinstance(router, SigmoidRouter):
+        return KernelRouter(router.gate.weight, router.top_k, "sigmoid")
+    if isinstance(router, XMoERouter):
+        tau = float(router.tau.float().clamp(min=1e-3))  # as its forward clamps it
+        return KernelRouter(router.proj.weight, router.top_k, router.gate_kind, embeddings=router.expert_embeddings,
+                            tau=tau)
+    return None
+
+
+class CpuKernelBackend(EagerBackend):
+    name = "cpu-kernel"
+
+    def lay_out(self, plan: DispatchPlan) -> None:
+        if not cpu_kernel.available():
+            raise cpu_kernel.KernelError(f"the plan runs parts of the model on the CPU kernel, which is not available "
+                                         f"here: {cpu_kernel.unavailable_reason()}")
+        super().lay_out(plan)
+        for layer in self.model.moe_layers:  # the router beside experts on the kernel (no capacity limit, not VQ)
+            if isinstance(layer.experts, FusedExperts) and layer.quantizer is None and self.cfg.capacity_factor is None:
+                kernel = kernel_router(layer.router)
+                if kernel is not None:
+                    layer.router = KernelRouted.of(layer.router, kernel=kernel)
+        self.step = self._step(plan)
+
+    def experts(self, plan: DispatchPlan) -> dict:
+        if not plan.kernel_experts:
+            return super().experts(plan)
+        return dict(pack=False, grouped_mm=False, sync_free=False, gather_max=plan.gather_max, kernel=True,
+                    kernel_max_tokens=plan.kernel_max_tokens)
+
+    def form(self, m: nn.Module, plan: DispatchPlan) -> nn.Module | None:
+        if plan.kernel_dense and is_linear(m):
+            return KernelLinear.of(m, weight=m.weight, max_rows=plan.dense_kernel_max_tokens)
+        if plan.kernel_norms and type(m) is nn.RMSNorm and m.weight is not None:
+            return KernelRMSNorm.of(m)
+        if plan.kernel_norms and type(m) is Attention and m.causal:
+            return KernelAttention.of(m)
+        return super().form(m, plan)
+
+    def _step(self, plan: DispatchPlan) -> KernelDecodeStep | None:
+        """The whole decode step in one call, where every part of it is on the kernel: each layer's attention half,
+        router and experts, the final norm and the LM head. Else None: the ops one by one."""
+        model = self.model
+        if not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm":
+            return None
+        parts = []
+        for block in model.layers:
+            ffn, norms, a = block.ffn, (block.attention_norm, block.ffn_norm), block.attention
+            if (not isinstance(ffn, MoELayer) or not isinstance(ffn.router, KernelRouted)
+                    or not all(isinstance(n, KernelRMSNorm) for n in norms) or not isinstance(a, KernelAttention)):
+                return None  # a dense FFN, a VQ layer, a capacity limit, LayerNorm: the ops one by one
+            eps = [n.eps if n.eps is not None else torch.finfo(n.weight.dtype).eps for n in norms]
+            attention = KernelDecodeBlock(((norms[0].weight, eps[0]), (norms[1].weight, eps[1])),
+                                          (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
+            parts.append((attention, ffn.router.kernel, ffn.experts.w.fused))
+        norm = model.norm
+        if not isinstance(norm, KernelRMSNorm) or not isinstance(model.output, KernelLinear):
+            return None
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        return KernelDecodeStep(parts, (norm.weight, eps), model.output.weight, model.tok_embeddings.weight,
+                                (model.rope_cos, model.rope_sin), self.cfg.sliding_window)
+
+    def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
+        """One token a row on the whole-step call, from the host's numbers: the rows are checked here and the C call
+        looks up the embedding, the RoPE rows and the bounds, which a forward builds in torch."""
+        if self.step is None:
+            return super().decode(cache, slots, ids_B, positions)
+        cache.claim(slots, positions, 1)
+        rows = torch.tensor([*slots, *positions])
+        logits_BV, ids, gates, counts = self.step(ids_B.long().contiguous(), rows[:len(slots)], rows[len(slots):],
+                                                  cache.k, cache.v, self.cfg.head_dim**-0.5)
+        aux = [MoEAux(c if layer.count_load else None, Routing(i, g))
+               for layer, c, i, g in zip(self.model.moe_layers, counts.unbind(0), ids.unbind(0), gates.unbind(0))]
+        return ModelOutput(logits_BV[:, None], aux)
