@@ -1,7 +1,7 @@
-"""C kernels for CPU inference (kernels/linear.c): a GEMM written for the few rows of decode, used by the
-experts and the dense layers, a MoE layer's experts in one call (KernelExperts), RMSNorm (KernelRMSNorm) and a
-decode step's attention over the KV cache (attend_decode); float32 and bfloat16. kernel_decode.py builds on them:
-a decode layer's attention half, the router, and a whole decode step, each in one call.
+"""C kernels for CPU inference (kernels/, one C file an op): a GEMM written for the few rows of decode, used by
+the experts and the dense layers (gemm.c), a MoE layer's experts in one call (experts.c: KernelExperts), RMSNorm
+(norm.c: KernelRMSNorm) and a decode step's attention over the KV cache (attention.c: attend_decode); float32 and
+bfloat16. kernel_decode.py builds on them: the router (router.c) and a whole decode step in one call (step.c).
 
 At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to eight rows (an expert's
 share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because
@@ -24,8 +24,15 @@ built library is cached per CPU (model name and flags) and compiler. It links Op
 the libgomp torch has already loaded (one thread pool, not two fighting for the cores), and it is called
 through ctypes, which lets go of the GIL for the call. `available()` is the capability probe: no
 compiler, no OpenMP, a non-CPU tensor or a dtype other than float32 and bfloat16, or `MOESERVE_CPU_KERNEL=off`, and
-the callers keep torch's kernels; a library that builds but disagrees with F.linear on a test problem is
-not used either. Whether it is used where available is the calibration's call (calibration.py), made
+the callers keep torch's kernels.
+
+kernels/moeserve_kernels.h is the one declaration of the library's interface, which both sides follow: the C
+files include it (a definition that disagrees with it does not compile), and the ctypes bindings here are derived
+from its prototypes (parse_header), kernel_decode.py's Structures checked against its structs, and the library's
+moeserve_kernel_abi() against ABI, when the library loads. A mistake there would not fail loudly: ctypes passes
+whatever it is told, and a wrong argument reads or writes the wrong memory. Nor would a wrong op: every op is
+checked against its torch reference on a small problem at load (kernel_checks.py), and a library that is off in
+any of them is not used, unavailable_reason() naming the op. Whether it is used where available is the calibration's call (calibration.py), made
 by timing it against the other layouts on this machine.
 """
 
@@ -36,11 +43,13 @@ import functools
 import hashlib
 import logging
 import math
+import re
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,7 +61,9 @@ from moeserve.runtime.device import cpu_name
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "linear.c"
+KERNELS = Path(__file__).with_name("kernels")  # every *.c there is built into the one library
+HEADER = KERNELS / "moeserve_kernels.h"
+ABI = 1  # the MOESERVE_KERNEL_ABI the bindings here and in kernel_decode.py are written for
 ENV = "MOESERVE_CPU_KERNEL"  # "off": never build or use it
 CFLAGS_ENV = "MOESERVE_KERNEL_CFLAGS"  # extra compiler flags, e.g. -mno-avx512bf16 (part of the cache key)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -99,9 +110,8 @@ def bf16_native() -> bool:
 
 def linear(x_NI: Tensor, w_OI: Tensor) -> Tensor:
     """x @ w^T, float32 or bfloat16 (both the same) on the CPU, rows contiguous; the same numbers whatever rows
-    share the call. A decode
-    step makes ~20 of these on weights of 1-8 MB, so the checks are the cheap ones a tensor answers without
-    building objects (a first version spent 20 us a call here, around a 60 us GEMV)."""
+    share the call. A decode step makes ~20 of these on weights of 1-8 MB, so the checks are the cheap ones a
+    tensor answers without building objects (docs/design-notes.md)."""
     lib = _library()
     if isinstance(lib, str):
         raise KernelError(f"the CPU kernel is not available: {lib}")
@@ -303,81 +313,164 @@ class KernelExperts:
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    """The built and checked library, or why there is none (once per process)."""
+    """The built, bound and checked library, or why there is none (once per process)."""
     if platform.system() == "Windows":
         return "not built on Windows"
     try:
         path = _build()
         lib = ctypes.CDLL(str(path))  # CDLL (not PyDLL): the GIL is released during each call
-    except (OSError, subprocess.SubprocessError, KernelError) as e:
+        _check_abi(lib)
+        header = parse_header(HEADER.read_text())
+        for name, (restype, argtypes) in header.functions.items():
+            fn = getattr(lib, name)  # AttributeError: a declared function the library lacks
+            fn.restype, fn.argtypes = restype, argtypes
+        from moeserve.runtime import kernel_checks, kernel_decode  # they import this module
+        kernel_decode.check_structures(header)
+    except (OSError, AttributeError, subprocess.SubprocessError, KernelError) as e:
         log.info("CPU kernel not used: %s", e)
         return str(e)
-    lib.experts_ffn.restype = None
-    lib.experts_ffn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
-                                + [ctypes.c_long] * 3 + [ctypes.c_int])
-    lib.experts_ffn_bf16.restype = None
-    lib.experts_ffn_bf16.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
-                                     + [ctypes.c_long] * 3 + [ctypes.c_int])
-    for fn in (lib.linear_nt, lib.linear_nt_bf16):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                       ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    for fn in (lib.rms_norm, lib.rms_norm_bf16):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
-    for fn in (lib.attend_decode, lib.attend_decode_bf16):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
-    for fn in (lib.decode_block, lib.decode_block_bf16):
-        fn.restype = None
-        fn.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_float]
-                       + [ctypes.c_void_p] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 3
-                       + [ctypes.c_int])
-    for fn in (lib.moe_ffn, lib.moe_ffn_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-                       + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int])
-    for fn in (lib.route_tokens, lib.route_tokens_bf16):  # kernel_decode.py: the router and the whole step
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-    for fn in (lib.decode_step, lib.decode_step_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
-                       + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int])
-    lib.bf16_native.restype = ctypes.c_int
-    lib.bf16_native.argtypes = []
-    return _self_check(lib)
-
-
-def _self_check(lib: ctypes.CDLL) -> ctypes.CDLL | str:
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5, 77, generator=g), torch.randn(29, 77, generator=g)
-    for dtype, fn, tol in ((torch.float32, lib.linear_nt, 1e-4), (torch.bfloat16, lib.linear_nt_bf16, 0.1)):
-        xd, wd = x.to(dtype), w.to(dtype)
-        y = torch.empty(5, 29, dtype=dtype)
-        fn(xd.data_ptr(), 77, wd.data_ptr(), 77, y.data_ptr(), 29, 5, 29, 77, 2)
-        err = (y.float() - F.linear(xd.float(), wd.float())).abs().max().item()
-        if not err < tol:
-            return f"the built kernel disagrees with F.linear in {dtype} (max error {err:.3g}): not used"
+    why = kernel_checks.self_check(lib)
+    if why is not None:
+        log.warning("CPU kernel not used: %s", why)
+        return why
     return lib
 
 
+def _check_abi(lib: ctypes.CDLL) -> None:
+    """The library's moeserve_kernel_abi() is the ABI these bindings were written for, or KernelError."""
+    fn = lib.moeserve_kernel_abi
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    if fn() != ABI:
+        raise KernelError(f"the built library's kernel ABI is {fn()}, not the {ABI} this moeserve binds: not used")
+
+
+# ---- the header, parsed --------------------------------------------------------------------------
+SCALARS = {"float": ctypes.c_float, "int": ctypes.c_int, "long": ctypes.c_long}
+POINTEES = {"void", "float", "int", "long", "bf16", "struct router", "struct layer", "struct model"}
+
+
+@dataclass(frozen=True)
+class CType:
+    """A declaration's C type: its base ("float", "struct router", ...) and how many pointers deep."""
+
+    base: str
+    pointers: int
+
+    @property
+    def ctype(self) -> type | None:
+        """As ctypes passes it: any pointer as a void pointer (a tensor's data_ptr(), a byref, an array), a scalar
+        as itself, void (a return type) as None."""
+        if self.pointers:
+            return ctypes.c_void_p
+        return None if self.base == "void" else SCALARS[self.base]
+
+
+@dataclass(frozen=True)
+class Header:
+    functions: dict[str, tuple[type | None, list[type]]]  # name: (restype, argtypes)
+    structs: dict[str, list[tuple[str, CType]]]  # name (without "struct"): its fields in order
+    abi: int
+
+
+def parse_type(decl: str, what: str, embedded: tuple[str, ...] = ()) -> CType:
+    """A declaration's type without its name ("const float *", "bf16 *const *", "long"): the types the header
+    uses and no others, so that a new one is taught here rather than guessed at. `embedded`: the structs a
+    struct's field may hold by value."""
+    words = decl.replace("*", " * ").split()
+    pointers = words.count("*")
+    base = " ".join(w for w in words if w not in ("*", "const"))
+    if pointers and base in POINTEES or not pointers and (base in SCALARS or base in embedded):
+        return CType(base, pointers)
+    if base == "void" and not pointers and what.endswith("returns"):
+        return CType(base, 0)
+    raise KernelError(f"{what}: the C type {decl.strip()!r} is not one the bindings know")
+
+
+def _split_name(decl: str, what: str) -> tuple[str, str]:
+    m = re.fullmatch(r"(.*?[\s*])(\w+)", decl.strip())
+    if m is None:
+        raise KernelError(f"{what}: cannot read the declaration {decl.strip()!r}")
+    return m.group(1), m.group(2)
+
+
+def parse_header(text: str) -> Header:
+    """moeserve_kernels.h's prototypes as ctypes (restype, argtypes), its structs' fields, its ABI number. Strict:
+    anything it does not understand is a KernelError, not a binding guessed wrong."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    abi = re.search(r"^\s*#define MOESERVE_KERNEL_ABI (\d+)\s*$", text, flags=re.M)
+    if abi is None:
+        raise KernelError("the header defines no MOESERVE_KERNEL_ABI")
+    text = re.sub(r"^\s*#.*$", " ", text, flags=re.M)
+    text = text.replace("typedef unsigned short bf16;", " ")
+    structs: dict[str, list[tuple[str, CType]]] = {}
+    for m in re.finditer(r"struct (\w+)\s*\{(.*?)\};", text, flags=re.S):
+        fields = structs[m.group(1)] = []
+        for member in filter(str.strip, m.group(2).split(";")):  # "const void *n1, *wq" or "long P, E, K"
+            first, *more = member.split(",")
+            lead, name = _split_name(first, f"struct {m.group(1)}")
+            base = lead.replace("*", " ")
+            for decl, name in [(lead, name)] + [_split_name(base + d, f"struct {m.group(1)}") for d in more]:
+                fields.append((name, parse_type(decl, f"struct {m.group(1)}.{name}",
+                                                embedded=tuple(f"struct {s}" for s in structs))))
+    text = re.sub(r"struct (\w+)\s*\{.*?\};", " ", text, flags=re.S)
+    functions = {}
+    for proto in filter(str.strip, text.split(";")):
+        m = re.fullmatch(r"\s*([\w\s*]+?[\s*])(\w+)\s*\(([^()]*)\)\s*", proto)
+        if m is None:
+            raise KernelError(f"the header's {' '.join(proto.split())!r} is not a prototype the bindings read")
+        ret, name, params = m.groups()
+        args = [] if params.strip() in ("void", "") else params.split(",")
+        restype = parse_type(ret, f"{name} returns")
+        if restype.pointers:  # nothing returns memory: who would own it?
+            raise KernelError(f"{name} returns: the C type {ret.strip()!r} is not one the bindings know")
+        functions[name] = (restype.ctype, [parse_type(_split_name(a, name)[0], f"{name}({a.strip()})").ctype for a in args])
+    return Header(functions, structs, int(abi.group(1)))
+
+
+def check_structure(cls: type[ctypes.Structure], fields: list[tuple[str, CType]],
+                    structs: dict[str, type[ctypes.Structure]]) -> None:
+    """cls's _fields_ are the header struct's, name by name and type by type in order (a pointer: c_void_p or a
+    ctypes POINTER to the same struct; a struct held by value: its Structure in `structs`), or KernelError."""
+    def same(t: type, c: CType) -> bool:
+        if c.pointers:
+            if t is ctypes.c_void_p:
+                return True
+            target = structs.get(c.base.removeprefix("struct "))
+            return c.pointers == 1 and target is not None and t is ctypes.POINTER(target)
+        if c.base.startswith("struct "):
+            return t is structs.get(c.base.removeprefix("struct "))
+        return t is SCALARS[c.base]
+
+    got = [(f[0], f[1]) for f in cls._fields_]
+    for i in range(max(len(got), len(fields))):
+        g = got[i] if i < len(got) else None
+        w = fields[i] if i < len(fields) else None
+        if g is None or w is None or g[0] != w[0] or not same(g[1], w[1]):
+            have = "nothing" if g is None else f"{g[0]}: {g[1].__name__}"
+            want = "nothing" if w is None else f"{w[0]}: {w[1].base}{' *' * w[1].pointers}"
+            raise KernelError(f"{cls.__qualname__} does not match the header's struct: field {i} is {have}, "
+                              f"the header's is {want}")
+
+
 def _build() -> Path:
-    """Compile the source once per (source, compiler, CPU); later processes load the cached library."""
+    """Compile every kernels/*.c once per (sources, headers, compiler, flags, CPU) into one library; later
+    processes load the cached one."""
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise KernelError(f"no C compiler ({cc!r} not found; set $CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = (*FLAGS, *os.environ.get(CFLAGS_ENV, "").split())
-    key = "\n".join([SOURCE.read_text(), version, " ".join(flags), cpu_name(), _cpu_flags()])
-    out = cache_root() / "kernels" / f"linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    sources = sorted(KERNELS.glob("*.c"))
+    texts = [f"{p.name}\n{p.read_text()}" for p in sorted([*sources, *KERNELS.glob("*.h")])]
+    key = "\n".join([*texts, version, " ".join(flags), cpu_name(), _cpu_flags()])
+    out = cache_root() / "kernels" / f"kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
-                           timeout=120)
+        r = subprocess.run([cc, *flags, *map(str, sources), "-o", str(built), "-lm"], capture_output=True,
+                           text=True, timeout=300)
         if r.returncode != 0:
             raise KernelError(f"{cc} could not build it: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
         os.replace(built, out)  # atomic: a concurrent process sees no half-written library

@@ -1,13 +1,12 @@
-"""A decode step on the C kernel (kernels/linear.c) in as few calls as its layers allow: a decode layer's
-attention half in one call (KernelDecodeBlock), a MoE layer's router (KernelRouter), and a whole step, every
-layer and the LM head, in one call (KernelDecodeStep).
+"""A decode step on the C kernel in as few calls as its layers allow: a MoE layer's router (KernelRouter, router.c),
+and a whole step, every layer and the LM head, in one call (KernelDecodeStep, step.c), the only fused decode path.
 
-Each is the calls it replaces, made in the same order on the same roundings, so the same numbers; what goes is
-the Python between them. On the 644M Mixtral at batch 1 the C calls of a bf16 token took 9.5 of its 11.3 ms:
-the rest was ~70 torch operations a step (the router's softmax and top-k, the residual sums, views, casts and
-their dispatch), slowed further by running on caches the streamed weights had just flushed. The weights are
-checked once, when these are built (Transformer.prepare_inference), and used where the model holds them; a
-call checks only what it is given.
+The step is the calls it replaces, made in the same order on the same roundings, so the same numbers; what goes
+is the Python between them, ~70 torch operations a step that ran on caches the streamed weights had just flushed
+(figures in docs/design-notes.md). The weights are checked once, when these are built
+(Transformer.prepare_inference), and used where the model holds them; a call checks only what it is given. The
+Structures below mirror kernels/moeserve_kernels.h's structs, and are checked against them when the library loads
+(check_structures): a field out of place would have the C code read one weight as another.
 """
 
 from __future__ import annotations
@@ -17,16 +16,20 @@ import ctypes
 import torch
 from torch import Tensor
 
+from dataclasses import dataclass
+
 from moeserve.runtime.cpu_kernel import (
     DTYPES,
+    Header,
     KernelError,
     KernelExperts,
     _check_rows,
     _library,
+    check_structure,
     unavailable_reason,
 )
 
-GATES = ("softmax", "sigmoid")  # the order of linear.c's GATE_ enum
+GATES = ("softmax", "sigmoid")  # the order of router.c's GATE_ enum
 
 
 def _lib() -> ctypes.CDLL:
@@ -44,64 +47,63 @@ def _check_weights(what: str, dtype: torch.dtype, want: dict[str, tuple[Tensor, 
                               f"(float32 or bfloat16), not {t.dtype} {list(t.shape)}")
 
 
-def _check_rope(what: str, dtype: torch.dtype, B: int, Dh: int, rope: tuple[Tensor, Tensor]) -> None:
-    """A decode call's RoPE rows (cos, sin): contiguous [B, Dh] in the model's dtype, as the C code reads them."""
-    for t in rope:
-        if t.dtype != dtype or t.shape != (B, Dh) or not t.is_contiguous():
-            raise KernelError(f"{what}: rope tables are contiguous {dtype} [{B}, {Dh}], not {t.dtype} {list(t.shape)}")
+@dataclass(frozen=True)
+class DecodeAttention:
+    """A decode layer's attention half as the whole step takes it: the two norms' (weight, eps) around it and wq,
+    wk, wv, wo as nn.Linear holds them, checked here once. h = x + attention(RMSNorm(x)), and RMSNorm(h) the MoE
+    half's input, computed by step.c inside KernelDecodeStep (not an op of its own)."""
 
+    norms: tuple[tuple[Tensor, float], tuple[Tensor, float]]
+    weights: tuple[Tensor, Tensor, Tensor, Tensor]
+    n_heads: int
+    n_kv_heads: int
 
-class KernelDecodeBlock:
-    """A decode layer's attention half in one call: for x [B, D] (one token a row), h = x + attention(RMSNorm(x))
-    and RMSNorm(h), the MoE half's input. The same operations, in the same order, as rms_norm, linear and
-    attend_decode called one by one, so the same numbers, without the Python between them. The weights (the two
-    norms' (weight, eps), and wq, wk, wv, wo as nn.Linear holds them) are checked once, here, and used where
-    they lie."""
-
-    def __init__(self, norms: tuple[tuple[Tensor, float], tuple[Tensor, float]],
-                 weights: tuple[Tensor, Tensor, Tensor, Tensor], n_heads: int, n_kv_heads: int):
-        lib = _lib()
-        (n1, self.eps1), (n2, self.eps2) = norms
-        wq, wk, wv, wo = weights
-        D, dtype, H, G = n1.shape[0], n1.dtype, n_heads, n_kv_heads
+    def __post_init__(self) -> None:
+        (n1, _), (n2, _) = self.norms
+        wq, wk, wv, wo = self.weights
+        D, H, G = n1.shape[0], self.n_heads, self.n_kv_heads
         Dh = wq.shape[0] // H
         want = {"attention norm": (n1, (D,)), "FFN norm": (n2, (D,)), "wq": (wq, (H * Dh, D)),
                 "wk": (wk, (G * Dh, D)), "wv": (wv, (G * Dh, D)), "wo": (wo, (D, H * Dh))}
-        _check_weights("decode block", dtype, want)
+        _check_weights("decode attention", n1.dtype, want)
         if H % G or Dh % 2:
-            raise KernelError(f"decode block: {H} query heads over {G} kv heads of {Dh} (the kv heads must divide "
+            raise KernelError(f"decode attention: {H} query heads over {G} kv heads of {Dh} (the kv heads must divide "
                               f"the query heads, and rotate-half RoPE needs an even head dim)")
-        self.lib, self.dtype, self.D, self.H, self.G, self.Dh = lib, dtype, D, H, G, Dh
-        self.weights = (n1, wq, wk, wv, wo, n2)  # their storage does not move while this holds them
-        self._fn = self.lib.decode_block if dtype == torch.float32 else self.lib.decode_block_bf16
 
-    def __call__(self, x_BD: Tensor, rope: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots_B: Tensor,
-                 lo_B: Tensor, hi_B: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """-> (h, hn) [B, D]. rope (cos, sin) [B, Dh] and the cache arguments as attend_decode takes them: this
-        step's keys and values are written into the cache, at position hi_B[b] - 1 of row b's slot."""
-        B, D, Dh, dtype = x_BD.shape[0], self.D, self.Dh, self.dtype
-        if (x_BD.dtype != dtype or x_BD.shape != (B, D) or not x_BD.is_contiguous() or not x_BD.is_cpu
-                or k_cache.dtype != dtype or v_cache.dtype != dtype or v_cache.shape != k_cache.shape
-                or k_cache.dim() != 4 or k_cache.shape[1] != self.G or k_cache.shape[3] != Dh
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-            raise KernelError(f"decode block: x {x_BD.dtype} {list(x_BD.shape)} and a cache of {k_cache.dtype} "
-                              f"{list(k_cache.shape)}, for contiguous {dtype} CPU rows of {D} and caches of "
-                              f"[slots, {self.G}, max_len, {Dh}]")
-        _check_rope("decode block", dtype, B, Dh, rope)
-        _check_rows("decode block", B, slots_B, lo_B, hi_B)
-        scratch = torch.empty(B * (2 * D + 2 * (self.H + self.G) * Dh), dtype=dtype)
-        h, hn = torch.empty_like(x_BD), torch.empty_like(x_BD)
-        n1, wq, wk, wv, wo, n2 = self.weights
-        self._fn(x_BD.data_ptr(), n1.data_ptr(), self.eps1, wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
-                 n2.data_ptr(), self.eps2, rope[0].data_ptr(), rope[1].data_ptr(), k_cache.data_ptr(),
-                 v_cache.data_ptr(), slots_B.data_ptr(), lo_B.data_ptr(), hi_B.data_ptr(), B, D, self.H, self.G, Dh,
-                 k_cache.shape[2], scale, scratch.data_ptr(), h.data_ptr(), hn.data_ptr(), torch.get_num_threads())
-        return h, hn
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norms[0][0].dtype
+
+    @property
+    def D(self) -> int:
+        return self.norms[0][0].shape[0]
+
+    @property
+    def Dh(self) -> int:
+        return self.weights[0].shape[0] // self.n_heads
 
 
-class _Router(ctypes.Structure):  # linear.c's struct router
+class _Router(ctypes.Structure):  # moeserve_kernels.h's struct router
     _fields_ = [("w", ctypes.c_void_p), ("emb", ctypes.c_void_p), ("P", ctypes.c_long), ("E", ctypes.c_long),
                 ("K", ctypes.c_long), ("tau", ctypes.c_float), ("gate", ctypes.c_int), ("renormalize", ctypes.c_int)]
+
+
+def router_args(w_PD: Tensor, top_k: int, gate: str = "softmax", renormalize: bool = False,
+                embeddings: Tensor | None = None, tau: float = 1.0) -> tuple[_Router, tuple[Tensor, Tensor | None]]:
+    """KernelRouter's struct router, checked, and the tensors it points into (to be held while it is used)."""
+    P, D = w_PD.shape
+    E = P if embeddings is None else embeddings.shape[0]
+    _check_weights("router", w_PD.dtype, {"w": (w_PD, (P, D))})
+    if gate not in GATES or not 0 < top_k <= E or not tau > 0:
+        raise KernelError(f"router: gate {gate!r} (one of {GATES}), top_k {top_k} of {E} experts, tau {tau} > 0")
+    emb = None
+    if embeddings is not None:
+        if embeddings.shape != (E, P):
+            raise KernelError(f"router: embeddings [{E}, {P}] for a projection to {P}, not {list(embeddings.shape)}")
+        emb = torch.nn.functional.normalize(embeddings.detach().float(), dim=-1).contiguous()
+    args = _Router(w_PD.data_ptr(), None if emb is None else emb.data_ptr(), P, E, top_k, tau, GATES.index(gate),
+                   int(renormalize))
+    return args, (w_PD, emb)
 
 
 class KernelRouter:
@@ -114,20 +116,8 @@ class KernelRouter:
     def __init__(self, w_PD: Tensor, top_k: int, gate: str = "softmax", renormalize: bool = False,
                  embeddings: Tensor | None = None, tau: float = 1.0):
         self.lib, self.dtype = _lib(), w_PD.dtype
-        P, D = w_PD.shape
-        E = P if embeddings is None else embeddings.shape[0]
-        _check_weights("router", self.dtype, {"w": (w_PD, (P, D))})
-        if gate not in GATES or not 0 < top_k <= E or not tau > 0:
-            raise KernelError(f"router: gate {gate!r} (one of {GATES}), top_k {top_k} of {E} experts, tau {tau} > 0")
-        emb = None
-        if embeddings is not None:
-            if embeddings.shape != (E, P):
-                raise KernelError(f"router: embeddings [{E}, {P}] for a projection to {P}, not {list(embeddings.shape)}")
-            emb = torch.nn.functional.normalize(embeddings.detach().float(), dim=-1).contiguous()
-        self.D, self.E, self.K = D, E, top_k
-        self._held = (w_PD, emb)
-        self.args = _Router(w_PD.data_ptr(), None if emb is None else emb.data_ptr(), P, E, top_k, tau,
-                            GATES.index(gate), int(renormalize))
+        self.args, self._held = router_args(w_PD, top_k, gate, renormalize, embeddings, tau)
+        self.D, self.E, self.K = w_PD.shape[1], self.args.E, top_k
         self._fn = self.lib.route_tokens if self.dtype == torch.float32 else self.lib.route_tokens_bf16
 
     def __call__(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,35 +134,47 @@ class KernelRouter:
         return ids, gates
 
 
-class _Layer(ctypes.Structure):  # linear.c's struct layer
+class _Layer(ctypes.Structure):  # struct layer
     _fields_ = [*((n, ctypes.c_void_p) for n in ("n1", "wq", "wk", "wv", "wo", "n2")), ("eps1", ctypes.c_float),
                 ("eps2", ctypes.c_float), ("router", _Router),
                 *((n, ctypes.c_void_p) for n in ("w1", "w3", "w2")), *((n, ctypes.c_long) for n in ("s1", "s3", "s2"))]
 
 
-class _Model(ctypes.Structure):  # linear.c's struct model
+class _Model(ctypes.Structure):  # struct model
     _fields_ = [*((n, ctypes.c_long) for n in ("L", "D", "H", "G", "Dh", "F", "V")), ("layers", ctypes.POINTER(_Layer)),
                 ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("eps", ctypes.c_float),
                 *((n, ctypes.c_void_p) for n in ("emb", "cos", "sin")),
                 *((n, ctypes.c_long) for n in ("n_emb", "n_pos", "window"))]
 
 
+STRUCTS = {"router": _Router, "layer": _Layer, "model": _Model}  # the header's structs, by name
+
+
+def check_structures(header: Header) -> None:
+    """Each Structure here is its struct in the header, field by field (cpu_kernel._library calls this at load);
+    KernelError names the first that is not."""
+    if set(header.structs) != set(STRUCTS):
+        raise KernelError(f"the header declares structs {sorted(header.structs)}, kernel_decode.py mirrors "
+                          f"{sorted(STRUCTS)}")
+    for name, cls in STRUCTS.items():
+        check_structure(cls, header.structs[name], STRUCTS)
+
+
 class KernelDecodeStep:
     """A whole decode step in one call: for B rows of one token each, the token's embedding and its position's
-    RoPE angles, every layer's attention half (KernelDecodeBlock), router (KernelRouter), experts
+    RoPE angles, every layer's attention half (DecodeAttention), router (KernelRouter), experts
     (KernelExperts.moe) and residual sum, then the final RMSNorm and the LM head. Built from those parts and the
     model's tables, whose weights it uses where they lie; a model qualifies when every layer is a MoE layer whose
     parts are all on the kernel (Transformer.prepare_inference). The rows come as token ids, slots and positions
-    and nothing else: whatever torch did around the call ran on caches the step had just flushed (see
-    linear.c)."""
+    and nothing else: whatever torch did around the call ran on caches the step had just flushed."""
 
-    def __init__(self, layers: list[tuple[KernelDecodeBlock, KernelRouter, KernelExperts]], norm: tuple[Tensor, float],
+    def __init__(self, layers: list[tuple[DecodeAttention, KernelRouter, KernelExperts]], norm: tuple[Tensor, float],
                  head_VD: Tensor, embedding_ND: Tensor, rope: tuple[Tensor, Tensor], window: int | None = None):
         self.lib = _lib()
-        block0 = layers[0][0]
-        dtype, D, F_ = block0.dtype, block0.D, layers[0][2].F
+        first = layers[0][0]
+        dtype, D, F_ = first.dtype, first.D, layers[0][2].F
         self.dtype, self.D, self.L = dtype, D, len(layers)
-        self.H, self.G, self.Dh = block0.H, block0.G, block0.Dh
+        self.H, self.G, self.Dh = first.n_heads, first.n_kv_heads, first.Dh
         self.E, self.K = layers[0][1].E, layers[0][1].K
         V, N, P = head_VD.shape[0], embedding_ND.shape[0], rope[0].shape[0]
         cos, sin = (t.to(dtype).contiguous() for t in rope)  # the rows it looks up, in the model's dtype
@@ -180,15 +182,16 @@ class KernelDecodeStep:
                                               "embedding": (embedding_ND, (N, D)), "rope cos": (cos, (P, self.Dh)),
                                               "rope sin": (sin, (P, self.Dh))})
         structs = []
-        for i, (block, router, experts) in enumerate(layers):
-            same = (block.dtype, block.D, block.H, block.G, block.Dh, router.dtype, router.D, router.E, router.K,
+        for i, (a, router, experts) in enumerate(layers):
+            same = (a.dtype, a.D, a.n_heads, a.n_kv_heads, a.Dh, router.dtype, router.D, router.E, router.K,
                     experts.dtype, experts.D, experts.E, experts.F)
             if same != (dtype, D, self.H, self.G, self.Dh, dtype, D, self.E, self.K, dtype, D, self.E, F_):
                 raise KernelError(f"decode step: layer {i}'s parts are not of the first layer's sizes and dtype")
-            n1, wq, wk, wv, wo, n2 = block.weights
+            (n1, eps1), (n2, eps2) = a.norms
+            wq, wk, wv, wo = a.weights
             w1, w3, w2, s1, s3, s2 = experts.pointers
             structs.append(_Layer(n1.data_ptr(), wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
-                                  n2.data_ptr(), block.eps1, block.eps2, router.args, w1, w3, w2, s1, s3, s2))
+                                  n2.data_ptr(), eps1, eps2, router.args, w1, w3, w2, s1, s3, s2))
         self._layers = (_Layer * len(structs))(*structs)
         # the weights' storage does not move while this holds them
         self._held = (layers, norm[0], head_VD, embedding_ND, cos, sin)

@@ -151,10 +151,10 @@ import torch
 from moeserve.runtime import cpu_kernel
 assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
 maps = open("/proc/self/maps").read().splitlines()
-print(len({l.split()[-1] for l in maps if "libgomp" in l}), len({l.split()[-1] for l in maps if "/linear-" in l}))
+print(len({l.split()[-1] for l in maps if "libgomp" in l}), len({l.split()[-1] for l in maps if "/kernels-" in l}))
 """
     assert _probe({"MOESERVE_CACHE": str(tmp_path)}, code) == "1 1"
-    built = list((tmp_path / "kernels").glob("linear-*.so"))
+    built = list((tmp_path / "kernels").glob("kernels-*.so"))
     assert len(built) == 1
     cc = os.environ.get("CC") or "cc"
     (tmp_path / "version").write_text(subprocess.run([cc, "--version"], capture_output=True, text=True).stdout)
@@ -377,7 +377,7 @@ def test_a_cached_calibration_is_keyed_by_the_built_kernel(monkeypatch):
 
     shape = ExpertShape(16, 24, 4, 2, "swiglu")
     built = calibration_key(shape, torch.float32)["kernel"]
-    assert built == cpu_kernel.identity() and built.startswith("linear-") and built.endswith(".so")
+    assert built == cpu_kernel.identity() and built.startswith("kernels-") and built.endswith(".so")
     monkeypatch.setenv(cpu_kernel.ENV, "off")
     assert calibration_key(shape, torch.float32)["kernel"] is None
 

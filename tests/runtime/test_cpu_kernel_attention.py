@@ -2,9 +2,8 @@
 slot and causal window, grouped-query heads, float32 and bfloat16; a row's result the same whatever rows
 share the call; RoPE and the cache write in the same call bit for bit torch's (apply_rope, CacheRows.write);
 a model whose plan puts norms and attention on the kernel attends with it at decode steps and prefills (a prompt
-in chunks bit for bit the prompt whole), giving the plain model's tokens, with and without a sliding window; and
-a decode layer's attention half in one call (KernelDecodeBlock) bit for bit the calls it replaced, cache
-included."""
+in chunks bit for bit the prompt whole), giving the plain model's tokens, with and without a sliding window. (The
+attention half fused into the whole decode step: test_kernel_decode.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import torch.nn.functional as F
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.cpu_kernel import KernelError
 from moeserve.runtime.engine import Engine, SamplingParams
-from moeserve.runtime.kernel_decode import KernelDecodeBlock
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import apply_rope, rope_tables
 from moeserve.runtime.steps import Sequence
@@ -170,71 +168,3 @@ def decode_logits(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         model(ids[None, :-1], cache=cache.rows([0], [0], n - 1))
         return model(ids[None, -1:], cache=cache.rows([0], [n - 1], 1)).logits.float()
-
-
-@requires_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kv_heads,window", [(None, None), (2, 5), (1, None)], ids=["mha", "gqa-window", "mqa"])
-def test_the_decode_block_is_the_calls_it_replaced(kv_heads, window, dtype, monkeypatch):
-    """The logits of a decode step and the keys and values it writes are torch.equal with and without the one-call
-    block (both on the kernel), and generation takes the block at every decode step of every layer, alone and in
-    a batch of rows at different positions, giving the same tokens as the calls one by one."""
-    kern = Engine.from_model(make_engine("softmax", n_kv_heads=kv_heads, sliding_window=window).model, ByteTokenizer(),
-                             dtype=dtype, plan=KERNEL_PLAN)
-    blocks = [layer.decode_kernel for layer in kern.model.layers]
-    assert all(isinstance(b, KernelDecodeBlock) for b in blocks)
-    kern.model.step_kernel = None  # the blocks called one by one (the whole step in one call: test_kernel_decode.py)
-    with torch.no_grad():  # norms of their own (a new model's are ones), in place: the block holds the parameters
-        for layer in kern.model.layers:
-            for norm in (layer.attention_norm, layer.ffn_norm):
-                norm.weight.uniform_(0.5, 1.5)
-    ids = torch.tensor(kern.encode("import os\nimport sys\n"))  # 19 tokens: past the window
-    caches = []
-    for on in (True, False):
-        for layer, block in zip(kern.model.layers, blocks):
-            layer.decode_kernel = block if on else None
-        model, n = kern.model, len(ids)
-        cache = KVCache.for_model(model, 2)
-        with torch.no_grad():
-            model(ids[None, :-1], cache=cache.rows([1], [0], n - 1))
-            logits = model(ids[None, -1:], cache=cache.rows([1], [n - 1], 1)).logits
-        caches.append((logits, [t[1, :, :n] for t in cache.k + cache.v]))  # the slot's written positions
-    (logits, kv), (logits_ref, kv_ref) = caches
-    assert torch.equal(logits, logits_ref)
-    assert all(torch.equal(a, b) for a, b in zip(kv, kv_ref))
-
-    unfused = [kern.generate([p], max_new_tokens=10)[0] for p in PROMPTS]
-    for layer, block in zip(kern.model.layers, blocks):
-        layer.decode_kernel = block
-    calls = []
-    call = KernelDecodeBlock.__call__
-    monkeypatch.setattr(KernelDecodeBlock, "__call__",
-                        lambda self, x, *a: calls.append(x.shape[0]) or call(self, x, *a))
-    assert [kern.generate([p], max_new_tokens=10)[0] for p in PROMPTS] == unfused
-    assert len(calls) == len(PROMPTS) * 9 * len(blocks) and set(calls) == {1}  # 9 decode steps after each prefill
-    assert kern.generate(PROMPTS, max_new_tokens=10) == unfused  # rows at different positions in one call
-
-
-@requires_kernel
-def test_the_decode_block_refuses_what_it_would_misread():
-    D, H, G, Dh = 16, 4, 2, 4
-    w = {n: torch.randn(*shape) for n, shape in
-         dict(wq=(H * Dh, D), wk=(G * Dh, D), wv=(G * Dh, D), wo=(D, H * Dh)).items()}
-    norms = ((torch.ones(D), 1e-5), (torch.ones(D), 1e-5))
-    block = KernelDecodeBlock(norms, tuple(w.values()), H, G)
-    with pytest.raises(KernelError, match="wk must be a contiguous torch.float32 CPU tensor of shape \\[8, 16\\]"):
-        KernelDecodeBlock(norms, (w["wq"], w["wq"], w["wv"], w["wo"]), H, G)
-    with pytest.raises(KernelError, match="wq must be a contiguous torch.float32"):
-        KernelDecodeBlock(norms, (w["wq"].bfloat16(), w["wk"], w["wv"], w["wo"]), H, G)
-    with pytest.raises(KernelError, match="the kv heads must divide the query heads"):
-        KernelDecodeBlock(norms, (w["wq"], torch.randn(3 * 4, D), torch.randn(3 * 4, D), w["wo"]), H, 3)
-    k = torch.zeros(3, G, 10, Dh)
-    good = dict(x_BD=torch.randn(2, D), rope=(torch.ones(2, Dh), torch.zeros(2, Dh)), k_cache=k, v_cache=k.clone(),
-                slots_B=torch.tensor([0, 2]), lo_B=torch.tensor([0, 0]), hi_B=torch.tensor([3, 5]), scale=0.5)
-    block(**good)
-    for bad, match in [(dict(x_BD=torch.randn(2, D).bfloat16()), "x torch.bfloat16 \\[2, 16\\]"),
-                       (dict(k_cache=torch.zeros(3, G, 10, 2 * Dh)), "caches of \\[slots, 2, max_len, 4\\]"),
-                       (dict(rope=(torch.ones(2, 2 * Dh), torch.zeros(2, Dh))), "rope tables are contiguous"),
-                       (dict(slots_B=torch.tensor([0, 2], dtype=torch.int32)), "slots and bounds are 2 contiguous")]:
-        with pytest.raises(KernelError, match=match):
-            block(**(good | bad))

@@ -14,7 +14,7 @@ import torch
 
 from moeserve.runtime.cpu_kernel import KernelError, KernelLinear
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.kernel_decode import KernelDecodeStep, KernelRouter
+from moeserve.runtime.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.backends.cpu import kernel_router
 from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
@@ -210,3 +210,18 @@ def test_the_router_and_step_refuse_what_they_would_misread():
         parts = [(b.decode_kernel, b.ffn.kernel_router, b.ffn.experts.inference.fused) for b in model.layers]
         KernelDecodeStep(parts, (model.norm.weight, 1e-5), model.tok_embeddings.weight, model.tok_embeddings.weight,
                          (torch.ones(8, 3), torch.ones(8, 3)))
+
+
+def test_a_layers_attention_weights_are_refused_where_the_step_would_misread_them():
+    D, H, G, Dh = 16, 4, 2, 4
+    w = {n: torch.randn(*shape) for n, shape in
+         dict(wq=(H * Dh, D), wk=(G * Dh, D), wv=(G * Dh, D), wo=(D, H * Dh)).items()}
+    norms = ((torch.ones(D), 1e-5), (torch.ones(D), 1e-5))
+    a = DecodeAttention(norms, tuple(w.values()), H, G)
+    assert (a.dtype, a.D, a.Dh) == (torch.float32, D, Dh)
+    with pytest.raises(KernelError, match="wk must be a contiguous torch.float32 CPU tensor of shape \\[8, 16\\]"):
+        DecodeAttention(norms, (w["wq"], w["wq"], w["wv"], w["wo"]), H, G)
+    with pytest.raises(KernelError, match="wq must be a contiguous torch.float32"):
+        DecodeAttention(norms, (w["wq"].bfloat16(), w["wk"], w["wv"], w["wo"]), H, G)
+    with pytest.raises(KernelError, match="the kv heads must divide the query heads"):
+        DecodeAttention(norms, (w["wq"], torch.randn(3 * 4, D), torch.randn(3 * 4, D), w["wo"]), H, 3)

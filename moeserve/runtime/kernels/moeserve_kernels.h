@@ -1,0 +1,89 @@
+/* The C kernels' public interface: every function the library exports and every struct it shares with Python.
+
+   The one declaration both sides follow: each .c file includes it, so a definition that disagrees with it does not
+   compile, and cpu_kernel.py derives its ctypes bindings from the prototypes below and checks kernel_decode.py's
+   Structures against the structs, refusing a library whose moeserve_kernel_abi() is not the MOESERVE_KERNEL_ABI it
+   was written for. Keep it plain for that parser: one prototype per declaration, the types it knows (float, int,
+   long, void, bf16, the structs below; any pointer to them), no macros in prototypes.
+
+   Shapes are row-major and strides counted in elements; "bf16" is bfloat16's bits. A float32 op and its bf16 twin
+   (suffix _bf16) compute the same sums in the same order, in float32, rounding the bf16 results once. */
+#ifndef MOESERVE_KERNELS_H
+#define MOESERVE_KERNELS_H
+
+#define MOESERVE_KERNEL_ABI 1 /* raise on any change to a prototype or struct below */
+
+typedef unsigned short bf16;
+
+int moeserve_kernel_abi(void);
+int bf16_native(void); /* 1: bf16 products by AVX512-BF16's dot products; 0: widened to float32 */
+
+/* gemm.c: y [n, O] = x [n, I] w [O, I]^T, rows at strides ldx, ldw, ldy. */
+void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, long ldy, long n, long O, long I,
+               int threads);
+void linear_nt_bf16(const bf16 *x, long ldx, const bf16 *w, long ldw, bf16 *y, long ldy, long n, long O, long I,
+                    int threads);
+
+/* experts.c: a MoE layer's experts. experts_ffn: rows sorted by expert, counts[e] for expert e; moe_ffn: routed
+   tokens (ids, gates [n_tok, K]), returning -1 for an id outside [0, E), -2 without memory. */
+void experts_ffn(const float *x, const long *counts, const float *w1, const float *w3, const float *w2, long s1,
+                 long s3, long s2, float *h, float *y, long E, long D, long F, int threads);
+void experts_ffn_bf16(const bf16 *x, const long *counts, const bf16 *w1, const bf16 *w3, const bf16 *w2, long s1,
+                      long s3, long s2, float *h, bf16 *hb, bf16 *y, long E, long D, long F, int threads);
+int moe_ffn(const float *x, const long *ids, const float *gates, long n_tok, long K, const float *w1, const float *w3,
+            const float *w2, long s1, long s3, long s2, float *out, long E, long D, long F, int threads);
+int moe_ffn_bf16(const bf16 *x, const long *ids, const bf16 *gates, long n_tok, long K, const bf16 *w1,
+                 const bf16 *w3, const bf16 *w2, long s1, long s3, long s2, bf16 *out, long E, long D, long F,
+                 int threads);
+
+/* norm.c: RMSNorm of n rows of D. */
+void rms_norm(const float *x, const float *w, float *y, long n, long D, float eps);
+void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long n, long D, float eps);
+
+/* attention.c: one decode query per row over its slot of the KV cache [slots, G, max_len, Dh]; kn, vn (this step's
+   keys and values) and cs, sn (RoPE rows) may be NULL. */
+void attend_decode(const float *q, const float *kn, const float *vn, const float *cs, const float *sn, float *k,
+                   float *v, float *y, const long *slots, const long *lo, const long *hi, long B, long H, long G,
+                   long Dh, long max_len, float scale, int threads);
+void attend_decode_bf16(const bf16 *q, const bf16 *kn, const bf16 *vn, const bf16 *cs, const bf16 *sn, bf16 *k,
+                        bf16 *v, bf16 *y, const long *slots, const long *lo, const long *hi, long B, long H, long G,
+                        long Dh, long max_len, float scale, int threads);
+
+/* router.c: a MoE router. gate: 0 softmax, 1 sigmoid (kernel_decode.GATES). */
+struct router {
+    const void *w;    /* [P, D] the gate (P = E), or X-MoE's projection (P = its routing dim R) */
+    const float *emb; /* [E, R] X-MoE's expert embeddings as unit rows; NULL: the scores are w x itself */
+    long P, E, K;
+    float tau; /* the scores are divided by it (1 but for X-MoE) */
+    int gate, renormalize;
+};
+
+int route_tokens(const float *x, long n, long D, const struct router *r, long *ids, float *gates, int threads);
+int route_tokens_bf16(const bf16 *x, long n, long D, const struct router *r, long *ids, bf16 *gates, int threads);
+
+/* step.c: a whole decode step. Every weight in the float32 or bf16 of the call. */
+struct layer {
+    const void *n1, *wq, *wk, *wv, *wo, *n2; /* the two norms' weights, attention's [out, in] weights */
+    float eps1, eps2;
+    struct router router;
+    const void *w1, *w3, *w2; /* the stacked experts, expert e at w + e * s (moe_ffn's) */
+    long s1, s3, s2;
+};
+
+struct model {
+    long L, D, H, G, Dh, F, V;
+    const struct layer *layers;
+    const void *norm, *head; /* the final RMSNorm's weight and the LM head [V, D] */
+    float eps;
+    const void *emb, *cos, *sin; /* the token embeddings [n_emb, D], the RoPE tables [n_pos, Dh] */
+    long n_emb, n_pos, window;
+};
+
+int decode_step(const struct model *m, const long *tokens, const long *slots, const long *pos, long B,
+                float *const *kc, float *const *vc, long n_slots, long max_len, float scale, float *logits, long *ids,
+                float *gates, long *counts, int threads);
+int decode_step_bf16(const struct model *m, const long *tokens, const long *slots, const long *pos, long B,
+                     bf16 *const *kc, bf16 *const *vc, long n_slots, long max_len, float scale, bf16 *logits,
+                     long *ids, bf16 *gates, long *counts, int threads);
+
+#endif
