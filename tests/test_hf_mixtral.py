@@ -24,6 +24,10 @@ from moeserve.runtime.backends.expert_shards import ExpertShard, ShardedExperts,
 from moeserve.runtime.loading import load_model  # noqa: E402
 from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
+from moeserve.runtime.backends.calibration import default_plan  # noqa: E402
+from moeserve.runtime.backends.eager import EagerBackend  # noqa: E402
+from moeserve.runtime.backends.experts import lay_out_experts  # noqa: E402
+from moeserve.runtime.model import TiedHead  # noqa: E402
 
 TOL = 1e-4  # fp32
 V = 211
@@ -112,7 +116,7 @@ def test_tied_embeddings(tmp_path: Path) -> None:
     hf = hf_mixtral(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in saved_keys(tmp_path)
     model, ckpt = load_model(tmp_path)
-    assert ckpt.config.tie_embeddings and not hasattr(model, "output")
+    assert ckpt.config.tie_embeddings and isinstance(model.output, TiedHead) and "output.weight" not in model.state_dict()
     assert_logits_match(tmp_path, hf, shapes=((2, 9),))
 
 
@@ -136,10 +140,10 @@ def test_old_style_rope_theta(tmp_path: Path) -> None:
 
 
 def test_inference_layout_matches(tmp_path: Path) -> None:
-    """The fused / packed expert layout the engine runs (prepare_inference) on imported weights."""
+    """The fused / packed expert layout the engine runs (the eager backend's default) on imported weights."""
     hf = hf_mixtral(tmp_path)
     model, _ = load_model(tmp_path)
-    model.prepare_inference()
+    EagerBackend(model, default_plan("cpu", torch.float32))
     ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
@@ -154,7 +158,7 @@ def test_import_is_stacked_once_in_the_asked_dtype(tmp_path: Path, save_kwargs: 
     model, _ = load_model(tmp_path)
     experts = model.layers[0].ffn.experts
     assert experts.w3.data_ptr() == experts.w1.data_ptr() + experts.w1[0].numel() * 4
-    assert experts.prepare_inference(pack=False).w13_EFD.data_ptr() == experts.w1.data_ptr()
+    assert lay_out_experts(experts, pack=False).w.w13_EFD.data_ptr() == experts.w1.data_ptr()
     bf16, _ = load_model(tmp_path, dtype=torch.bfloat16)
     for name, t in model.state_dict().items():
         assert torch.equal(bf16.state_dict()[name], t.to(torch.bfloat16)), name

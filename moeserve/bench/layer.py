@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from moeserve.bench.report import check_plot, finish
 from moeserve.bench.stats import percentile
 from moeserve.config import MoEConfig
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.calibration import ExpertShape, calibrate, interleaved_ms, plan_for
+from moeserve.runtime.backends.cpu import lay_out_router
+from moeserve.runtime.backends.eager import lay_out_moe
 from moeserve.runtime.device import dtype_unsupported, machine
 from moeserve.runtime.engine import DTYPES
 from moeserve.runtime.experts import moe_reference
@@ -112,8 +114,9 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
             skip(dtype_name, "oneDNN-packed implementations", f"oneDNN cannot pack {dtype_name} weights on this CPU")
         base = moeserve_layer(shape)
         layer = moeserve_layer(shape).to(dtype)
-        layer.prepare_inference(pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
-                                kernel=plan.kernel_experts)
+        layer = lay_out_moe(layer, pack=plan.pack_experts, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
+                            kernel=plan.kernel_experts)
+        lay_out_router(layer)
         variants = {"gather, plain": dict(pack=False, gather_max=1 << 30),
                     "grouped, plain": dict(pack=False, gather_max=0),
                     "grouped_mm, plain": dict(pack=False, gather_max=0, grouped_mm=True)}
@@ -160,8 +163,8 @@ def bench_layer(tokens: list[int], dtypes: list[str], shape: Shape = Shape(), mi
 
                 impls["dense GEMM (same FLOPs), oneDNN packed"] = gemm_packed
             for name, kw in variants.items():
-                variant = moeserve_layer(shape).to(dtype)
-                variant.prepare_inference(**kw)
+                variant = lay_out_moe(moeserve_layer(shape).to(dtype), **kw)
+                lay_out_router(variant)
                 impls[f"moeserve {name}"] = (lambda v: lambda: v(x_d)[0])(variant)
             for backend in hf_backends:
                 block = hf_block(layer, backend)

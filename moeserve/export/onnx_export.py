@@ -126,6 +126,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
     from moeserve.runtime.backends.calibration import DispatchPlan
+    from moeserve.runtime.backends.eager import EagerBackend
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.loading import load_model
 
@@ -140,7 +141,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
         raise ExportError(f"--kv-cache is for language models; this model's task is {cfg.task!r}")
     model = model.float()
     plain = DispatchPlan()  # plain weights: the graph reads them, and the parity reference runs them
-    model.prepare_inference(plain)  # builds VQ tables
+    EagerBackend(model, plain)  # builds VQ tables
     metadata = {"moeserve.checkpoint": str(ckpt.path)}
     if (ckpt.path / "tokenizer.json").is_file() and cfg.tokenizer == "hf":
         metadata["moeserve.tokenizer_json"] = (ckpt.path / "tokenizer.json").read_text(encoding="utf-8")

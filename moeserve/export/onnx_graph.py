@@ -101,7 +101,7 @@ def mask_bias(g: Graph, cfg: MoEConfig, q_pos: str, k_pos: str, attention_mask: 
 def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None = None, kv_cache: bool = False
                 ) -> tuple[onnx.ModelProto, list[LayerForm]]:
     """The model's forward graph in `mode` (moe_graph.py), and how each MoE layer was written.
-    Call after model.prepare_inference(DispatchPlan()), which builds the VQ tables on plain weights.
+    Call on a model laid out by EagerBackend(model, DispatchPlan()), which builds the VQ tables on plain weights.
 
     kv_cache: the graph also takes `past_key.N` / `past_value.N` [B, G, P, Dh] (P = 0 for a prompt) and
     returns `present_key.N` / `present_value.N` [B, G, P + S, Dh]; the ids are then positions P..P+S-1

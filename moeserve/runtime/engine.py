@@ -150,6 +150,7 @@ class Engine:
                                 calibration)
             model = backend_for(self.model, plan, self._compiled(compile), fallback=compile == "auto")
             self.plan = model.plan
+            self._fallback = compile == "auto"
         self.runner: ModelRunner = model
         self.cfg: MoEConfig = model.cfg
         self.tokenizer = tokenizer
@@ -159,6 +160,16 @@ class Engine:
         # decode tokens by how they ran: "graph" (a compiled step's replay) or "eager" (moeserve_decode_tokens_total)
         self.decode_tokens: collections.Counter[str] = collections.Counter()
         self._lock = threading.RLock()
+
+    def lay_out(self, plan: DispatchPlan | None = None) -> None:
+        """Lay the torch model out again, as `plan` says (default: as now): after its weights were changed in place,
+        which a layout's copies (packed or fused weights, VQ tables) do not follow, or to run another plan. A
+        compiled engine stays compiled."""
+        if self.model is None:
+            raise EngineError(f"{self.name} runs on {self.runner.name}, whose layout is its own")
+        with self._lock:
+            self.runner = backend_for(self.model, plan or self.plan, self.runner.name == "compiled", self._fallback)
+            self.plan = self.runner.plan
 
     def _compiled(self, mode: str) -> bool:
         try:

@@ -10,7 +10,8 @@ import torch
 import moeserve.bench.layer as layer_bench
 from moeserve.bench.layer import Shape, bench_layer, markdown, speedups
 from moeserve.cli import main as cli_main
-from moeserve.runtime import cpu_kernel, device
+from moeserve.runtime import device
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.packing import onednn_packing_available
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

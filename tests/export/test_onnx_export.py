@@ -35,6 +35,7 @@ from moeserve.export.onnx_graph import build_graph  # noqa: E402
 from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
 from moeserve.runtime.model import Transformer  # noqa: E402
+from moeserve.runtime.backends.eager import EagerBackend  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -119,7 +120,7 @@ def make_model(name: str) -> Transformer:
 
 
 def engine_of(model: Transformer) -> Engine:
-    """The torch reference, on a copy: the engine's prepare_inference packs weights in place."""
+    """The torch reference, on a copy: the engine lays the model out (packs its weights) in place."""
     return Engine.from_model(copy.deepcopy(model), dtype="float32")
 
 
@@ -204,7 +205,7 @@ class Zoo:
     def model(self, name: str) -> Transformer:
         if name not in self._models:
             model = make_model(name)
-            model.prepare_inference(DispatchPlan())  # builds the VQ tables build_graph reads
+            EagerBackend(model, DispatchPlan())  # builds the VQ tables build_graph reads
             self._models[name] = model
         return self._models[name]
 

@@ -17,6 +17,7 @@ from moeserve.export.tensorrt import (OPS_FILE, TENSORRT_PRECISIONS, build_engin
                                       unsupported_ops)
 from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.model import Transformer
+from moeserve.runtime.backends.eager import EagerBackend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def tiny_graph(router: str, mode: str) -> onnx.ModelProto:
     torch.manual_seed(0)
     model = Transformer(preset("tiny", router=router)).float()
-    model.prepare_inference(DispatchPlan())
+    EagerBackend(model, DispatchPlan())
     with torch.no_grad():
         return build_graph(model, mode)[0]
 

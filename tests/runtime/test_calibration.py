@@ -296,8 +296,8 @@ def tiny_model(**overrides) -> Transformer:
 
 def layout(engine: Engine) -> tuple:
     model = engine.model
-    ws = [layer.experts.inference for layer in model.moe_layers]
-    return (any(isinstance(m, PackedLinear) for m in model.modules()), model.head_packed is not None,
+    ws = [layer.experts.w for layer in model.moe_layers]
+    return (any(isinstance(m, PackedLinear) for m in model.modules()), isinstance(model.output, PackedLinear),
             {w.packed for w in ws}, {w.grouped_mm for w in ws}, {w.gather_max for w in ws})
 
 
@@ -330,7 +330,7 @@ def test_a_plan_given_is_the_layout_built_and_a_new_one_replaces_it(plan):
                               {plan.gather_max})
     before = engine.generate(["def "], max_new_tokens=8)
     other = DispatchPlan(pack_dense=not plan.pack_dense and onednn_packing_available("cpu", torch.float32))
-    engine.model.prepare_inference(other)  # packed modules go back to plain ones, and the other way
+    engine.lay_out(other)  # packed modules go back to plain ones, and the other way
     assert layout(engine)[0] == other.pack_dense and layout(engine)[2] == {False}
     assert engine.generate(["def "], max_new_tokens=8) == before
 

@@ -11,8 +11,9 @@ import torch
 
 from moeserve.config import preset
 from moeserve.runtime.backends import compiled as compiled_mod
-from moeserve.runtime import experts as experts_mod
+from moeserve.runtime.backends import experts as experts_mod
 from moeserve.runtime.backends.calibration import default_plan
+from moeserve.runtime.backends.experts import lay_out_experts
 from moeserve.runtime.backends.compiled import CompileError, buckets, resolve_compile, spans
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.model import Transformer
@@ -82,14 +83,14 @@ def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
     eager = Engine.from_model(model, tok, device=device, calibration="off")
     fast = Engine.from_model(Transformer(cfg), tok, device=device, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
-    fast.model.prepare_inference(fast.plan)
+    fast.lay_out()
     rows = [tok.encode("def f(x):", bos=True), tok.encode("import", bos=True)]
     params = [SamplingParams(max_new_tokens=n, temperature=t, seed=3) for n, t in ((12, 0.0), (5, 0.8))]
     want = eager.complete_ids(rows, params)
     got = fast.complete_ids(rows, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert torch.equal(fast.expert_load.snapshot(), eager.expert_load.snapshot())
-    assert fast.runner._decode is not None and fast.runner.compiled  # it ran compiled, not a silent fallback
+    assert fast.runner._decode is not None and fast.runner.graph_decode  # it ran compiled, not a silent fallback
 
 
 @pytest.mark.slow
@@ -115,7 +116,7 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
         model.load_state_dict(weights)
         engine = Engine.from_model(model, tok, dtype="bfloat16", device=device, compile="on",
                                    plan=dataclasses.replace(plan, decode_grouped=grouped))
-        assert engine.model.moe_layers[0].experts.inference.decode_grouped == grouped
+        assert engine.model.moe_layers[0].experts.w.decode_grouped == grouped
         runner, cache, steps = engine.runner, engine.runner.new_cache(2, 32), []
         with torch.inference_mode():
             for slot, r in enumerate(rows):  # eager: grouped_mm for the prompts' tokens either way
@@ -125,7 +126,7 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
                 ids = torch.tensor([7, 11][:n], device=device)
                 out = runner.decode(cache, list(range(n)), ids, [len(r) + 2 - n for r in rows[:n]])
                 steps.append(out.logits.float().cpu())
-        assert runner.compiled and (len(seen) > 0) == grouped  # grouped_mm only in the grouped step
+        assert runner.graph_decode and (len(seen) > 0) == grouped  # grouped_mm only in the grouped step
         logits[grouped] = torch.cat([x.reshape(-1, x.shape[-1]) for x in steps])
     want, got = logits[False], logits[True]
     scale = want.abs().max()
@@ -166,7 +167,7 @@ def test_a_compiled_decode_step_never_waits_for_the_host(device, monkeypatch):
         finally:
             if device == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
-    assert runner.compiled and runner._decode is not None
+    assert runner.graph_decode and runner._decode is not None
     for out in outs:
         counts = torch.stack([a.counts for a in out.aux]).cpu()
         assert counts.sum(-1).tolist() == [2 * 2] * len(out.aux)  # 2 rows x top-2, every MoE layer
@@ -190,7 +191,7 @@ def test_compiled_decode_attends_over_the_live_span(device, monkeypatch):
     eager = Engine.from_model(model, tok, device=device, calibration="off")
     fast = Engine.from_model(Transformer(model.cfg), tok, device=device, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
-    fast.model.prepare_inference(fast.plan)
+    fast.lay_out()
     prompt = [tok.encode("def f(x):", bos=True)]
     assert len(prompt[0]) == 10
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -209,10 +210,10 @@ def test_grouped_decode_is_refused_where_it_cannot_compile():
     ex = Transformer(preset("tiny")).moe_layers[0].experts
     with pytest.raises(ValueError, match=r"decode_grouped runs torch's grouped_mm on plain bfloat16 weights: not "
                                          r"with grouped_mm=True, kernel=False and float32"):
-        ex.prepare_inference(grouped_mm=True, decode_grouped=True)
+        lay_out_experts(ex, grouped_mm=True, decode_grouped=True)
     with pytest.raises(ValueError, match="not with grouped_mm=False"):
-        ex.to(torch.bfloat16).prepare_inference(grouped_mm=False, decode_grouped=True)
-    assert ex.prepare_inference(grouped_mm=True, decode_grouped=True).decode_grouped
+        lay_out_experts(ex.to(torch.bfloat16), grouped_mm=False, decode_grouped=True)
+    assert lay_out_experts(ex, grouped_mm=True, decode_grouped=True, graph=True).w.decode_grouped
 
 
 @pytest.mark.slow
@@ -231,7 +232,7 @@ def test_decode_stays_on_the_graph_while_prompts_arrive():
     eager = Engine.from_model(model, tok, calibration="off")
     fast = Engine.from_model(Transformer(model.cfg), tok, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
-    fast.model.prepare_inference(fast.plan)
+    fast.lay_out()
     prompts = [tok.encode(t, bos=True) for t in ("def f(x):", "import os", "class A:")]
     tokens = {}
     for name, engine in (("eager", eager), ("compiled", fast)):

@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, calibrate, choose
-from moeserve.runtime.cpu_kernel import KernelError, KernelLinear
+from moeserve.runtime.backends.cpu import FusedExperts, KernelLinear
+from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.experts import moe_reference
 from moeserve.runtime.backends.experts import fuse_expert_weights, moe_gather, moe_grouped
@@ -112,7 +113,7 @@ def _probe(env: dict[str, str], code: str) -> str:
 
 PROBE = """
 import torch
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.calibration import calibrate, ExpertShape
 print(cpu_kernel.available(), cpu_kernel.unavailable_reason(), sep=" | ")
 plan = calibrate(ExpertShape(16, 24, 4, 2, "swiglu"), torch.float32, max_s=0.5)
@@ -148,7 +149,7 @@ def test_one_openmp_runtime_and_a_cached_build(tmp_path):
     cached library without compiling (no compiler on its PATH)."""
     code = """
 import torch
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
 maps = open("/proc/self/maps").read().splitlines()
 print(len({l.split()[-1] for l in maps if "libgomp" in l}), len({l.split()[-1] for l in maps if "/kernels-" in l}))
@@ -275,8 +276,8 @@ def engines() -> tuple[Engine, Engine]:
 @requires_kernel
 def test_a_model_on_the_kernel_gives_the_plain_models_logits_and_tokens(engines):
     plain, kern = engines
-    assert {type(m) for m in kern.model.modules()} >= {KernelLinear} and kern.model.head_kernel
-    assert all(layer.experts.inference.kernel for layer in kern.model.moe_layers)
+    assert {type(m) for m in kern.model.modules()} >= {KernelLinear} and isinstance(kern.model.output, KernelLinear)
+    assert all(isinstance(layer.experts, FusedExperts) for layer in kern.model.moe_layers)
     assert "experts plain, C kernel" in kern.plan.describe() and "dense layers C kernel" in kern.plan.describe()
     ids = torch.tensor([plain.encode("def f(x):\n    return x")])
     with torch.no_grad():
@@ -313,14 +314,18 @@ def test_on_the_kernel_a_prompts_tokens_are_the_same_alone_and_in_a_batch(engine
     assert kern.generate(PROMPTS, max_new_tokens=20) == alone
 
 
-def test_training_through_a_kernel_linear_is_plain_autograd():
+def test_a_kernel_linear_keeps_its_weight_and_gives_back_a_plain_linear_that_trains():
     lin = torch.nn.Linear(16, 8, bias=False)
-    k = KernelLinear(lin)
+    k = KernelLinear.of(lin, weight=lin.weight, max_rows=None)
+    assert list(k.state_dict()) == ["weight"] and k.weight is lin.weight
     x = torch.randn(3, 16, requires_grad=True)
-    k(x).sum().backward()
-    assert x.grad is not None and lin.weight.grad is not None and list(k.state_dict()) == ["weight"]
-    with torch.no_grad():
-        torch.testing.assert_close(k(x), F.linear(x, lin.weight), atol=1e-5, rtol=0)
+    if cpu_kernel.available():
+        with torch.no_grad():
+            torch.testing.assert_close(k(x), F.linear(x, lin.weight), atol=1e-5, rtol=0)
+    back = k.plain()
+    assert type(back) is torch.nn.Linear and back.weight is lin.weight and not hasattr(back, "max_rows")
+    back(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
 
 
 def test_choose_runs_dense_layers_on_the_kernel_only_when_it_is_faster():
@@ -354,12 +359,13 @@ def test_a_kernel_plan_where_the_kernel_is_off_is_refused_by_name(tmp_path):
     code = """
 import torch
 from moeserve.config import preset
+from moeserve.runtime.backends import backend_for
 from moeserve.runtime.backends.calibration import DispatchPlan
-from moeserve.runtime.cpu_kernel import KernelError
+from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.model import Transformer
 for plan in (DispatchPlan(kernel_dense=True), DispatchPlan(kernel_norms=True)):
     try:
-        Transformer(preset("tiny", router="softmax")).prepare_inference(plan)
+        backend_for(Transformer(preset("tiny", router="softmax")), plan)
     except KernelError as e:
         print(e)
 """
@@ -402,16 +408,17 @@ def test_rms_norm_equals_torchs(D, dtype):
 @requires_kernel
 def test_the_model_runs_its_norms_on_the_kernel_where_the_plan_says(monkeypatch):
     from moeserve.config import preset
-    from moeserve.runtime.cpu_kernel import KernelRMSNorm
+    from moeserve.runtime.backends import backend_for
+    from moeserve.runtime.backends.cpu import KernelAttention, KernelRMSNorm
     from moeserve.runtime.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny", router="softmax")).eval()
+    n_norms = 2 * model.cfg.n_layers + 1
+    assert sum(type(m) is torch.nn.RMSNorm for m in model.modules()) == n_norms  # plain: torch's norm
+    backend_for(model, KERNEL_PLAN)
     norms = [m for m in model.modules() if isinstance(m, KernelRMSNorm)]
-    assert len(norms) == 2 * model.cfg.n_layers + 1 and all(isinstance(m, torch.nn.RMSNorm) for m in norms)
-    assert not any(m.use_kernel for m in norms)  # a model not laid out for inference: torch's norm
-    model.prepare_inference(KERNEL_PLAN)
-    assert all(m.use_kernel for m in norms)
+    assert len(norms) == n_norms and all(isinstance(m, torch.nn.RMSNorm) for m in norms)
     x = torch.randn(2, 3, model.cfg.d_model)
     norm, calls = norms[0], []
     kernel_rms_norm = cpu_kernel.rms_norm
@@ -419,14 +426,12 @@ def test_the_model_runs_its_norms_on_the_kernel_where_the_plan_says(monkeypatch)
     with torch.no_grad():
         torch.testing.assert_close(norm(x), F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
     assert calls == [1]
-    x.requires_grad_(True)
-    norm(x).sum().backward()  # with grad: torch's norm, autograd as ever
-    assert calls == [1] and x.grad is not None
     monkeypatch.undo()
-    model.prepare_inference(DispatchPlan())
-    assert not any(m.use_kernel for m in norms)
-    model.prepare_inference(DispatchPlan(kernel_norms=True))  # dense layers plain, norms on the kernel
-    assert all(m.use_kernel for m in norms) and all(layer.attention.kernel_decode for layer in model.layers)
+    backend_for(model, DispatchPlan())
+    assert not any(isinstance(m, KernelRMSNorm) for m in model.modules())
+    backend_for(model, DispatchPlan(kernel_norms=True))  # dense layers plain, norms on the kernel
+    assert sum(isinstance(m, KernelRMSNorm) for m in model.modules()) == n_norms
+    assert all(isinstance(layer.attention, KernelAttention) for layer in model.layers)
     assert not any(isinstance(m, KernelLinear) for m in model.modules())
     with pytest.raises(KernelError, match="a weight of their width"):
         cpu_kernel.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-5)

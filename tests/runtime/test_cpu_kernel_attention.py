@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.runtime import cpu_kernel
-from moeserve.runtime.cpu_kernel import KernelError
+from moeserve.runtime.backends import cpu_kernel
+from moeserve.runtime.backends.cpu import KernelAttention
+from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import apply_rope, rope_tables
@@ -112,11 +113,9 @@ def test_a_model_on_the_kernel_attends_with_it_and_gives_the_same_tokens(window,
     plain = Engine.from_model(make_engine("softmax", sliding_window=window).model, ByteTokenizer(), dtype=dtype)
     kern = Engine.from_model(make_engine("softmax", sliding_window=window).model, ByteTokenizer(), dtype=dtype,
                              plan=KERNEL_PLAN)
-    assert all(layer.attention.kernel_decode for layer in kern.model.layers)
-    assert not any(layer.attention.kernel_decode for layer in plain.model.layers)
-    kern.model.step_kernel = None  # attend_decode called on its own (the one-call block and step have their tests)
-    for layer in kern.model.layers:
-        layer.decode_kernel = None
+    assert all(isinstance(layer.attention, KernelAttention) for layer in kern.model.layers)
+    assert not any(isinstance(layer.attention, KernelAttention) for layer in plain.model.layers)
+    kern.runner.step = None  # attend_decode called on its own (the whole step has its tests)
     calls = []
     attend = cpu_kernel.attend_decode
     monkeypatch.setattr(cpu_kernel, "attend_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))

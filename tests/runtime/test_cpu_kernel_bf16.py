@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
+from moeserve.runtime.backends.cpu import FusedExperts, KernelLinear
 from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, calibrate
-from moeserve.runtime.cpu_kernel import KernelError
+from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.device import cpu_flags
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.experts import moe_reference
@@ -72,7 +73,7 @@ def test_dtypes_it_cannot_take_are_named():
 
 BOTH_SIDES = """
 import torch
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 g = torch.Generator().manual_seed(0)
 x, w = torch.randn(11, 301, generator=g).bfloat16(), torch.randn(67, 301, generator=g).bfloat16()
 want = x.double() @ w.double().T
@@ -130,7 +131,8 @@ def bf16_engines() -> tuple[Engine, Engine]:
 @requires_kernel
 def test_a_bf16_model_on_the_kernel_is_torchs_bf16_model_to_rounding(bf16_engines):
     plain, kern = bf16_engines
-    assert all(layer.experts.inference.kernel for layer in kern.model.moe_layers) and kern.model.head_kernel
+    assert all(isinstance(layer.experts, FusedExperts) for layer in kern.model.moe_layers)
+    assert isinstance(kern.model.output, KernelLinear)
     ids = torch.tensor([plain.encode("def f(x):\n    return x")])
     with torch.no_grad():
         a, b = kern.model(ids).logits.float(), plain.model(ids).logits.float()

@@ -101,7 +101,7 @@ def test_eos_ends_a_row():
     with torch.no_grad():  # make <eos> the certain next token
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] *= 0
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] += 50 * eng.model.norm.weight.sign()
-    eng.model.prepare_inference(eng.plan)  # packed copies follow weight edits only when re-prepared
+    eng.lay_out()  # packed copies follow weight edits only when laid out again
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=10)])[0]
     assert c.token_ids == [] and c.finish_reason == "stop"
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=3, ignore_eos=True)])[0]
@@ -216,7 +216,7 @@ def test_bf16_engine_generates_like_fp32_at_first_tokens(monkeypatch, onednn_bf1
     packed = onednn_packing_available("cpu", torch.bfloat16)
     assert bf16.plan.pack_dense == bf16.plan.pack_experts == packed
     assert any(isinstance(m, PackedLinear) for m in bf16.model.modules()) == packed
-    assert all(layer.experts.inference.packed == packed for layer in bf16.model.moe_layers)
+    assert all(layer.experts.w.packed == packed for layer in bf16.model.moe_layers)
     a = fp32.forward(torch.tensor([fp32.encode("def f(x): return x")]))
     b = bf16.forward(torch.tensor([bf16.encode("def f(x): return x")]))
     assert b.dtype == torch.float32 and bf16.dtype == torch.bfloat16
@@ -255,8 +255,8 @@ def test_scoring_runs_the_head_a_few_rows_at_a_time(dtype, monkeypatch):
     engine = make_engine(dtype=dtype)
     rows = [engine.encode(p) for p in PROMPTS]
     seen = []
-    head = engine.model._head
-    monkeypatch.setattr(engine.model, "_head", lambda x: seen.append(x.shape[0]) or head(x))
+    head = engine.model.output
+    monkeypatch.setattr(head, "forward", lambda x, forward=head.forward: seen.append(x.shape[0]) or forward(x))
     got = engine.token_logprobs_ids(rows)
     assert seen and max(seen) == 7 and sum(seen) == len(rows) * (max(map(len, rows)) - 1)
     ids, mask = engine._right_pad(rows)

@@ -103,7 +103,7 @@ def test_a_model_built_with_sharded_experts_matches_the_whole_model(router):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 def test_a_shard_on_the_cpu_kernel_equals_its_torch_loop(act, dtype, monkeypatch):
-    from moeserve.runtime import cpu_kernel
+    from moeserve.runtime.backends import cpu_kernel
 
     shard = ExpertShard.of(experts(act).to(dtype), [2, 3, 4])
     g = torch.Generator().manual_seed(2)

@@ -171,8 +171,9 @@ def test_indexed_decode_path_equals_reference(act, T, K):
 
 
 def test_sync_free_layout_is_chosen_on_cuda_only_by_default():
+    from moeserve.runtime.backends.experts import lay_out_experts
     from moeserve.runtime.experts import Experts
 
     experts = Experts(E, D, FF, "swiglu")
-    assert experts.prepare_inference().sync_free is False  # CPU: the gather path, which groups ids on the host
-    assert experts.prepare_inference(sync_free=True).w13_EFD is not None  # the stacked weights it indexes
+    assert lay_out_experts(experts).w.sync_free is False  # CPU: the gather path, which groups ids on the host
+    assert lay_out_experts(experts, sync_free=True).w.w13_EFD is not None  # the stacked weights it indexes

@@ -1,4 +1,4 @@
-"""The C kernel's interface as its header declares it (cpu_kernel.parse_header), and the checks made when the
+"""The C kernel's interface as its header declares it (kernel_abi.parse_header), and the checks made when the
 library loads: a library of another ABI number, a ctypes Structure that is not its struct, and an op that
 disagrees with its torch reference are each refused by name, the kernel then unavailable; the header's prototypes
 give the ctypes types the C code takes, and a type the parser does not know is an error, not a guess."""
@@ -10,8 +10,8 @@ import ctypes
 import pytest
 import torch
 
-from moeserve.runtime import cpu_kernel, kernel_checks, kernel_decode
-from moeserve.runtime.cpu_kernel import KernelError, parse_header
+from moeserve.runtime.backends import cpu_kernel, kernel_abi, kernel_checks, kernel_decode
+from moeserve.runtime.backends.kernel_abi import KernelError, parse_header
 
 requires_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                      reason=f"the C kernel is not built here: {cpu_kernel.unavailable_reason()}")
@@ -50,7 +50,7 @@ def test_a_type_the_parser_does_not_know_is_an_error(proto):
 
 def test_the_shipped_header_declares_every_op_the_python_calls():
     header = parse_header(cpu_kernel.HEADER.read_text())
-    assert header.abi == cpu_kernel.ABI
+    assert header.abi == kernel_abi.ABI
     ops = {"linear_nt", "experts_ffn", "moe_ffn", "rms_norm", "attend_decode", "route_tokens", "decode_step"}
     assert set(header.functions) == {"moeserve_kernel_abi", "bf16_native", *ops, *(f"{op}_bf16" for op in ops)}
     assert header.functions["linear_nt"] == (None, [ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_long] * 3
@@ -58,14 +58,14 @@ def test_the_shipped_header_declares_every_op_the_python_calls():
     assert header.functions["route_tokens_bf16"] == (ctypes.c_int, [ctypes.c_void_p] + [ctypes.c_long] * 2
                                                      + [ctypes.c_void_p] * 3 + [ctypes.c_int])
     assert [name for name, _ in header.structs["router"]] == ["w", "emb", "P", "E", "K", "tau", "gate", "renormalize"]
-    kernel_decode.check_structures(header)  # the Structures as they are: no error
+    kernel_abi.check_structures(header)  # the Structures as they are: no error
 
 
 @requires_kernel
 def test_a_library_of_another_abi_is_refused(reload, monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "ABI", cpu_kernel.ABI + 1)
+    monkeypatch.setattr(kernel_abi, "ABI", kernel_abi.ABI + 1)
     why = reload()
-    assert why == f"the built library's kernel ABI is {cpu_kernel.ABI - 1}, not the {cpu_kernel.ABI} this moeserve " \
+    assert why == f"the built library's kernel ABI is {kernel_abi.ABI - 1}, not the {kernel_abi.ABI} this moeserve " \
                   f"binds: not used"
     assert not cpu_kernel.available() and cpu_kernel.identity() is None
     with pytest.raises(KernelError, match="kernel ABI"):
@@ -80,11 +80,11 @@ class _SwappedRouter(ctypes.Structure):  # struct router with tau and gate the w
 
 
 class _ShortModel(ctypes.Structure):  # struct model without its last field
-    _fields_ = kernel_decode._Model._fields_[:-1]
+    _fields_ = kernel_abi._Model._fields_[:-1]
 
 
 class _TypedLayer(ctypes.Structure):  # struct layer with eps2 a double
-    _fields_ = [(n, ctypes.c_double if n == "eps2" else t) for n, t in kernel_decode._Layer._fields_]
+    _fields_ = [(n, ctypes.c_double if n == "eps2" else t) for n, t in kernel_abi._Layer._fields_]
 
 
 @requires_kernel
@@ -94,7 +94,7 @@ class _TypedLayer(ctypes.Structure):  # struct layer with eps2 a double
     ("layer", _TypedLayer, "field 7 is eps2: c_double, the header's is eps2: float"),
 ])
 def test_a_structure_that_is_not_its_struct_is_refused(name, cls, field, reload, monkeypatch):
-    monkeypatch.setitem(kernel_decode.STRUCTS, name, cls)
+    monkeypatch.setitem(kernel_abi.STRUCTS, name, cls)
     why = reload()
     assert why == f"{cls.__qualname__} does not match the header's struct: {field}"
     with pytest.raises(KernelError, match="does not match the header's struct"):

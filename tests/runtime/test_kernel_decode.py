@@ -12,9 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from moeserve.runtime.cpu_kernel import KernelError, KernelLinear
+from moeserve.runtime.backends.cpu import KernelLinear
+from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
+from moeserve.runtime.backends.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.backends.cpu import kernel_router
 from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
@@ -45,9 +46,9 @@ def test_the_kernel_router_is_the_torch_router(name, dtype):
     with torch.no_grad():
         if isinstance(router, XMoERouter):
             router.tau.fill_(0.5)
-            router.proj = KernelLinear(router.proj)
+            router.proj = KernelLinear.of(router.proj)
         else:
-            router.gate = KernelLinear(router.gate)
+            router.gate = KernelLinear.of(router.gate)
     x = torch.randn(T, D, dtype=dtype)
     with torch.no_grad():
         ref = router(x)
@@ -80,15 +81,15 @@ def kernel_engine(router: str, dtype: str, **overrides) -> Engine:
 
 def step_outputs(engine: Engine, ids: torch.Tensor, host: bool = False) -> tuple:
     """A decode step of two rows at different positions (slots 2 and 0) after their prefills: logits, the routes,
-    the expert counts and the cache the step wrote. `host`: the step from the host's numbers (Transformer.decode_step,
-    as the runner calls it) rather than forward with CacheRows."""
+    the expert counts and the cache the step wrote. `host`: the backend's decode (the whole step in one C call, from
+    the host's numbers) rather than the model's forward with CacheRows (the ops one by one)."""
     model, n = engine.model, len(ids)
     cache = KVCache.for_model(model, 3)
     with torch.no_grad():
         model(ids[None, :-1], cache=cache.rows([2], [0], n - 1))
         model(ids[None, :-4], cache=cache.rows([0], [0], n - 4))
         if host:
-            out = model.decode_step(cache, [2, 0], torch.stack([ids[-1], ids[-4]]), [n - 1, n - 4])
+            out = engine.runner.decode(cache, [2, 0], torch.stack([ids[-1], ids[-4]]), [n - 1, n - 4])
         else:
             out = model(torch.stack([ids[-1:], ids[-4:-3]]), cache=cache.rows([2, 0], [n - 1, n - 4], 1))
     return (out.logits, [a.routing.expert_ids for a in out.aux], [a.routing.gates for a in out.aux],
@@ -105,24 +106,22 @@ def test_a_decode_step_in_one_call_is_the_layers_calls(router, overrides, dtype,
     """torch.equal with and without the one-call step (both on the kernel); generation takes it at every decode
     step, alone and in a batch, giving the same tokens."""
     engine = kernel_engine(router, dtype, **overrides)
-    step = engine.model.step_kernel
+    step = engine.runner.step
     assert isinstance(step, KernelDecodeStep)
     with torch.no_grad():  # norms of their own (a new model's are ones): the step holds the parameters
         for p in engine.model.parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
     ids = torch.tensor(engine.encode("import os\nimport sys\n"))  # 19 tokens: past the window
-    one_call, from_host = step_outputs(engine, ids), step_outputs(engine, ids, host=True)
-    engine.model.step_kernel = None
-    layer_by_layer = step_outputs(engine, ids)
-    for got in (one_call, from_host):
-        for a, b in zip(got, layer_by_layer):
-            a, b = (a, b) if isinstance(a, list) else ([a], [b])
-            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    one_call, layer_by_layer = step_outputs(engine, ids, host=True), step_outputs(engine, ids)
+    for a, b in zip(one_call, layer_by_layer):
+        a, b = (a, b) if isinstance(a, list) else ([a], [b])
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    engine.runner.step = None
     assert one_call[3][0].sum() == 2 * engine.model.cfg.top_k  # two rows' choices counted
 
     unfused = [engine.generate([p], max_new_tokens=10)[0] for p in PROMPTS]
-    engine.model.step_kernel = step
+    engine.runner.step = step
     calls = []
     call = KernelDecodeStep.__call__
     monkeypatch.setattr(KernelDecodeStep, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or call(self, x, *a))
@@ -138,12 +137,12 @@ def test_a_model_on_the_kernel_gives_the_plain_models_tokens(router):
     logits within float32 sums of torch's."""
     plain = make_engine(router)
     kern = kernel_engine(router, "float32")
-    assert kern.model.step_kernel is not None and plain.model.step_kernel is None
+    assert kern.runner.step is not None and not hasattr(plain.runner, "step")
     alone = [plain.generate([p], max_new_tokens=16)[0] for p in PROMPTS]
     assert [kern.generate([p], max_new_tokens=16)[0] for p in PROMPTS] == alone
     assert kern.generate(PROMPTS, max_new_tokens=16) == alone
     ids = torch.tensor(plain.encode("import os\nimport sys\n"))
-    torch.testing.assert_close(step_outputs(kern, ids)[0], step_outputs(plain, ids)[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(step_outputs(kern, ids, host=True)[0], step_outputs(plain, ids)[0], atol=1e-4, rtol=0)
 
 
 @requires_kernel
@@ -154,7 +153,7 @@ def test_a_model_on_the_kernel_gives_the_plain_models_tokens(router):
 ])
 def test_models_the_step_does_not_take_keep_the_layers_calls(router, overrides, why):
     engine = kernel_engine(router, "float32", **overrides)
-    assert engine.model.step_kernel is None, why
+    assert engine.runner.step is None, why
     plain = make_engine(router, **overrides)
     assert engine.generate(PROMPTS, max_new_tokens=8) == plain.generate(PROMPTS, max_new_tokens=8)
 
@@ -164,10 +163,10 @@ def test_the_step_is_left_out_where_its_parts_are_not_on_the_kernel():
     engine = make_engine("softmax")
     for plan in (dataclasses.replace(KERNEL_PLAN, kernel_norms=False), dataclasses.replace(KERNEL_PLAN, kernel_dense=False),
                  dataclasses.replace(KERNEL_PLAN, kernel_experts=False)):
-        engine.model.prepare_inference(plan)
-        assert engine.model.step_kernel is None, plan
-    engine.model.prepare_inference(KERNEL_PLAN)
-    assert engine.model.step_kernel is not None
+        engine.lay_out(plan)
+        assert engine.runner.step is None, plan
+    engine.lay_out(KERNEL_PLAN)
+    assert engine.runner.step is not None
 
 
 @requires_kernel
@@ -185,7 +184,7 @@ def test_the_router_and_step_refuse_what_they_would_misread():
         KernelRouter(w, 2)(torch.randn(2, 8).bfloat16())
 
     engine = kernel_engine("softmax", "float32")
-    step, cfg = engine.model.step_kernel, engine.model.cfg
+    step, cfg = engine.runner.step, engine.model.cfg
     cache = KVCache.for_model(engine.model, 2, 16)
     cache.touch([0, 1])
     zero = torch.zeros(1, dtype=torch.int64)
@@ -207,7 +206,10 @@ def test_the_router_and_step_refuse_what_they_would_misread():
     assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v))  # a refused row wrote nothing
     with pytest.raises(KernelError, match="rope cos must be a contiguous torch.float32 CPU tensor of shape"):
         model = engine.model
-        parts = [(b.decode_kernel, b.ffn.kernel_router, b.ffn.experts.inference.fused) for b in model.layers]
+        parts = [(DecodeAttention(((b.attention_norm.weight, 1e-5), (b.ffn_norm.weight, 1e-5)),
+                                  (b.attention.wq.weight, b.attention.wk.weight, b.attention.wv.weight,
+                                   b.attention.wo.weight), cfg.n_heads, cfg.kv_heads), b.ffn.router.kernel,
+                  b.ffn.experts.w.fused) for b in model.layers]
         KernelDecodeStep(parts, (model.norm.weight, 1e-5), model.tok_embeddings.weight, model.tok_embeddings.weight,
                          (torch.ones(8, 3), torch.ones(8, 3)))
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeserve.runtime.backends.calibration import default_plan
+from moeserve.runtime.backends.eager import EagerBackend
 from moeserve.checkpoint import load_checkpoint, save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.backends.experts import _halves_of_one, fuse_expert_weights
@@ -52,7 +54,7 @@ def test_loaded_model_computes_what_a_filled_one_does(tmp_path, overrides):
     ids = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         for m in (model, ref):
-            m.prepare_inference()
+            EagerBackend(m, default_plan("cpu", torch.float32))
         expected = ref(ids).logits
         torch.testing.assert_close(model(ids).logits, expected, atol=0, rtol=0)
         if model.cfg.task == "lm":  # and through a KV cache, which the loaded model allocates on its own

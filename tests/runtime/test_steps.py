@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams
 from moeserve.runtime.steps import Sequence
 
@@ -228,12 +228,12 @@ def test_rows_of_any_lengths_are_each_their_row_alone(dense):
     one token's experts take another path than several's). No token is padding, so the expert counts are the
     rows' tokens. Calls the cache cannot hold are refused."""
     engine = make_engine()
-    model, runner = engine.model, engine.runner
     if dense == "kernel":
         if not cpu_kernel.available():
             pytest.skip(f"no C kernel here: {cpu_kernel.unavailable_reason()}")
-        model.prepare_inference(dataclasses.replace(engine.plan, kernel_experts=True, kernel_dense=True,
-                                                    kernel_norms=True, pack_dense=False, pack_experts=False))
+        engine.lay_out(dataclasses.replace(engine.plan, kernel_experts=True, kernel_dense=True, kernel_norms=True,
+                                           pack_dense=False, pack_experts=False))
+    model, runner = engine.model, engine.runner
     same = torch.equal if dense == "kernel" else (lambda x, y: torch.allclose(x, y, rtol=0, atol=1e-5))
     a, b, c = engine.encode("import os, sys"), engine.encode("x = 1"), engine.encode("def f(y):")
     cache = runner.new_cache(6, 64)

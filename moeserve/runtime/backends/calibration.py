@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from moeserve.cache import cache_root
 from moeserve.config import MoEConfig
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.device import cpu_name
 from moeserve.runtime.backends.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
@@ -105,7 +105,7 @@ class CalibrationError(ValueError):
 
 @dataclass
 class DispatchPlan:
-    """The choices the model's inference layout is built from (Transformer.prepare_inference)."""
+    """The choices the model's inference layout is built from (backends/: a backend lays the model out by it)."""
 
     pack_dense: bool = False  # attention, dense FFN and tied LM-head weights oneDNN-packed
     pack_experts: bool = False  # expert weights oneDNN-packed

@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend, is_linear
 from moeserve.runtime.backends.experts import FusedExperts
 from moeserve.runtime.backends.layout import Laid
-from moeserve.runtime.kernel_decode import KernelDecodeBlock, KernelDecodeStep, KernelRouter
+from moeserve.runtime.backends.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import Attention, ModelOutput, apply_rope
 from moeserve.runtime.moe import MoEAux, MoELayer
@@ -35,7 +35,7 @@ class KernelLinear(Laid, nn.Linear):
     them torch's GEMM on the same weight, faster there (DispatchPlan.dense_kernel_max_tokens)."""
 
     weight: Tensor
-    max_rows: int | None
+    max_rows: int | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]:
@@ -98,19 +98,26 @@ def kernel_router(router: nn.Module) -> KernelRouter | None:
     return None
 
 
+def lay_out_router(layer: MoELayer) -> None:
+    """The router of a layer whose experts are on the kernel, on the kernel too (no capacity limit, not VQ)."""
+    if isinstance(layer.experts, FusedExperts) and layer.quantizer is None and layer.cfg.capacity_factor is None:
+        kernel = kernel_router(layer.router)
+        if kernel is not None:
+            layer.router = KernelRouted.of(layer.router, kernel=kernel)
+
+
 class CpuKernelBackend(EagerBackend):
     name = "cpu-kernel"
 
     def lay_out(self, plan: DispatchPlan) -> None:
         if not cpu_kernel.available():
-            raise cpu_kernel.KernelError(f"the plan runs parts of the model on the CPU kernel, which is not available "
-                                         f"here: {cpu_kernel.unavailable_reason()}")
+            parts = [name for on, name in ((plan.kernel_experts, "experts"), (plan.kernel_dense, "dense layers"),
+                                           (plan.kernel_norms, "norms and decode attention")) if on]
+            raise cpu_kernel.KernelError(f"the plan runs {' and '.join(parts)} on the CPU kernel, which is not "
+                                         f"available here: {cpu_kernel.unavailable_reason()}")
         super().lay_out(plan)
-        for layer in self.model.moe_layers:  # the router beside experts on the kernel (no capacity limit, not VQ)
-            if isinstance(layer.experts, FusedExperts) and layer.quantizer is None and self.cfg.capacity_factor is None:
-                kernel = kernel_router(layer.router)
-                if kernel is not None:
-                    layer.router = KernelRouted.of(layer.router, kernel=kernel)
+        for layer in self.model.moe_layers:
+            lay_out_router(layer)
         self.step = self._step(plan)
 
     def experts(self, plan: DispatchPlan) -> dict:
@@ -141,8 +148,8 @@ class CpuKernelBackend(EagerBackend):
                     or not all(isinstance(n, KernelRMSNorm) for n in norms) or not isinstance(a, KernelAttention)):
                 return None  # a dense FFN, a VQ layer, a capacity limit, LayerNorm: the ops one by one
             eps = [n.eps if n.eps is not None else torch.finfo(n.weight.dtype).eps for n in norms]
-            attention = KernelDecodeBlock(((norms[0].weight, eps[0]), (norms[1].weight, eps[1])),
-                                          (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
+            attention = DecodeAttention(((norms[0].weight, eps[0]), (norms[1].weight, eps[1])),
+                                        (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
             parts.append((attention, ffn.router.kernel, ffn.experts.w.fused))
         norm = model.norm
         if not isinstance(norm, KernelRMSNorm) or not isinstance(model.output, KernelLinear):

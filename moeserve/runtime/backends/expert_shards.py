@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.experts import Dispatch, Experts, combine, compute, dispatch
 
 ShardCall = Callable[[Tensor, list[int]], Tensor]  # shard(x_ND of its experts, rows per expert) -> y_ND

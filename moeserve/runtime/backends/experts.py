@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moeserve.runtime import cpu_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.layout import Laid
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
 from moeserve.runtime.experts import Experts, moe_sorted

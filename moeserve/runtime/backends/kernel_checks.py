@@ -170,7 +170,7 @@ def _routers(D: int, E: int, K: int) -> dict[str, torch.nn.Module]:
 def check_route_tokens(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> None:
     """Values on a grid of quarters, so that w x is exact in any order of summation in either dtype: both sides
     then rank the same scores, and the ids are compared wherever the ranking has no tie."""
-    from moeserve.runtime.kernel_decode import router_args
+    from moeserve.runtime.backends.kernel_abi import router_args
     from moeserve.runtime.routing import SoftmaxRouter, XMoERouter
 
     D, E, K, T = 16, 6, 2, 8
@@ -202,7 +202,7 @@ def check_decode_step(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) 
     """Two layers, two rows at different positions and slots: logits, routes, counts and the caches written
     equal to the ops' own calls one by one (rms_norm, linear_nt, attend_decode with the cache write and RoPE,
     route_tokens, moe_ffn, the residual sums in torch)."""
-    from moeserve.runtime.kernel_decode import _Layer, _Model, router_args
+    from moeserve.runtime.backends.kernel_abi import _Layer, _Model, router_args
 
     nL, D, H, G, Dh, E, K, F_, V, P, S = 2, 16, 2, 1, 8, 4, 2, 12, 11, 8, 2
     mk = lambda *shape, scale=0.3: _data(g, *shape, scale=scale).to(dtype)  # noqa: E731

@@ -4,7 +4,7 @@ and a whole step, every layer and the LM head, in one call (KernelDecodeStep, st
 The step is the calls it replaces, made in the same order on the same roundings, so the same numbers; what goes
 is the Python between them, ~70 torch operations a step that ran on caches the streamed weights had just flushed
 (figures in docs/design-notes.md). The weights are checked once, when these are built
-(Transformer.prepare_inference), and used where the model holds them; a call checks only what it is given. The
+(CpuKernelBackend), and used where the model holds them; a call checks only what it is given. The
 Structures below mirror kernels/moeserve_kernels.h's structs, and are checked against them when the library loads
 (check_structures): a field out of place would have the C code read one weight as another.
 """
@@ -13,38 +13,19 @@ from __future__ import annotations
 
 import ctypes
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from dataclasses import dataclass
-
-from moeserve.runtime.cpu_kernel import (
-    DTYPES,
-    Header,
-    KernelError,
-    KernelExperts,
-    _check_rows,
-    _library,
-    check_structure,
-    unavailable_reason,
-)
-
-GATES = ("softmax", "sigmoid")  # the order of router.c's GATE_ enum
-
+from moeserve.runtime.backends.cpu_kernel import KernelExperts, _check_rows, _library, unavailable_reason
+from moeserve.runtime.backends.kernel_abi import KernelError, _check_weights, _Layer, _Model, router_args
 
 def _lib() -> ctypes.CDLL:
     why = unavailable_reason()
     if why is not None:
         raise KernelError(f"the CPU kernel is not available: {why}")
     return _library()
-
-
-def _check_weights(what: str, dtype: torch.dtype, want: dict[str, tuple[Tensor, tuple[int, ...]]]) -> None:
-    for name, (t, shape) in want.items():
-        if (t.dtype != dtype or dtype not in DTYPES or tuple(t.shape) != shape or not t.is_contiguous()
-                or not t.is_cpu):
-            raise KernelError(f"{what}: {name} must be a contiguous {dtype} CPU tensor of shape {list(shape)} "
-                              f"(float32 or bfloat16), not {t.dtype} {list(t.shape)}")
 
 
 @dataclass(frozen=True)
@@ -83,29 +64,6 @@ class DecodeAttention:
         return self.weights[0].shape[0] // self.n_heads
 
 
-class _Router(ctypes.Structure):  # moeserve_kernels.h's struct router
-    _fields_ = [("w", ctypes.c_void_p), ("emb", ctypes.c_void_p), ("P", ctypes.c_long), ("E", ctypes.c_long),
-                ("K", ctypes.c_long), ("tau", ctypes.c_float), ("gate", ctypes.c_int), ("renormalize", ctypes.c_int)]
-
-
-def router_args(w_PD: Tensor, top_k: int, gate: str = "softmax", renormalize: bool = False,
-                embeddings: Tensor | None = None, tau: float = 1.0) -> tuple[_Router, tuple[Tensor, Tensor | None]]:
-    """KernelRouter's struct router, checked, and the tensors it points into (to be held while it is used)."""
-    P, D = w_PD.shape
-    E = P if embeddings is None else embeddings.shape[0]
-    _check_weights("router", w_PD.dtype, {"w": (w_PD, (P, D))})
-    if gate not in GATES or not 0 < top_k <= E or not tau > 0:
-        raise KernelError(f"router: gate {gate!r} (one of {GATES}), top_k {top_k} of {E} experts, tau {tau} > 0")
-    emb = None
-    if embeddings is not None:
-        if embeddings.shape != (E, P):
-            raise KernelError(f"router: embeddings [{E}, {P}] for a projection to {P}, not {list(embeddings.shape)}")
-        emb = torch.nn.functional.normalize(embeddings.detach().float(), dim=-1).contiguous()
-    args = _Router(w_PD.data_ptr(), None if emb is None else emb.data_ptr(), P, E, top_k, tau, GATES.index(gate),
-                   int(renormalize))
-    return args, (w_PD, emb)
-
-
 class KernelRouter:
     """A MoE layer's router on the kernel, for any number of tokens: softmax or sigmoid gates over w x (w the
     gate [E, D]), or, with `embeddings` [E, R] (X-MoE, w its projection [R, D]), over the cosines of w x with
@@ -134,38 +92,12 @@ class KernelRouter:
         return ids, gates
 
 
-class _Layer(ctypes.Structure):  # struct layer
-    _fields_ = [*((n, ctypes.c_void_p) for n in ("n1", "wq", "wk", "wv", "wo", "n2")), ("eps1", ctypes.c_float),
-                ("eps2", ctypes.c_float), ("router", _Router),
-                *((n, ctypes.c_void_p) for n in ("w1", "w3", "w2")), *((n, ctypes.c_long) for n in ("s1", "s3", "s2"))]
-
-
-class _Model(ctypes.Structure):  # struct model
-    _fields_ = [*((n, ctypes.c_long) for n in ("L", "D", "H", "G", "Dh", "F", "V")), ("layers", ctypes.POINTER(_Layer)),
-                ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("eps", ctypes.c_float),
-                *((n, ctypes.c_void_p) for n in ("emb", "cos", "sin")),
-                *((n, ctypes.c_long) for n in ("n_emb", "n_pos", "window"))]
-
-
-STRUCTS = {"router": _Router, "layer": _Layer, "model": _Model}  # the header's structs, by name
-
-
-def check_structures(header: Header) -> None:
-    """Each Structure here is its struct in the header, field by field (cpu_kernel._library calls this at load);
-    KernelError names the first that is not."""
-    if set(header.structs) != set(STRUCTS):
-        raise KernelError(f"the header declares structs {sorted(header.structs)}, kernel_decode.py mirrors "
-                          f"{sorted(STRUCTS)}")
-    for name, cls in STRUCTS.items():
-        check_structure(cls, header.structs[name], STRUCTS)
-
-
 class KernelDecodeStep:
     """A whole decode step in one call: for B rows of one token each, the token's embedding and its position's
     RoPE angles, every layer's attention half (DecodeAttention), router (KernelRouter), experts
     (KernelExperts.moe) and residual sum, then the final RMSNorm and the LM head. Built from those parts and the
     model's tables, whose weights it uses where they lie; a model qualifies when every layer is a MoE layer whose
-    parts are all on the kernel (Transformer.prepare_inference). The rows come as token ids, slots and positions
+    parts are all on the kernel (CpuKernelBackend). The rows come as token ids, slots and positions
     and nothing else: whatever torch did around the call ran on caches the step had just flushed."""
 
     def __init__(self, layers: list[tuple[DecodeAttention, KernelRouter, KernelExperts]], norm: tuple[Tensor, float],

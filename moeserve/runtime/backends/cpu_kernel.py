@@ -28,12 +28,12 @@ the callers keep torch's kernels.
 
 kernels/moeserve_kernels.h is the one declaration of the library's interface, which both sides follow: the C
 files include it (a definition that disagrees with it does not compile), and the ctypes bindings here are derived
-from its prototypes (parse_header), kernel_decode.py's Structures checked against its structs, and the library's
-moeserve_kernel_abi() against ABI, when the library loads. A mistake there would not fail loudly: ctypes passes
-whatever it is told, and a wrong argument reads or writes the wrong memory. Nor would a wrong op: every op is
-checked against its torch reference on a small problem at load (kernel_checks.py), and a library that is off in
-any of them is not used, unavailable_reason() naming the op. Whether it is used where available is the calibration's call (calibration.py), made
-by timing it against the other layouts on this machine.
+from its prototypes, the Structures checked against its structs and the library's moeserve_kernel_abi() against
+ABI when the library loads (kernel_abi.py). A mistake there would not fail loudly: ctypes passes whatever it is
+told, and a wrong argument reads or writes the wrong memory. Nor would a wrong op: every op is checked against its
+torch reference on a small problem at load (kernel_checks.py), and a library that is off in any of them is not
+used, unavailable_reason() naming the op. Whether it is used where available is the calibration's call
+(calibration.py), made by timing it against the other layouts on this machine.
 """
 
 from __future__ import annotations
@@ -43,35 +43,28 @@ import functools
 import hashlib
 import logging
 import math
-import re
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from moeserve.cache import cache_root
+from moeserve.runtime.backends import kernel_checks
+from moeserve.runtime.backends.kernel_abi import DTYPES, KernelError, check_abi, check_structures, parse_header
 from moeserve.runtime.device import cpu_name
 
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")  # every *.c there is built into the one library
 HEADER = KERNELS / "moeserve_kernels.h"
-ABI = 1  # the MOESERVE_KERNEL_ABI the bindings here and in kernel_decode.py are written for
 ENV = "MOESERVE_CPU_KERNEL"  # "off": never build or use it
 CFLAGS_ENV = "MOESERVE_KERNEL_CFLAGS"  # extra compiler flags, e.g. -mno-avx512bf16 (part of the cache key)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-DTYPES = (torch.float32, torch.bfloat16)
-
-
-class KernelError(RuntimeError):
-    """The kernel was asked for where it is not available (the message says why)."""
 
 
 def available() -> bool:
@@ -134,22 +127,6 @@ def linear(x_NI: Tensor, w_OI: Tensor) -> Tensor:
         fn = lib.linear_nt if dtype == torch.float32 else lib.linear_nt_bf16
         fn(x_NI.data_ptr(), row, w_OI.data_ptr(), w_OI.stride(0), y.data_ptr(), O, n, O, I, torch.get_num_threads())
     return y
-
-
-class KernelLinear(nn.Module):
-    """A bias-free nn.Linear whose no-grad float32 or bfloat16 forward runs on the kernel. `weight` is the original
-    Parameter (state_dict, training and export are unchanged)."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight = linear.weight
-        self.max_rows: int | None = None  # more rows: torch's GEMM, faster there (DispatchPlan.dense_kernel_max_tokens)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if (torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.dtype not in DTYPES
-                or (self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1])):
-            return F.linear(x, self.weight)
-        return linear(x, self.weight)
 
 
 def rms_norm(x: Tensor, w_D: Tensor, eps: float) -> Tensor:
@@ -215,21 +192,6 @@ def attend_decode(q_BHD: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tens
        y.data_ptr(), slots_B.data_ptr(), lo_B.data_ptr(), hi_B.data_ptr(), B, H, G, Dh, L, scale,
        torch.get_num_threads())
     return y
-
-
-class KernelRMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameters, same state_dict) whose no-grad forward runs on the kernel once
-    `use_kernel` is set (Transformer.prepare_inference does, where the plan says: DispatchPlan.kernel_norms)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.use_kernel = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        if (not self.use_kernel or torch.is_grad_enabled() or self.weight is None or x.dtype != self.weight.dtype
-                or x.dtype not in DTYPES):
-            return super().forward(x)
-        return rms_norm(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
 
 
 class KernelExperts:
@@ -319,13 +281,12 @@ def _library() -> ctypes.CDLL | str:
     try:
         path = _build()
         lib = ctypes.CDLL(str(path))  # CDLL (not PyDLL): the GIL is released during each call
-        _check_abi(lib)
+        check_abi(lib)
         header = parse_header(HEADER.read_text())
         for name, (restype, argtypes) in header.functions.items():
             fn = getattr(lib, name)  # AttributeError: a declared function the library lacks
             fn.restype, fn.argtypes = restype, argtypes
-        from moeserve.runtime import kernel_checks, kernel_decode  # they import this module
-        kernel_decode.check_structures(header)
+        check_structures(header)
     except (OSError, AttributeError, subprocess.SubprocessError, KernelError) as e:
         log.info("CPU kernel not used: %s", e)
         return str(e)
@@ -334,122 +295,6 @@ def _library() -> ctypes.CDLL | str:
         log.warning("CPU kernel not used: %s", why)
         return why
     return lib
-
-
-def _check_abi(lib: ctypes.CDLL) -> None:
-    """The library's moeserve_kernel_abi() is the ABI these bindings were written for, or KernelError."""
-    fn = lib.moeserve_kernel_abi
-    fn.restype, fn.argtypes = ctypes.c_int, []
-    if fn() != ABI:
-        raise KernelError(f"the built library's kernel ABI is {fn()}, not the {ABI} this moeserve binds: not used")
-
-
-# ---- the header, parsed --------------------------------------------------------------------------
-SCALARS = {"float": ctypes.c_float, "int": ctypes.c_int, "long": ctypes.c_long}
-POINTEES = {"void", "float", "int", "long", "bf16", "struct router", "struct layer", "struct model"}
-
-
-@dataclass(frozen=True)
-class CType:
-    """A declaration's C type: its base ("float", "struct router", ...) and how many pointers deep."""
-
-    base: str
-    pointers: int
-
-    @property
-    def ctype(self) -> type | None:
-        """As ctypes passes it: any pointer as a void pointer (a tensor's data_ptr(), a byref, an array), a scalar
-        as itself, void (a return type) as None."""
-        if self.pointers:
-            return ctypes.c_void_p
-        return None if self.base == "void" else SCALARS[self.base]
-
-
-@dataclass(frozen=True)
-class Header:
-    functions: dict[str, tuple[type | None, list[type]]]  # name: (restype, argtypes)
-    structs: dict[str, list[tuple[str, CType]]]  # name (without "struct"): its fields in order
-    abi: int
-
-
-def parse_type(decl: str, what: str, embedded: tuple[str, ...] = ()) -> CType:
-    """A declaration's type without its name ("const float *", "bf16 *const *", "long"): the types the header
-    uses and no others, so that a new one is taught here rather than guessed at. `embedded`: the structs a
-    struct's field may hold by value."""
-    words = decl.replace("*", " * ").split()
-    pointers = words.count("*")
-    base = " ".join(w for w in words if w not in ("*", "const"))
-    if pointers and base in POINTEES or not pointers and (base in SCALARS or base in embedded):
-        return CType(base, pointers)
-    if base == "void" and not pointers and what.endswith("returns"):
-        return CType(base, 0)
-    raise KernelError(f"{what}: the C type {decl.strip()!r} is not one the bindings know")
-
-
-def _split_name(decl: str, what: str) -> tuple[str, str]:
-    m = re.fullmatch(r"(.*?[\s*])(\w+)", decl.strip())
-    if m is None:
-        raise KernelError(f"{what}: cannot read the declaration {decl.strip()!r}")
-    return m.group(1), m.group(2)
-
-
-def parse_header(text: str) -> Header:
-    """moeserve_kernels.h's prototypes as ctypes (restype, argtypes), its structs' fields, its ABI number. Strict:
-    anything it does not understand is a KernelError, not a binding guessed wrong."""
-    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
-    abi = re.search(r"^\s*#define MOESERVE_KERNEL_ABI (\d+)\s*$", text, flags=re.M)
-    if abi is None:
-        raise KernelError("the header defines no MOESERVE_KERNEL_ABI")
-    text = re.sub(r"^\s*#.*$", " ", text, flags=re.M)
-    text = text.replace("typedef unsigned short bf16;", " ")
-    structs: dict[str, list[tuple[str, CType]]] = {}
-    for m in re.finditer(r"struct (\w+)\s*\{(.*?)\};", text, flags=re.S):
-        fields = structs[m.group(1)] = []
-        for member in filter(str.strip, m.group(2).split(";")):  # "const void *n1, *wq" or "long P, E, K"
-            first, *more = member.split(",")
-            lead, name = _split_name(first, f"struct {m.group(1)}")
-            base = lead.replace("*", " ")
-            for decl, name in [(lead, name)] + [_split_name(base + d, f"struct {m.group(1)}") for d in more]:
-                fields.append((name, parse_type(decl, f"struct {m.group(1)}.{name}",
-                                                embedded=tuple(f"struct {s}" for s in structs))))
-    text = re.sub(r"struct (\w+)\s*\{.*?\};", " ", text, flags=re.S)
-    functions = {}
-    for proto in filter(str.strip, text.split(";")):
-        m = re.fullmatch(r"\s*([\w\s*]+?[\s*])(\w+)\s*\(([^()]*)\)\s*", proto)
-        if m is None:
-            raise KernelError(f"the header's {' '.join(proto.split())!r} is not a prototype the bindings read")
-        ret, name, params = m.groups()
-        args = [] if params.strip() in ("void", "") else params.split(",")
-        restype = parse_type(ret, f"{name} returns")
-        if restype.pointers:  # nothing returns memory: who would own it?
-            raise KernelError(f"{name} returns: the C type {ret.strip()!r} is not one the bindings know")
-        functions[name] = (restype.ctype, [parse_type(_split_name(a, name)[0], f"{name}({a.strip()})").ctype for a in args])
-    return Header(functions, structs, int(abi.group(1)))
-
-
-def check_structure(cls: type[ctypes.Structure], fields: list[tuple[str, CType]],
-                    structs: dict[str, type[ctypes.Structure]]) -> None:
-    """cls's _fields_ are the header struct's, name by name and type by type in order (a pointer: c_void_p or a
-    ctypes POINTER to the same struct; a struct held by value: its Structure in `structs`), or KernelError."""
-    def same(t: type, c: CType) -> bool:
-        if c.pointers:
-            if t is ctypes.c_void_p:
-                return True
-            target = structs.get(c.base.removeprefix("struct "))
-            return c.pointers == 1 and target is not None and t is ctypes.POINTER(target)
-        if c.base.startswith("struct "):
-            return t is structs.get(c.base.removeprefix("struct "))
-        return t is SCALARS[c.base]
-
-    got = [(f[0], f[1]) for f in cls._fields_]
-    for i in range(max(len(got), len(fields))):
-        g = got[i] if i < len(got) else None
-        w = fields[i] if i < len(fields) else None
-        if g is None or w is None or g[0] != w[0] or not same(g[1], w[1]):
-            have = "nothing" if g is None else f"{g[0]}: {g[1].__name__}"
-            want = "nothing" if w is None else f"{w[0]}: {w[1].base}{' *' * w[1].pointers}"
-            raise KernelError(f"{cls.__qualname__} does not match the header's struct: field {i} is {have}, "
-                              f"the header's is {want}")
 
 
 def _build() -> Path:
