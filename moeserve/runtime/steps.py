@@ -203,7 +203,7 @@ class StepEngine:
     def _choose(self, rows: list[Sequence], logits_BV: Tensor, ended: list[Sequence]) -> None:
         """One token per row: the argmax of every row in one device call (the step's one host sync), and a
         draw from the row's own generator where it samples; each to the row's output."""
-        greedy = logits_BV.float().argmax(dim=-1).tolist()  # torch's bf16 argmax: 117 us over 32000 logits, 33 here
+        greedy = logits_BV.float().argmax(dim=-1).tolist()  # in fp32: torch's bf16 argmax is several times slower
         tokens = [greedy[i] if seq.params.greedy else sample(logits_BV[i], seq.params, seq.generator)
                   for i, seq in enumerate(rows)]
         scored = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]

@@ -175,7 +175,7 @@ class Batcher:
         """A place in the queue for a request admitted before its body is read (raises as `check_room`). Until
         it is submitted or let go, no later request can take it: under a burst, the requests let through
         are the ones the queue has room for, and none is parsed and tokenised only to be refused at
-        `submit` (before places were held, all 37 refusals of a burst of 40 at a queue of 2 came from there)."""
+        `submit`."""
         with self._cv:
             self.check_room()
             self._held += 1
