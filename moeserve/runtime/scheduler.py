@@ -106,7 +106,8 @@ class Prefill:
 
 @dataclass
 class Plan:
-    """One step, in the order it runs: a slice of the scoring work, the prefill calls, a decode call."""
+    """One step, in the order it runs: a slice of the scoring work (run by the work's owner, the server's model
+    thread: serve/batcher.py), the prefill calls and a decode call (run by the step engine: steps.py)."""
 
     ended: list[Sequence] = field(default_factory=list)  # cancelled before the step, their slots free
     slice_tokens: int | None = None  # the token budget of one call of the work in progress (None: none runs)
