@@ -31,7 +31,8 @@ from moeserve.runtime.loading import load_model, verifying
 from moeserve.runtime.model import ExpertsFactory, ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.backends import ModelRunner, backend_for
-from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob
+from moeserve.runtime.output import StreamEvent
+from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
 from moeserve.runtime.windows import batch_end, check_stride, default_stride, rolling_windows
 from moeserve.tokenizer import Tokenizer, load_checkpoint_tokenizer
@@ -120,9 +121,9 @@ class Score:
                 "windows": self.windows}
 
 
-# on_token(row, token_id, text, logprob): as each new token of each row is chosen, with the text it settles
-# and its log-probability record where asked for (streaming).
-RowTokenCallback = Callable[[int, int, str, TokenLogprob | None], None]
+# on_event(row, event): a row's stream events (output.StreamEvent: text as it becomes final, the tokens that
+# brought it, their log-probability records where asked for, and the finish reason on the last).
+RowEventCallback = Callable[[int, StreamEvent], None]
 # cancel(row) -> True: stop generating for that row now.
 CancelCheck = Callable[[int], bool]
 
@@ -299,18 +300,18 @@ class Engine:
         return [c.text for c in self.complete(prompts, [params] * len(prompts))]
 
     def complete(self, prompts: list[str], params: list[SamplingParams],
-                 on_token: RowTokenCallback | None = None) -> list[Completion]:
+                 on_event: RowEventCallback | None = None) -> list[Completion]:
         """The full answer per prompt (text, tokens, why it ended), each with its own sampling params."""
         rows = [self.encode(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        return self.complete_ids(rows, params, on_token)
+        return self.complete_ids(rows, params, on_event)
 
     def complete_ids(self, rows: list[list[int]], params: list[SamplingParams],
-                     on_token: RowTokenCallback | None = None, cancel: CancelCheck | None = None) -> list[Completion]:
+                     on_event: RowEventCallback | None = None, cancel: CancelCheck | None = None) -> list[Completion]:
         """`complete` for prompts already encoded, as one static batch: every prompt starts together, each
         ends on its own. `cancel(row)`, asked before each step, ends a row early (reason "cancelled"): a
         server drops a request whose client left or whose deadline passed without holding up the rest."""
         self.text_tokenizer()
-        return [s.completion() for s in self._generate(rows, params, on_token, cancel)]
+        return [s.completion() for s in self._generate(rows, params, on_event, cancel)]
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                      ) -> tuple[list[list[int]], list[str]]:
@@ -319,7 +320,7 @@ class Engine:
         return [s.out for s in seqs], [s.finish_reason for s in seqs]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                  on_token: RowTokenCallback | None = None, cancel: CancelCheck | None = None) -> list[Sequence]:
+                  on_event: RowEventCallback | None = None, cancel: CancelCheck | None = None) -> list[Sequence]:
         if not prompts:
             return []
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -328,7 +329,7 @@ class Engine:
         seqs = []
         for b, (row, p) in enumerate(zip(prompts, params)):
             seqs.append(Sequence(list(row), p,
-                                 on_token=(lambda t, text, lp, b=b: on_token(b, t, text, lp)) if on_token else None,
+                                 on_event=(lambda e, b=b: on_event(b, e)) if on_event else None,
                                  cancelled=(lambda b=b: cancel(b)) if cancel else None))
         for i, s in enumerate(seqs):  # every row is checked before any runs
             check_request(self.cfg, self.tokenizer, s.prompt, s.params, f"prompt {i}")

@@ -1,15 +1,19 @@
-"""Dynamic batching: requests queue, and the thread that owns the model runs them in batches.
+"""The server's model thread: requests queue, and the thread that owns the model runs them.
 
 The event loop never runs the model: a handler submits a `Job` and awaits its future. The model thread
-takes the oldest job, waits at most `wait_s` from that job's arrival for others of the same kind to
-join (a lone request pays at most that wait; under load the queue fills while the previous batch
-runs, so batches form with no wait), and runs up to `max_batch_size` rows and `max_batch_tokens`
-padded tokens as one engine call. Each prompt keeps its own sampling parameters and seed, and the
-engine makes every row compute what it would alone, so batching changes throughput, not answers.
+(`Batcher.run`) turns: the one scheduler (runtime/scheduler.py) says which queued requests start, under
+the server's policy (`--scheduler continuous`: completions join the running steps; `batch`: run to
+completion, a batch taken only when nothing runs, waiting at most `wait_s` from its oldest request's
+arrival for others to join); a scoring or classification batch runs one slice of model work a turn, so a
+long one does not hold the thread; then the step engine runs the scheduler's plan for the sequences
+(runtime/steps.py). A request is answered the turn its last sequence ends, so a short request that
+arrives while a long one generates is answered after its own tokens, not the long one's. Each prompt
+keeps its own sampling parameters and seed, and every row computes what it would alone, so batching
+changes throughput, not answers.
 
 The queue is bounded: `submit` refuses at once (`QueueFull`, with a retry-after estimate) rather than
 letting latency grow without limit. A job whose deadline passes, or whose client leaves, is dropped:
-skipped if it has not started, and cut off at its next token if it is generating, without holding up
+skipped if it has not started, and cut off at its next step if it is generating, without holding up
 the rest of its batch.
 """
 
@@ -22,9 +26,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Generator, Literal
 
-from moeserve.runtime.engine import Engine, SamplingParams, TokenLogprob
+from moeserve.runtime.engine import Engine, EngineError, SamplingParams
+from moeserve.runtime.output import StreamEvent
+from moeserve.runtime.scheduler import Admission, Plan, Policy, Scheduler, Sequence, default_prefill_chunk
+from moeserve.runtime.steps import StepEngine
 from moeserve.runtime.windows import batch_end, default_stride, rolling_windows
 
 log = logging.getLogger("moeserve.serve")
@@ -56,8 +64,8 @@ class Job:
     rows: list[list[int]]  # token ids per prompt / text, <bos> first
     params: list[SamplingParams] | None = None  # per row, for "complete"
     stride: int | None = None  # "score": rolling windows over rows longer than the context (None: the default)
-    # (row of this job, token id, text, log-probability record or None), on the model thread
-    on_token: Callable[[int, int, str, TokenLogprob | None], None] | None = None
+    # (row of this job, its next stream event: runtime/output.py), on the model thread
+    on_event: Callable[[int, StreamEvent], None] | None = None
     deadline: float = math.inf  # time.monotonic() past which the job is dropped
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set by the request side: the client left or gave up
@@ -114,17 +122,40 @@ class BatchConfig:
     # for at most one of them (at most max_batch_tokens)
     idle_slice_tokens: int = 8192
 
+    def policy(self, scheduler: str) -> Policy:
+        """The scheduler's policy: "continuous" or "batch" (run to completion), within these limits."""
+        return Policy(scheduler, self.max_batch_size, self.max_batch_tokens, self.wait_s, self.slice_tokens,
+                      self.idle_slice_tokens)
+
 
 class Batcher:
-    """The queue, and the loop (`run`) that the one thread owning the model spends its life in."""
+    """The queue, and the loop (`run`) that the one thread owning the model spends its life in: the scheduler
+    admits and plans, a scoring or classification batch runs a slice a turn, the step engine runs the plan.
 
-    def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None):
+    `scheduler`: "continuous" (completions join the running steps, over `slots` cache slots) or "batch" (run to
+    completion, over `max_batch_size` slots). A model that generates nothing (a classifier) has no step engine:
+    its requests are slice work either way."""
+
+    def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None, *, scheduler: str = "batch", slots: int = 8,
+                 prefill_chunk: int | None = None):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
+        policy = cfg.policy(scheduler)
+        self.steps: StepEngine | None = None
+        if engine.cfg.task == "lm":
+            self.steps = engine.step_engine(slots if policy.mode == "continuous" else cfg.max_batch_size,
+                                            prefill_chunk=prefill_chunk or default_prefill_chunk(engine.device))
+            self.scheduler = self.steps.scheduler
+            self.scheduler.policy = policy
+        else:
+            self.scheduler = Scheduler(0, policy=policy)
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._batch_s = 0.05  # moving average of batch time, for Retry-After
+        self._batch_s = 0.05  # moving average of batch (continuous: step) time, for Retry-After
         self._held = 0  # places held by admitted requests whose bodies are still being read and parsed
+        self._live: dict[Job, list[Sequence]] = {}  # completions generating, with their sequences
+        self._alone: deque[Job] = deque()  # run to completion: a failed batch's jobs, each to run again alone
+        self._round_s: float | None = None  # run to completion: model time of the completion batch running
 
     @property
     def depth(self) -> int:
@@ -144,7 +175,7 @@ class Batcher:
         """A place in the queue for a request admitted before its body is read (raises as `check_room`). Until
         it is submitted or let go, no later request can take it: under a burst, the requests let through
         are the ones the queue has room for, and none is parsed and tokenised only to be refused at
-        `submit` (before places were held, all 37 refusals of a burst of 40 at a queue of 2 came from there)."""
+        `submit`."""
         with self._cv:
             self.check_room()
             self._held += 1
@@ -159,8 +190,8 @@ class Batcher:
         return job.future
 
     def close(self) -> None:
-        """Refuse new work, drop what is queued, and end `run` once the running batch finishes (or is
-        cut off by its jobs' cancellation)."""
+        """Refuse new work, drop what is queued, and end `run` once the running work finishes (or is cut off by
+        its jobs' cancellation)."""
         with self._cv:
             self._closed = True
             for job in self._queue:
@@ -168,49 +199,132 @@ class Batcher:
             self._queue.clear()
             self._cv.notify_all()
 
-    # ---- worker ----------------------------------------------------------------------------------
-    def _take(self) -> list[Job] | None:
-        """Block for the next batch: jobs of the oldest job's kind, in arrival order, within limits."""
-        cfg = self.cfg
-        with self._cv:
-            while not self._queue and not self._closed:
-                self._cv.wait()
-            if self._closed:
-                return None
-            first = self._queue[0]
-            while not self._closed:  # give others until first.arrival + wait_s to join
-                rows = sum(len(j.rows) for j in self._queue if j.kind == first.kind)
-                left = first.arrival + cfg.wait_s - time.monotonic()
-                if rows >= cfg.max_batch_size or left <= 0:
-                    break
-                self._cv.wait(left)
-            batch, rows, cost, keep = [], 0, 0, deque()
-            for job in self._queue:
-                fits = (job.kind == first.kind and rows + len(job.rows) <= cfg.max_batch_size
-                        and cost + job.cost() <= cfg.max_batch_tokens)
-                if fits or not batch and job is first:  # the oldest always runs, even if over a limit alone
-                    batch.append(job)
-                    rows, cost = rows + len(job.rows), cost + job.cost()
-                else:
-                    keep.append(job)
-            self._queue = keep
-            return batch
-
+    # ---- the model thread ------------------------------------------------------------------------
     def run(self) -> None:
-        """Take and run batches until `close`."""
-        while (batch := self._take()) is not None:
-            self.run_batch(batch)
+        """Turn until `close` and the last running request has ended: admit, run a slice of the scoring or
+        classification batch, step, answer."""
+        while (turn := self._next()) is not None:
+            taken, again = turn
+            now = time.monotonic()
+            self._admit(taken.complete, now, again)
+            if taken.batch:
+                self.scheduler.work = self._begin_slices(taken.batch, now)
+            plan = self.steps.plan() if self.steps is not None else self.scheduler.schedule(False, False)
+            if plan.slice_tokens is not None:
+                self._slice(plan.slice_tokens)
+            if plan.calls:
+                self._step(plan)
+            self._settle()
 
-    def run_batch(self, batch: list[Job]) -> None:
-        """Run taken jobs to the end (each alone if the call fails); jobs past their deadline are dropped, and the
-        work stops between two model calls once every job of the batch has gone."""
-        work = self.begin(batch)
-        while work is not None and not work.advance(self.cfg.max_batch_tokens):
-            pass
+    def _next(self) -> tuple[Admission, bool] | None:
+        """What starts this turn (the scheduler's choice from the queue), and whether it is a failed batch's job run
+        again alone (before anything else), once there is anything to do; None once closed with nothing left
+        running."""
+        with self._cv:
+            while True:
+                busy = self.scheduler.busy
+                if self._closed and not busy:
+                    return None
+                if self._alone and not busy:
+                    return Admission(complete=[self._alone.popleft()]), True
+                taken = self.scheduler.admit(list(self._queue), time.monotonic()) if self._queue else Admission()
+                if taken.complete or taken.batch or busy:
+                    chosen = {*taken.complete, *taken.batch}
+                    self._queue = deque(job for job in self._queue if job not in chosen)
+                    return taken, False
+                self._cv.wait(taken.wait_s)
 
-    def begin(self, batch: list[Job]) -> BatchWork | None:
-        """The taken jobs still wanted, as work run one model call at a time (BatchWork.advance)."""
+    def _admit(self, jobs: list[Job], now: float, again: bool = False) -> None:
+        """Completion jobs' rows join the scheduler as sequences (a job run again after a failed batch is not
+        counted again)."""
+        live = []
+        for job in jobs:
+            if job.dropped(now):
+                job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+                continue
+            if self.metrics and not again:
+                self.metrics.queue_seconds.observe(now - job.arrival)
+                self.metrics.prompt_tokens.inc(sum(len(r) for r in job.rows))
+            seqs = [Sequence(row, p, on_event=None if job.on_event is None else partial(job.on_event, i),
+                             cancelled=partial(_dropped, job)) for i, (row, p) in enumerate(zip(job.rows, job.params))]
+            try:
+                self.engine.text_tokenizer()  # completions are text: a model without a tokenizer cannot give them
+                if self.steps is None:
+                    raise EngineError(f"{self.engine.name} is a {self.engine.cfg.task} model; generation needs a "
+                                      "language model")
+                for seq in seqs:
+                    self.steps.add(seq)
+            except Exception as e:  # a row the engine refuses fails its request, not the ones running
+                for seq in seqs:
+                    self.scheduler.end(seq)
+                _fail(job, e)
+                continue
+            self._live[job] = seqs
+            live.append(job)
+        if live and self.scheduler.policy.mode == "batch" and not again:
+            self._round_s = 0.0  # a run-to-completion batch: its size now, its model time when it ends
+            if self.metrics:
+                self.metrics.batch_size.labels("complete").observe(sum(len(j.rows) for j in live))
+
+    def _step(self, plan: Plan) -> None:
+        """Run the plan's model calls (continuous: each step is a batch, in the metrics)."""
+        t0 = time.monotonic()
+        continuous = self.scheduler.policy.mode == "continuous"
+        if self.metrics and continuous:
+            self.metrics.batch_size.labels("complete").observe(len(plan.sequences))
+        try:
+            with self.engine.lock:
+                self.steps.execute(plan)
+        except Exception as e:
+            return self._step_failed(e)
+        dt = time.monotonic() - t0
+        if continuous:
+            self._batch_s = 0.8 * self._batch_s + 0.2 * dt
+            if self.metrics:
+                self.metrics.batch_seconds.labels("complete").observe(dt)
+        elif self._round_s is not None:
+            self._round_s += dt
+        for job, seqs in self._live.items():  # time to first token: the step that chose one
+            if job.first_token_at is None and any(s.out for s in seqs):
+                job.first_token_at = time.monotonic()
+                if self.metrics:
+                    self.metrics.ttft.observe(job.first_token_at - job.arrival)
+
+    def _step_failed(self, e: Exception) -> None:
+        """A failed step leaves the cache in an unknown state: start afresh, and fail the requests that were in it.
+        Run to completion, where several shared the batch, each that has given no token yet runs again alone, so
+        that one bad request does not fail the others (not where no request can run now: a shard unavailable)."""
+        self.steps.reset()
+        jobs, self._live = self._live, {}
+        alone = self.scheduler.policy.mode == "batch" and len(jobs) > 1 and not isinstance(e, Unavailable)
+        for job, seqs in jobs.items():
+            if alone and not any(s.out for s in seqs):
+                self._alone.append(job)
+            else:
+                _fail(job, e)
+
+    def _settle(self) -> None:
+        """Answer every request whose rows have all ended; end a run-to-completion batch once nothing runs."""
         now = time.monotonic()
+        for job, seqs in list(self._live.items()):
+            if not all(s.done for s in seqs):
+                continue
+            del self._live[job]
+            completions = [s.completion() for s in seqs]
+            if self.metrics:
+                self.metrics.generation_tokens.inc(sum(c.completion_tokens for c in completions))
+            if job.future.done():
+                continue
+            if job.dropped(now) or any(c.finish_reason == "cancelled" for c in completions):
+                job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
+            else:
+                job.future.set_result(completions)
+        if self._round_s is not None and self.scheduler.idle and not self._alone:
+            self._ended("complete", self._round_s)
+            self._round_s = None
+
+    def _begin_slices(self, batch: list[Job], now: float) -> SliceWork | None:
+        """The taken scoring or classification jobs still wanted, as work run one model call at a time."""
         live = []
         for job in batch:
             if job.dropped(now):
@@ -223,46 +337,89 @@ class Batcher:
             return None
         if self.metrics:  # counted before any answer leaves, so a client that reads /metrics sees it
             self.metrics.batch_size.labels(live[0].kind).observe(sum(len(j.rows) for j in live))
-        return BatchWork(self, live)
+        return SliceWork(self.engine, live, self.metrics)
 
-    def _token(self, job: Job, i: int, token: int, text: str, logprob: TokenLogprob | None) -> None:
-        """A new token of row i of `job`: time to first token, then the job's own callback (streaming)."""
-        if job.first_token_at is None:
-            job.first_token_at = time.monotonic()
-            if self.metrics:
-                self.metrics.ttft.observe(job.first_token_at - job.arrival)
-        if job.on_token is not None:
-            job.on_token(i, token, text, logprob)
+    def _slice(self, budget: int) -> None:
+        work: SliceWork = self.scheduler.work
+        if work.advance(budget):
+            self.scheduler.work = None
+            self._ended(work.kind, work.model_s)
 
-    @staticmethod
-    def _fail(job: Job, e: Exception) -> None:
-        if isinstance(e, Unavailable):
-            log.warning("a %s request failed: %s", job.kind, e)
-        elif not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
-            log.error("a %s request failed", job.kind, exc_info=e)
-        if not job.future.done():
-            job.future.set_exception(e)
+    def _ended(self, kind: str, model_s: float) -> None:
+        """A batch ended after `model_s` seconds in the model: Retry-After's estimate and the metrics."""
+        self._batch_s = 0.8 * self._batch_s + 0.2 * model_s
+        if self.metrics:
+            self.metrics.batch_seconds.labels(kind).observe(model_s)
 
-    def _calls(self, jobs: list[Job], budget: int) -> Generator[int, int, None]:
+
+def _dropped(job: Job) -> bool:
+    return job.dropped(time.monotonic())
+
+
+def _fail(job: Job, e: Exception) -> None:
+    if isinstance(e, Unavailable):
+        log.warning("a %s request failed: %s", job.kind, e)
+    elif not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
+        log.error("a %s request failed", job.kind, exc_info=e)
+    if not job.future.done():
+        job.future.set_exception(e)
+
+
+class SliceWork:
+    """A batch of scoring or classification jobs run one model call at a time (`advance`), so that the model
+    thread can step the running sequences between two calls of a long scoring request, and stops work whose
+    requests have all gone (deadline or client) at the next call rather than after the last."""
+
+    def __init__(self, engine: Engine, jobs: list[Job], metrics=None):
+        self.engine, self.jobs, self.metrics, self.kind = engine, jobs, metrics, jobs[0].kind
+        self._calls: Generator[int, int, None] | None = None
+        self.model_s = 0.0  # time in the batch's own model calls
+
+    def advance(self, budget: int) -> bool:
+        """One model call of at most `budget` padded tokens (one window or text at least); True once the batch
+        has ended: answered, failed, or dropped."""
+        if all(job.dropped(time.monotonic()) for job in self.jobs):
+            if self._calls is not None:
+                self._calls.close()
+            for job in self.jobs:
+                if not job.future.done():
+                    job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
+            return True
+        t0, done = time.monotonic(), True
+        try:
+            if self._calls is None:
+                self._calls = self.calls(self.jobs, budget)
+                next(self._calls)
+            else:
+                self._calls.send(budget)
+            done = False
+        except StopIteration:
+            pass
+        except Exception as e:
+            self._failed(e, budget)
+        self.model_s += time.monotonic() - t0
+        return done
+
+    def _failed(self, e: Exception, budget: int) -> None:
+        """A failed call fails every job at once where no request can run now (a shard unavailable: 503 for each);
+        else each job runs again alone, so that one bad request does not fail the others."""
+        if len(self.jobs) == 1 or isinstance(e, Unavailable):
+            for job in self.jobs:
+                _fail(job, e)
+            return
+        for job in self.jobs:
+            try:
+                for _ in self.calls([job], budget):
+                    pass
+            except Exception as e1:
+                _fail(job, e1)
+
+    def calls(self, jobs: list[Job], budget: int) -> Generator[int, int, None]:
         """The jobs' model work, one engine call per step of the generator, then the answers. It yields each call's
-        padded tokens and is sent the next call's token budget (`budget` the first's); a completion batch is one
-        call."""
+        padded tokens and is sent the next call's token budget (`budget` the first's)."""
         owners = [(job, i) for job in jobs for i in range(len(job.rows))]
         rows = [job.rows[i] for job, i in owners]
-        kind = jobs[0].kind
-        if kind == "complete":
-            params = [job.params[i] for job, i in owners]
-
-            def on_token(r: int, token: int, text: str, logprob: TokenLogprob | None) -> None:
-                job, i = owners[r]
-                self._token(job, i, token, text, logprob)
-
-            def cancel(r: int) -> bool:
-                return owners[r][0].dropped(time.monotonic())
-
-            results = self.engine.complete_ids(rows, params, on_token, cancel)
-            yield sum(len(r) for r in rows)
-        elif kind == "score":
+        if jobs[0].kind == "score":
             results = [None] * len(rows)
             for stride in {job.stride for job in jobs}:  # jobs of one stride per engine call
                 mine = [r for r, (job, _) in enumerate(owners) if job.stride == stride]
@@ -278,71 +435,12 @@ class Batcher:
                 start = end
         if self.metrics:
             self.metrics.prompt_tokens.inc(sum(len(r) for r in rows))
-            if kind == "complete":
-                self.metrics.generation_tokens.inc(sum(c.completion_tokens for c in results))
         now, start = time.monotonic(), 0
         for job in jobs:
             mine, start = results[start:start + len(job.rows)], start + len(job.rows)
             if job.future.done():
                 continue
-            if job.dropped(now) or any(getattr(c, "finish_reason", None) == "cancelled" for c in mine):
+            if job.dropped(now):
                 job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
             else:
                 job.future.set_result(mine)
-
-
-class BatchWork:
-    """A taken batch run one model call at a time (`advance`), so that the model thread can step the running
-    sequences between two calls of a long scoring request (continuous.py), and stops work whose requests have
-    all gone (deadline or client) at the next call rather than after the last."""
-
-    def __init__(self, batcher: Batcher, jobs: list[Job]):
-        self.batcher, self.jobs, self.kind = batcher, jobs, jobs[0].kind
-        self._calls: Generator[int, int, None] | None = None
-        self.model_s = 0.0  # time in the batch's own model calls
-
-    def advance(self, budget: int) -> bool:
-        """One model call of at most `budget` padded tokens (one window or text at least); True once the batch
-        has ended: answered, failed, or dropped."""
-        if all(job.dropped(time.monotonic()) for job in self.jobs):
-            if self._calls is not None:
-                self._calls.close()
-            for job in self.jobs:
-                if not job.future.done():
-                    job.future.set_exception(DeadlineExceeded("the request's deadline passed while it was running"))
-            return self._end()
-        t0, done = time.monotonic(), True
-        try:
-            if self._calls is None:
-                self._calls = self.batcher._calls(self.jobs, budget)
-                next(self._calls)
-            else:
-                self._calls.send(budget)
-            done = False
-        except StopIteration:
-            pass
-        except Exception as e:
-            self._failed(e, budget)
-        self.model_s += time.monotonic() - t0
-        return self._end() if done else False
-
-    def _failed(self, e: Exception, budget: int) -> None:
-        """A failed call fails every job at once where no request can run now (a shard unavailable: 503 for each);
-        else each job runs again alone, so that one bad request does not fail the others."""
-        if len(self.jobs) == 1 or isinstance(e, Unavailable):
-            for job in self.jobs:
-                self.batcher._fail(job, e)
-            return
-        for job in self.jobs:
-            try:
-                for _ in self.batcher._calls([job], budget):
-                    pass
-            except Exception as e1:
-                self.batcher._fail(job, e1)
-
-    def _end(self) -> bool:
-        b = self.batcher
-        b._batch_s = 0.8 * b._batch_s + 0.2 * self.model_s
-        if b.metrics:
-            b.metrics.batch_seconds.labels(self.kind).observe(self.model_s)
-        return True

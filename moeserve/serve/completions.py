@@ -1,7 +1,7 @@
 """The generation endpoints: OpenAI's /v1/completions and /v1/chat/completions.
 
 Both become the same job: each prompt `best_of` times (choice j samples with seed + j), whose rows
-the step engine runs with one prefill per prompt (steps.py, `share_prefill`). Answers go back as `n`
+the scheduler runs with one prefill per prompt (runtime/scheduler.py, `share_prefill`). Answers go back as `n`
 choices per prompt (the likeliest n of best_of, by mean token log-probability), indexed
 prompt * n + j as OpenAI does, whole or as server-sent events. Chat differs only at the edges: the
 messages become the prompt through the model's chat template (chat.py), and the answers are messages.
@@ -19,14 +19,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from moeserve.chat import ChatTemplateError
-from moeserve.runtime.engine import Completion, Engine, SamplingParams, TokenLogprob
+from moeserve.runtime.engine import Completion, Engine, SamplingParams
+from moeserve.runtime.sampling import TokenLogprob
+from moeserve.runtime.output import StreamEvent
 from moeserve.serve.batcher import DeadlineExceeded, Job
 from moeserve.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from moeserve.serve.protocol import (ApiError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                      CompletionResponse)
 from moeserve.serve.routes import _check_unicode, _encode, _inputs, _result_error, _sse, _state, _wait
 from moeserve.serve.state import ServeConfig, ServerState
-from moeserve.serve.stream import TextStream
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
 router = APIRouter()
@@ -232,7 +233,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 # ---- streaming ----------------------------------------------------------------------------------------
 class _CompletionChunks:
     """Chunks of /v1/completions: text deltas, each with the log-probabilities of the tokens it carries
-    (tokens whose text is held back, at a possible stop string, ride with the next delta)."""
+    (tokens whose text is held back, at a possible stop string, ride with the next delta: output.StreamEvent)."""
 
     def __init__(self, engine: Engine, job: Job, logprobs: bool):
         self.tokenizer, self.logprobs = engine.tokenizer, logprobs
@@ -270,7 +271,7 @@ class _ChatChunks(_CompletionChunks):
 def _streaming(state: ServerState, request: Request, job: Job, head: dict, choices: Choices,
                chunks: _CompletionChunks, stream_options) -> StreamingResponse:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    job.on_token = lambda i, token, text, lp: loop.call_soon_threadsafe(events.put_nowait, (i, token, text, lp))
+    job.on_event = lambda i, event: loop.call_soon_threadsafe(events.put_nowait, (i, event))
     state.submit(job, request.scope)
     job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
     include_usage = bool(stream_options and stream_options.include_usage)
@@ -280,17 +281,20 @@ def _streaming(state: ServerState, request: Request, job: Job, head: dict, choic
 
 async def _stream(job: Job, events: asyncio.Queue, head: dict, choices: Choices, chunks: _CompletionChunks,
                   include_usage: bool) -> AsyncIterator[bytes]:
-    """Server-sent events: each choice's opening chunk (chat), a chunk per text delta, the finish reasons,
-    usage if asked, [DONE]. A deadline or a failure after the stream started can only be told in the
-    stream: an error event. Rows are choices here (best_of == n)."""
+    """Server-sent events: each choice's opening chunk (chat), a chunk per stream event of its sequence
+    (runtime/output.py: text as it becomes final, stop strings already cut), the finish reasons once the whole
+    request has ended, usage if asked, [DONE]. A deadline or a failure after the stream started can only be
+    told in the stream: an error event. Rows are choices here (best_of == n)."""
     def event(choice: dict) -> bytes:
         return _sse({**head, "choices": [choice]})
 
-    rows = range(len(job.rows))
-    streams = [TextStream(p.stop) for p in job.params]
-    pending: list[list[TokenLogprob]] = [[] for _ in rows]
+    def chunk(i: int, e: StreamEvent) -> bytes:
+        chunks.ids[i] += e.token_ids
+        return event(chunks.choice(i, e.text, e.logprobs, e.finish_reason))
+
+    last: dict[int, StreamEvent] = {}  # each choice's last event, sent once the request has succeeded
     try:
-        for i in rows:
+        for i in range(len(job.rows)):
             if (opening := chunks.first(i)) is not None:
                 yield event(opening)
         while True:
@@ -301,18 +305,16 @@ async def _stream(job: Job, events: asyncio.Queue, head: dict, choices: Choices,
                 raise DeadlineExceeded("no answer within the server's request timeout") from None
             if item is None:  # the job finished
                 break
-            i, token, text, lp = item
-            chunks.ids[i].append(token)
-            if lp is not None:
-                pending[i].append(lp)
-            if delta := streams[i].push(text):
-                yield event(chunks.choice(i, delta, pending[i], None))
-                pending[i] = []
+            i, e = item
+            if e.finish_reason is not None:
+                last[i] = e
+            else:
+                yield chunk(i, e)
         if job.future.exception() is not None:
             raise job.future.exception()
         done: list[Completion] = job.future.result()
-        for i, c in enumerate(done):
-            yield event(chunks.choice(i, streams[i].finish(c.text), pending[i], c.finish_reason))
+        for i in range(len(done)):
+            yield chunk(i, last[i])
         if include_usage:
             yield _sse({**head, "choices": [], "usage": choices.usage(done)})
         yield _sse("[DONE]")

@@ -18,14 +18,13 @@ import torch
 
 from moeserve.chat import ChatTemplate, load_chat_template
 from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.scheduler import SCHEDULERS
 from moeserve.serve.batcher import BatchConfig, Batcher, Closed, Job, Place, QueueFull
-from moeserve.serve.continuous import StepBatcher
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.protocol import ApiError
 
 log = logging.getLogger("moeserve.serve")
 API_KEY_ENV = "MOESERVE_API_KEY"
-SCHEDULERS = ("continuous", "batch")
 PLACE = "moeserve.place"  # the ASGI scope key of an admitted request's place in the queue (serve/gate.py)
 
 
@@ -139,14 +138,15 @@ class ServerState:
         return template
 
     def _batcher(self, engine: Engine) -> Batcher:
-        """The continuous scheduler for a language model, unless the run-to-completion one was asked for (or
-        the model generates nothing: a classifier's requests are whole batches either way)."""
+        """The continuous policy for a language model, unless the run-to-completion one was asked for (or the model
+        generates nothing: a classifier's requests are whole batches either way)."""
         cfg = self.cfg
-        if cfg.scheduler == "continuous" and engine.cfg.task == "lm":
+        scheduler = cfg.scheduler if engine.cfg.task == "lm" else "batch"
+        if scheduler == "continuous":
             log.info("moeserve: continuous batching over %d cache slots of %d positions", cfg.kv_slots,
                      engine.cfg.max_seq_len)
-            return StepBatcher(engine, cfg.batch, self.metrics, slots=cfg.kv_slots, prefill_chunk=cfg.prefill_chunk)
-        return Batcher(engine, cfg.batch, self.metrics)
+        return Batcher(engine, cfg.batch, self.metrics, scheduler=scheduler, slots=cfg.kv_slots,
+                       prefill_chunk=cfg.prefill_chunk)
 
     def stop(self, timeout: float) -> None:
         self.draining = True

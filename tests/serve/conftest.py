@@ -50,20 +50,21 @@ class Live:
 
 
 class HeldStep:
-    """The model thread's next step of continuous batching, held until `release()`. While it is held, the request
-    in the step keeps its cache slot and nothing leaves the queue, so a test fills the queue without racing the
-    model thread (on a slow or busy CPU, a sleep does not mean "the first request holds the slot by now")."""
+    """The model thread's next step of continuous batching (the step engine running the scheduler's plan), held
+    until `release()`. While it is held, the request in the step keeps its cache slot and nothing leaves the queue,
+    so a test fills the queue without racing the model thread (on a slow or busy CPU, a sleep does not mean "the
+    first request holds the slot by now")."""
 
     def __init__(self, batcher):
         self.stepping, self._released = threading.Event(), threading.Event()
-        step = batcher.steps.step
+        execute = batcher.steps.execute
 
-        def held():
+        def held(plan):
             self.stepping.set()
             assert self._released.wait(60), "the test never released the held step"
-            return step()
+            return execute(plan)
 
-        batcher.steps.step = held
+        batcher.steps.execute = held
 
     def wait(self) -> None:
         """Until the model thread is inside the held step."""

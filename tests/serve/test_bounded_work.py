@@ -124,7 +124,7 @@ def test_a_score_request_past_its_deadline_stops_at_the_next_slice(tiny_ckpt):
         r = s.post("/v1/score", score_body())
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
         assert time.perf_counter() - t0 < 2.0
-        wait_until(lambda: s.state.batcher._work is None, "the scoring batch dropped")
+        wait_until(lambda: s.state.batcher.scheduler.work is None, "the scoring batch dropped")
         got = samples(s)
     # model time: the calls until the deadline (1 s) and at most the one running then, not all 13 (1.95 s)
     assert got[("moeserve_batch_size_count", ("kind", "score"))] == 1

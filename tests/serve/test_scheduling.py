@@ -70,7 +70,7 @@ def test_a_short_request_does_not_wait_for_a_long_one(long_ckpt, scheduler):
         chunk = s.state.batcher.steps.prefill_chunk if scheduler == "continuous" else None
     assert long_done > 2.0
     if scheduler == "continuous":
-        assert chunk == 64  # no --prefill-chunk on a CPU (continuous.default_prefill_chunk)
+        assert chunk == 64  # no --prefill-chunk on a CPU (scheduler.default_prefill_chunk)
         assert short_done < 0.5 * long_done and short_first < 0.5 * long_done
     else:  # the baseline: the short request waits for the running batch to end
         assert short_first > long_done - 0.2
@@ -169,7 +169,7 @@ def test_a_burst_lets_through_only_what_the_queue_holds(tiny_ckpt):
 
 
 def test_the_prefill_chunk_is_a_positive_integer_or_the_devices_default():
-    from moeserve.serve.continuous import default_prefill_chunk
+    from moeserve.runtime.scheduler import default_prefill_chunk
 
     assert ServeConfig().prefill_chunk is None
     for bad in (0, -3, 2.5, True):

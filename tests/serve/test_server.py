@@ -187,13 +187,33 @@ def test_batched_requests_equal_requests_alone(tiny_ckpt, ref, scheduler):
         assert sum(tokens) - len(tokens) <= rows <= sum(tokens) and rows / batches > 2
 
 
-class PoisonEngine(Engine):
-    """Fails any batch that holds the prompt "poison": a stand-in for a bug the handler's checks miss."""
+class PoisonRunner:
+    """A model runner whose prompt calls fail when a row writes the prompt `poison`."""
 
-    def complete_ids(self, rows, params, on_token=None, cancel=None):
-        if any(self.tokenizer.decode(r) == "poison" for r in rows):
+    def __init__(self, runner, poison: list[int]):
+        self.runner, self.poison = runner, poison
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def prefill(self, cache, slot, ids_S, start, all_logits=False):
+        if ids_S.tolist() == self.poison:
             raise RuntimeError("boom")
-        return super().complete_ids(rows, params, on_token, cancel)
+        return self.runner.prefill(cache, slot, ids_S, start, all_logits)
+
+    def step_rows(self, cache, slots, ids, starts):
+        if self.poison in ids:
+            raise RuntimeError("boom")
+        return self.runner.step_rows(cache, slots, ids, starts)
+
+
+class PoisonEngine(Engine):
+    """Fails any step that prefills the prompt "poison": a stand-in for a bug the handler's checks miss."""
+
+    def step_engine(self, *args, **kwargs):
+        steps = super().step_engine(*args, **kwargs)
+        steps.runner = PoisonRunner(steps.runner, self.encode("poison"))
+        return steps
 
 
 def test_a_failing_request_fails_alone_not_its_batch(tiny_ckpt, ref):
