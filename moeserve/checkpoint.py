@@ -1,4 +1,4 @@
-"""Save, load, verify and describe a moeserve checkpoint directory (DESIGN.md, "Checkpoint directory").
+"""Save, load, verify and describe a moeserve checkpoint directory (docs/design.md, "Checkpoint directory").
 
 - safetensors only, never pickle: a checkpoint from anywhere must not be able to run code on load.
 - every weight and training-state file is sha256-hashed in moeserve.json, so a flipped byte or a

@@ -1,4 +1,4 @@
-"""Batch offline scoring (DESIGN.md, "Batch offline scoring"): a file of texts in, one JSON line per
+"""Batch offline scoring (docs/design.md, "Batch offline scoring"): a file of texts in, one JSON line per
 record out, in input order, keyed by the record's id.
 
 Per chunk of `chunk_size` records, in input order:
