@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from .cache import remembered_sha256, sha256_file
 from .config import FORMAT, MANIFEST_FILE, ConfigError, MoEConfig
+from .files import fsync_path
 from .hf_mixtral import MixtralError, from_mixtral, mixtral_config, mixtral_expert_slice
 
 CONFIG_FILE = "config.json"
@@ -58,16 +59,6 @@ class LoadedCheckpoint:
     manifest: dict  # moeserve.json contents; {"format": "hf-mixtral"} for a Hugging Face Mixtral directory
     train_state: dict[str, torch.Tensor] | None
     train_meta: dict | None
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's data, or a directory's entries (renames), to disk; Windows cannot open directories."""
-    if os.name == "posix" or not path.is_dir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _rename(src: Path, dst: Path) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from tqdm import tqdm
 
-from moeserve.checkpoint import fsync_path
+from moeserve.files import atomic_write, fsync_path
 from moeserve.runtime.engine import Engine, EngineError, Score, load_engine
 from moeserve.runtime.windows import check_stride, default_stride
 
@@ -312,16 +312,6 @@ def score_span(engine: Engine, path: Path, span: ChunkSpan, b: Batching) -> tupl
 
 
 # ---- progress file -----------------------------------------------------------------------------
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
 def _checkpoint_fingerprint(path: Path | None) -> str | None:
     """sha256 over the checkpoint's config and manifest (which holds every weight file's sha256)."""
     if path is None:
@@ -449,7 +439,7 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
         log(f"no {cfg.progress_file.name} to resume from; starting from the first record")
 
     def commit() -> None:
-        _write_atomic(cfg.progress_file, json.dumps({**identity, **state}, indent=1) + "\n")
+        atomic_write(cfg.progress_file, json.dumps({**identity, **state}, indent=1) + "\n")
 
     if not resuming:
         commit()  # before the first line: a resume after a kill anywhere from here finds the settings

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from moeserve.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeserve.config import MoEConfig
+from moeserve.files import atomic_write
 from moeserve.runtime.device import cpu_has_fast_bf16
 from moeserve.runtime.loading import load_into
 from moeserve.runtime.model import Transformer
@@ -204,9 +204,7 @@ def _read_log(path: Path, before_step: int) -> list[dict]:
 
 
 def _write_log(path: Path, records: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def train(cfg: MoEConfig, tc: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
