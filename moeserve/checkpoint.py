@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from .cache import remembered_sha256, sha256_file
 from .config import FORMAT, MANIFEST_FILE, ConfigError, MoEConfig
+from .errors import MoeServeError
 from .files import fsync_path
 from .hf_mixtral import MixtralError, from_mixtral, mixtral_config, mixtral_expert_slice
 
@@ -45,7 +46,7 @@ _EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.w[123]$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(MoeServeError):
     """Any failure to save, load or verify a checkpoint; the message names the file at fault."""
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from moeserve.errors import UserError
 from moeserve.export import MODES
 from moeserve.files import atomic_write, publish, temporary_beside
 
@@ -22,7 +23,7 @@ from moeserve.files import atomic_write, publish, temporary_beside
 EXTERNAL_DATA_BYTES = 1 << 30
 
 
-class ExportError(ValueError):  # a ValueError, so the CLI reports it as a user error (exit 2)
+class ExportError(UserError):
     """An export that cannot be done as asked: mode, model, output path or missing package."""
 
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from moeserve.cache import cache_root
 from moeserve.config import MoEConfig
+from moeserve.errors import UserError
 from moeserve.files import atomic_write
 from moeserve.runtime import cpu_kernel
 from moeserve.runtime.device import cpu_name
@@ -99,7 +100,7 @@ CONFIGS: dict[str, tuple[str, str, bool, bool]] = {
 log = logging.getLogger("moeserve.runtime")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError):
     """A calibration mode other than auto, off or redo."""
 
 

@@ -30,13 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoEAux
 
 
-class CompileError(RuntimeError):
+class CompileError(MoeServeError, RuntimeError):
     """The compiled decode step cannot run here (no C++ compiler for inductor, an unsupported device)."""
 
 

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.cache import cache_root
+from moeserve.errors import MoeServeError
 from moeserve.files import publish, temporary_beside
 from moeserve.runtime.device import cpu_name
 
@@ -59,7 +60,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-class KernelError(RuntimeError):
+class KernelError(MoeServeError, RuntimeError):
     """The kernel was asked for where it is not available (the message says why)."""
 
 

@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moeserve.errors import UserError
 from moeserve.runtime import device as device_caps
 from moeserve.runtime.cpu_kernel import KernelLinear
 
 
-class PackingError(ValueError):
+class PackingError(UserError):
     """Packing asked for where this CPU or build of torch cannot do it."""
 
 

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Literal
 
+from moeserve.errors import MoeServeError, UserError
 from moeserve.runtime.engine import Engine, SamplingParams, TokenLogprob
 from moeserve.runtime.windows import batch_end, default_stride, rolling_windows
 
@@ -31,21 +32,21 @@ log = logging.getLogger("moeserve.serve")
 Kind = Literal["complete", "score", "classify"]
 
 
-class QueueFull(Exception):
+class QueueFull(MoeServeError):
     def __init__(self, depth: int, retry_after_s: int):
         super().__init__(f"the request queue is full ({depth} waiting); retry in {retry_after_s} s")
         self.depth, self.retry_after_s = depth, retry_after_s
 
 
-class Closed(Exception):
+class Closed(MoeServeError):
     """The server is shutting down and takes no new work."""
 
 
-class DeadlineExceeded(Exception):
+class DeadlineExceeded(MoeServeError):
     pass
 
 
-class Unavailable(Exception):
+class Unavailable(MoeServeError):
     """A part the model needs (an expert shard on Ray: serve/ray_app.py) is not answering; the request can
     be retried once it is back."""
 
@@ -238,7 +239,7 @@ class Batcher:
     def _fail(job: Job, e: Exception) -> None:
         if isinstance(e, Unavailable):
             log.warning("a %s request failed: %s", job.kind, e)
-        elif not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
+        elif not isinstance(e, UserError):  # the request's fault, not a bug
             log.error("a %s request failed", job.kind, exc_info=e)
         if not job.future.done():
             job.future.set_exception(e)

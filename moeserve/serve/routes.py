@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from moeserve.errors import UserError
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.serve.batcher import Closed, DeadlineExceeded, Job, Unavailable
 from moeserve.runtime.windows import check_stride
@@ -89,7 +90,7 @@ def _result_error(e: BaseException) -> ApiError:
         return ApiError("shutting_down", str(e))
     if isinstance(e, Unavailable):
         return ApiError("unavailable", str(e), headers={"Retry-After": "1"})
-    if isinstance(e, EngineError):
+    if isinstance(e, UserError):  # the request's fault (EngineError among them); a bare ValueError is a bug: 500
         return ApiError("invalid_value", str(e))
     log.error("request failed", exc_info=e)
     return ApiError("internal_error", f"the model failed on this request ({type(e).__name__})")
@@ -159,7 +160,7 @@ async def _texts_job(req: TextsRequest | ScoreRequest, request: Request,
     if stride is not None:
         try:
             check_stride(stride, engine.cfg.max_seq_len)
-        except ValueError as e:
+        except UserError as e:
             raise ApiError("invalid_value", str(e), param="stride", limit=engine.cfg.max_seq_len - 1) from None
     # a text longer than the context is scored in windows; classified, it would be cut, so it is refused
     max_len = None if kind == "score" else engine.cfg.max_seq_len
