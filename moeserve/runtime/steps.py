@@ -36,6 +36,7 @@ from moeserve.config import MoEConfig
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.runner import ModelRunner
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample, token_logprobs
+from moeserve.runtime.validate import check_token_ids
 from moeserve.tokenizer import IncrementalDecoder, Tokenizer
 
 # on_token(token_id, text, logprob): called on the engine's thread as each token is chosen, with the text it
@@ -49,8 +50,7 @@ def check_request(cfg: MoEConfig, tokenizer: Tokenizer | None, prompt: list[int]
     params.validate()
     if not prompt:
         raise EngineError(f"{what} has no tokens")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= cfg.vocab_size for t in prompt):
-        raise EngineError(f"{what} has a token id outside [0, {cfg.vocab_size})")
+    check_token_ids(prompt, cfg.vocab_size, what)
     if len(prompt) >= cfg.max_seq_len and params.max_new_tokens > 0:
         raise EngineError(f"{what} is {len(prompt)} tokens; the model's context is {cfg.max_seq_len}")
     if params.stop and tokenizer is None:
