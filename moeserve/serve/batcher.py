@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generator, Literal
 
 from moeserve.errors import MoeServeError, UserError
+from moeserve.serve.config import BatchConfig
 from moeserve.runtime.engine import Engine, SamplingParams, TokenLogprob
 from moeserve.runtime.windows import batch_end, default_stride, rolling_windows
 
@@ -100,20 +101,6 @@ class Place:
         with batcher._cv:
             batcher._held -= 1
         return True
-
-
-@dataclass
-class BatchConfig:
-    max_batch_size: int = 32  # rows per engine call; more raises throughput and each request's latency
-    max_batch_tokens: int = 16384  # padded tokens per engine call (rows x width), bounds activation memory
-    wait_s: float = 0.005  # how long the oldest request may wait for others to join its batch
-    max_queue: int = 256  # requests waiting; past it, 429 at once
-    # continuous scheduler: padded tokens of scoring or classification run between two decode steps while sequences
-    # are generating; smaller keeps their tokens coming, larger runs a long scoring request in fewer, faster calls
-    slice_tokens: int = 2048
-    # continuous scheduler, while nothing is generating: larger calls run faster, and a completion that arrives waits
-    # for at most one of them (at most max_batch_tokens)
-    idle_slice_tokens: int = 8192
 
 
 class Batcher:
