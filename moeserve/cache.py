@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from moeserve.files import atomic_write
+
 log = logging.getLogger(__name__)
 
 _HASH_SLICE = 64 << 20
@@ -102,9 +104,7 @@ def _remembered_sha256(file: Path) -> str:
     if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_S * 1e9 and _stat_key(os.stat(file)) == key:
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"file": str(Path(file).absolute()), "stat": key, "sha256": digest}))
-            tmp.replace(memo)
+            atomic_write(memo, json.dumps({"file": str(Path(file).absolute()), "stat": key, "sha256": digest}))
         except OSError as e:  # a read-only cache costs the next start a hash, nothing else
             log.debug("hash of %s not remembered: %s", file, e)
     return digest

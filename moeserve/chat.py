@@ -21,11 +21,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from moeserve.errors import UserError
+
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError):
     """A template that cannot be read or compiled, or that refused a conversation (its raise_exception)."""
 
 

@@ -1,4 +1,4 @@
-"""Save, load, verify and describe a moeserve checkpoint directory (DESIGN.md, "Checkpoint directory").
+"""Save, load, verify and describe a moeserve checkpoint directory (docs/design.md, "Checkpoint directory").
 
 - safetensors only, never pickle: a checkpoint from anywhere must not be able to run code on load.
 - every weight and training-state file is sha256-hashed in moeserve.json, so a flipped byte or a
@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 
 from .cache import remembered_sha256, sha256_file
 from .config import FORMAT, MANIFEST_FILE, ConfigError, MoEConfig
+from .errors import MoeServeError
+from .files import fsync_path
 from .hf_mixtral import MixtralError, from_mixtral, mixtral_config, mixtral_expert_slice
 
 CONFIG_FILE = "config.json"
@@ -44,7 +46,7 @@ _EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.w[123]$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(MoeServeError):
     """Any failure to save, load or verify a checkpoint; the message names the file at fault."""
 
 
@@ -58,16 +60,6 @@ class LoadedCheckpoint:
     manifest: dict  # moeserve.json contents; {"format": "hf-mixtral"} for a Hugging Face Mixtral directory
     train_state: dict[str, torch.Tensor] | None
     train_meta: dict | None
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's data, or a directory's entries (renames), to disk; Windows cannot open directories."""
-    if os.name == "posix" or not path.is_dir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _rename(src: Path, dst: Path) -> None:

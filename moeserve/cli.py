@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from moeserve.bench.cli import add_bench
 from moeserve.convert import add_convert
@@ -17,6 +18,7 @@ from moeserve.papers_cli import add_paper_commands
 from moeserve.config import MANIFEST_FILE, PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
 from moeserve.runtime import BACKENDS, COMPILE_MODES
+from moeserve.serve.config import SCHEDULERS, BatchConfig, ServeConfig
 
 BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
 CALIBRATE_HELP = ("measure again which weight layout and dispatch path are fastest on this machine for this model's "
@@ -109,22 +111,25 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The server's configuration from `moeserve serve`'s flags."""
+    batch = BatchConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                        wait_s=args.batch_wait_ms / 1000, max_queue=args.max_queue)
+    return ServeConfig(host=args.host, port=args.port, model_name=args.model_name, api_key=args.api_key, batch=batch,
+                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                       body_timeout_s=args.body_timeout,
+                       max_inputs=args.max_inputs, max_tokens=args.max_tokens,
+                       max_request_tokens=args.max_request_tokens, expert_metrics=args.expert_metrics,
+                       shutdown_timeout_s=args.shutdown_timeout, threads=args.threads, scheduler=args.scheduler,
+                       kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk, chat_template=args.chat_template)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.checkpoint is not None and not (args.ray or args.print_config):
         _hash_ahead(args.checkpoint)  # first, while the imports below take a core for ~2 s
-    from moeserve.serve.batcher import BatchConfig
     from moeserve.serve.server import serve
-    from moeserve.serve.state import ServeConfig
 
-    batch = BatchConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                        wait_s=args.batch_wait_ms / 1000, max_queue=args.max_queue)
-    cfg = ServeConfig(host=args.host, port=args.port, model_name=args.model_name, api_key=args.api_key, batch=batch,
-                      request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                      body_timeout_s=args.body_timeout,
-                      max_inputs=args.max_inputs, max_tokens=args.max_tokens,
-                      max_request_tokens=args.max_request_tokens, expert_metrics=args.expert_metrics,
-                      shutdown_timeout_s=args.shutdown_timeout, threads=args.threads, scheduler=args.scheduler,
-                      kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk, chat_template=args.chat_template)
+    cfg = serve_config(args)
     if args.chat_template is not None:  # a bad template is named before the model loads
         from moeserve.chat import ChatTemplate, ChatTemplateError
 
@@ -295,6 +300,20 @@ def _add_generate(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
 
+def _field_default(cls: type, name: str) -> Any:
+    """A config dataclass field's default: a flag shows and uses the library's own, never a copy that drifts."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _serve_default(name: str) -> Any:
+    return _field_default(ServeConfig, name)
+
+
+def _batch_default(name: str) -> Any:
+    return _field_default(BatchConfig, name)
+
+
 def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="serve a model over HTTP (no checkpoint: the built-in default model)",
                         description="Serve a checkpoint over HTTP: OpenAI-style /v1/completions and "
@@ -303,8 +322,9 @@ def _add_serve(sub) -> None:
                         "cached). SIGTERM stops intake and lets requests in flight finish.")
     sv.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint or Hugging Face Mixtral directory, or an "
                     "exported .onnx file (default: the built-in model)")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    sv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    sv.add_argument("--host", default=_serve_default("host"), help="address to bind (default: %(default)s, this "
+                    "machine only)")
+    sv.add_argument("--port", type=int, default=_serve_default("port"), help="port (default: %(default)s)")
     sv.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name; "
                     "moeserve-default for the built-in model)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY "
@@ -315,30 +335,31 @@ def _add_serve(sub) -> None:
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     sv.add_argument("--compile", default="auto", choices=COMPILE_MODES, help=COMPILE_HELP)
-    sv.add_argument("--scheduler", default="continuous", choices=("continuous", "batch"),
+    sv.add_argument("--scheduler", default=_serve_default("scheduler"), choices=SCHEDULERS,
                     help="continuous: completions join the running decode steps and leave when done; batch: "
-                    "run-to-completion batches, the baseline (default: continuous)")
-    sv.add_argument("--kv-slots", type=int, default=8, metavar="N",
+                    "run-to-completion batches, the baseline (default: %(default)s)")
+    sv.add_argument("--kv-slots", type=int, default=_serve_default("kv_slots"), metavar="N",
                     help="continuous: sequences generating at once, each a KV cache of the model's context "
-                    "(default: 8)")
+                    "(default: %(default)s)")
     sv.add_argument("--prefill-chunk", type=int, metavar="N",
                     help="continuous: prompt tokens per step while others generate; the running sequences' "
                     "tokens share the step's model call (default: 64 on a CPU, 512 on a GPU)")
     sv.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja2 chat template for /v1/chat/completions, in place of the checkpoint's own "
                     "(chat_template.jinja, or chat_template in tokenizer_config.json)")
-    sv.add_argument("--max-batch-size", type=int, default=32, metavar="N",
+    sv.add_argument("--max-batch-size", type=int, default=_batch_default("max_batch_size"), metavar="N",
                     help="rows per model batch (scoring and classification; completions with --scheduler batch) "
-                    "(default: 32)")
-    sv.add_argument("--max-batch-tokens", type=int, default=16384, metavar="N",
-                    help="padded tokens per model batch (default: 16384)")
-    sv.add_argument("--batch-wait-ms", type=float, default=5.0, metavar="MS",
-                    help="how long a request may wait for others to join its batch (default: 5)")
-    sv.add_argument("--max-queue", type=int, default=256, metavar="N",
-                    help="requests waiting at most; past it, 429 with Retry-After (default: 256)")
-    sv.add_argument("--request-timeout", type=float, default=60.0, metavar="S",
-                    help="seconds from arrival to answer; past it, 504 and the work is dropped (default: 60)")
-    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="413 past this (default: 1 MiB)")
+                    "(default: %(default)s)")
+    sv.add_argument("--max-batch-tokens", type=int, default=_batch_default("max_batch_tokens"), metavar="N",
+                    help="padded tokens per model batch (default: %(default)s)")
+    sv.add_argument("--batch-wait-ms", type=float, default=_batch_default("wait_s") * 1000, metavar="MS",
+                    help="how long a request may wait for others to join its batch (default: %(default)g)")
+    sv.add_argument("--max-queue", type=int, default=_batch_default("max_queue"), metavar="N",
+                    help="requests waiting at most; past it, 429 with Retry-After (default: %(default)s)")
+    sv.add_argument("--request-timeout", type=float, default=_serve_default("request_timeout_s"), metavar="S",
+                    help="seconds from arrival to answer; past it, 504 and the work is dropped (default: %(default)g)")
+    sv.add_argument("--max-body-bytes", type=int, default=_serve_default("max_body_bytes"), metavar="N",
+                    help=f"413 past this (default: {_serve_default('max_body_bytes') / 2**20:g} MiB)")
     ray = sv.add_argument_group("Ray Serve (pip install -e '.[ray]')")
     ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application whose experts live in "
                      "shard deployments (the cluster at $RAY_ADDRESS, else a local Ray)")
@@ -363,18 +384,18 @@ def _add_serve(sub) -> None:
                      "replicas are all gone until Serve replaces one (default: 10)")
     ray.add_argument("--print-config", action="store_true",
                      help="print a Ray Serve config file for `serve deploy` on a cluster, and exit")
-    sv.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
-                    help="408 when a request's body stalls this long (default: 10)")
-    sv.add_argument("--max-inputs", type=int, default=32, metavar="N",
-                    help="prompts or texts per request (default: 32)")
+    sv.add_argument("--body-timeout", type=float, default=_serve_default("body_timeout_s"), metavar="S",
+                    help="408 when a request's body stalls this long (default: %(default)g)")
+    sv.add_argument("--max-inputs", type=int, default=_serve_default("max_inputs"), metavar="N",
+                    help="prompts or texts per request (default: %(default)s)")
     sv.add_argument("--max-tokens", type=int, metavar="N", help="largest max_tokens accepted (default: the context)")
-    sv.add_argument("--max-request-tokens", type=int, default=16384, metavar="N",
+    sv.add_argument("--max-request-tokens", type=int, default=_serve_default("max_request_tokens"), metavar="N",
                     help="model work one request may ask for, in tokens: prompt plus max_tokens of each sequence, "
-                    "every window of each scored text; past it, 413 before anything runs (default: 16384)")
+                    "every window of each scored text; past it, 413 before anything runs (default: %(default)s)")
     sv.add_argument("--expert-metrics", action=argparse.BooleanOptionalAction, default=None,
                     help="per-(layer, expert) routed-token series (default: on unless layers x experts > 4096)")
-    sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                    help="on SIGTERM, seconds for requests in flight to finish (default: 30)")
+    sv.add_argument("--shutdown-timeout", type=float, default=_serve_default("shutdown_timeout_s"), metavar="S",
+                    help="on SIGTERM, seconds for requests in flight to finish (default: %(default)g)")
     sv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     sv.add_argument("--no-access-log", action="store_true", help="no line per request")
     sv.add_argument("--quiet", action="store_true", help="no progress bar while training the default model")

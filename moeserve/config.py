@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.errors import UserError
+
 FORMAT = "moeserve/1"
 MANIFEST_FILE = "moeserve.json"  # a checkpoint directory's file list, hashes and training metrics
 
@@ -27,7 +29,7 @@ VQ_DISTANCES = ("l2", "cosine")
 TOKENIZERS = ("byte", "hf", "none")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config field holds a value outside what the model family allows."""
 
 

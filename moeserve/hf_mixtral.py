@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import torch
 
 from moeserve.config import ConfigError, MoEConfig
+from moeserve.errors import UserError
 
 # MoEConfig field <- transformers MixtralConfig field, for the fields that are copied as they are.
 _MIXTRAL_FIELDS = {
@@ -26,7 +27,7 @@ _MIXTRAL_DEFAULTS = {"num_key_value_heads": None, "max_position_embeddings": 409
                      "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6}
 
 
-class MixtralError(ValueError):
+class MixtralError(UserError):
     """A Mixtral config.json or tensor set that cannot be read as it is; the message names the file."""
 
 

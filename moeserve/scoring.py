@@ -1,9 +1,9 @@
-"""Batch offline scoring (DESIGN.md, "Batch offline scoring"): a file of texts in, one JSON line per
+"""Batch offline scoring (docs/design.md, "Batch offline scoring"): a file of texts in, one JSON line per
 record out, in input order, keyed by the record's id.
 
 Per chunk of `chunk_size` records, in input order:
   read (each line parsed; a bad one becomes an error record, the run goes on)
-  -> encode (Engine.encode: not a string or empty are error records too)
+  -> encode (Engine.encode: not a string, empty or not valid Unicode are error records too)
   -> batch (sorted by token length, up to batch_size rows and batch_tokens padded tokens)
   -> Engine.score_ids -> the chunk's lines written in input order, fsynced -> progress committed.
 
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from tqdm import tqdm
 
-from moeserve.checkpoint import fsync_path
+from moeserve.files import atomic_write, fsync_path
 from moeserve.runtime.engine import Engine, EngineError, Score, load_engine
 from moeserve.runtime.windows import check_stride, default_stride
 
@@ -200,14 +200,7 @@ def _parse(body: bytes, line: int, end: int, fmt: str, text_field: str, id_field
     rid = obj.get(id_field, line)
     if text_field not in obj:
         return Record(line, rid, None, f"line {line}: no {text_field!r} field", end)
-    text = obj[text_field]
-    if isinstance(text, str):
-        try:
-            text.encode("utf-8")  # JSON can spell lone surrogates ("\ud800"), which no tokenizer can encode
-        except UnicodeEncodeError as e:
-            return Record(line, rid, None, f"line {line}: field {text_field!r} is not valid Unicode ({e.reason} "
-                                           f"at character {e.start})", end)
-    return Record(line, rid, text, None, end)
+    return Record(line, rid, obj[text_field], None, end)  # what Engine.encode refuses is an error line too
 
 
 def _lines(path: Path, start: int = 0, line: int = 0) -> Iterator[tuple[int, int, bytes]]:
@@ -312,16 +305,6 @@ def score_span(engine: Engine, path: Path, span: ChunkSpan, b: Batching) -> tupl
 
 
 # ---- progress file -----------------------------------------------------------------------------
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
 def _checkpoint_fingerprint(path: Path | None) -> str | None:
     """sha256 over the checkpoint's config and manifest (which holds every weight file's sha256)."""
     if path is None:
@@ -449,7 +432,7 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
         log(f"no {cfg.progress_file.name} to resume from; starting from the first record")
 
     def commit() -> None:
-        _write_atomic(cfg.progress_file, json.dumps({**identity, **state}, indent=1) + "\n")
+        atomic_write(cfg.progress_file, json.dumps({**identity, **state}, indent=1) + "\n")
 
     if not resuming:
         commit()  # before the first line: a resume after a kill anywhere from here finds the settings

@@ -118,3 +118,19 @@ def test_serve_names_a_bad_chat_template_before_loading(tmp_path, content, why):
         template.write_text(content)
     p = run("serve", tmp_path / "no-such-checkpoint", "--chat-template", template)
     assert p.returncode == 2 and why in p.stderr and str(template) in p.stderr, p.stderr
+
+
+def test_serve_flags_default_to_the_config_dataclasses():
+    """No flag restates a default: `moeserve serve` with none gives exactly ServeConfig(), and --help shows it."""
+    from moeserve.cli import build_parser, serve_config
+    from moeserve.serve.config import BatchConfig, ServeConfig
+
+    assert serve_config(build_parser().parse_args(["serve"])) == ServeConfig()
+    assert ServeConfig().batch == BatchConfig()
+    p = build_parser()
+    sub = next(a for a in p._actions if a.dest == "command").choices["serve"]
+    text = " ".join(sub.format_help().split())
+    cfg = ServeConfig()
+    assert f"port (default: {cfg.port})" in text
+    assert f"(default: {cfg.kv_slots})" in text and f"(default: {cfg.batch.max_batch_tokens})" in text
+    assert f"batch (default: {cfg.batch.wait_s * 1000:g})" in text and "(default: 1 MiB)" in text

@@ -1,4 +1,4 @@
-"""The package's import graph, read from the source: dependencies point one way (DESIGN.md, "Layout").
+"""The package's import graph, read from the source: dependencies point one way (docs/design.md, "Layout").
 
 Every `import` counts, including those inside functions: a lazy import hides a cycle from the
 interpreter, not from a reader or from the next refactor.

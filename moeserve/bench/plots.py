@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moeserve.errors import UserError
 
-class PlotUnavailable(ValueError):
-    """--plot without matplotlib (a ValueError: the CLI reports it as a user error, exit 2)."""
+
+class PlotUnavailable(UserError):
+    """--plot without matplotlib (a user error: the CLI exits 2)."""
 
 
 def pyplot():

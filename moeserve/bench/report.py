@@ -11,6 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from moeserve.errors import UserError
 from moeserve.runtime.device import machine
 
 # bench name -> the module that renders its reports: markdown(report) and plot(report, path)
@@ -20,7 +21,7 @@ MODULES = {"train": "moeserve.bench.train", "layer": "moeserve.bench.layer", "en
            "score": "moeserve.bench.score"}
 
 
-class BenchError(ValueError):
+class BenchError(UserError):
     """A bench cannot run as asked: a device or model this machine lacks, an endpoint unreachable or not
     OpenAI-compatible. The CLI prints it and exits 2."""
 

@@ -8,7 +8,7 @@
   table     discrete VQ with vq_input='code': nearest code, then one row of the precomputed
             table T[k] = f_k(v_k) (paper 002, eq. 5); no expert matrices at all.
 
-The MoE operator's facts that decide what it can express (DESIGN.md "Export", checked against
+The MoE operator's facts that decide what it can express (docs/design.md "Export", checked against
 onnxruntime's CPU kernel): gates are softmax(logits) over all E; its gelu is the tanh approximation;
 its CPU kernel takes SwiGLU only fused and interleaved (gate row, up row, gate row, ...).
 """

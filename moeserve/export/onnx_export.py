@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from moeserve.errors import UserError
 from moeserve.export import MODES
+from moeserve.files import atomic_write, publish, temporary_beside
 
 # ONNX's protobuf cannot hold 2 GiB; past this the weights go to `<out>.data` beside the graph.
 EXTERNAL_DATA_BYTES = 1 << 30
 
 
-class ExportError(ValueError):  # a ValueError, so the CLI reports it as a user error (exit 2)
+class ExportError(UserError):
     """An export that cannot be done as asked: mode, model, output path or missing package."""
 
 
@@ -175,32 +176,10 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
             tmp.unlink()
             if external and data.exists():
                 data.unlink()
-    write_atomically(report_path(out), report.to_json())
+    atomic_write(report_path(out), report.to_json())
     if not passed:
         worst = max(report.outputs.items(), key=lambda kv: kv[1]["max_abs_diff"])
         raise ParityError(f"parity past tolerance: {worst[0]} differs from the torch model by up to "
                           f"{worst[1]['max_abs_diff']:.3g} (> {report.tolerance:g}); {out} not written, see "
                           f"{report_path(out)}\n{report.summary()}")
     return report
-
-
-def temporary_beside(out: Path) -> Path:
-    """An empty temporary file in out's directory (same filesystem, so the final rename is atomic)."""
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    return Path(name)
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Rename a finished temporary file over `out`, with the permissions a new file would have had
-    (mkstemp's 0600 is for the temporary file only)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o666 & ~umask)
-    os.replace(tmp, out)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -21,8 +21,8 @@ from functools import cache
 from pathlib import Path
 from typing import Callable
 
-from moeserve.export.onnx_export import (ExportError, check_destination, export_onnx, publish, report_path,
-                                         require_onnx, temporary_beside, write_atomically)
+from moeserve.export.onnx_export import ExportError, check_destination, export_onnx, report_path, require_onnx
+from moeserve.files import atomic_write
 
 TENSORRT_PRECISIONS = ("fp32", "fp16", "bf16")
 PARITY_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # keys of parity.TOLERANCE
@@ -207,13 +207,8 @@ def build_engine(onnx_path: str | os.PathLike, out: str | os.PathLike, precision
               "tolerance": tol, "passed": passed, "shapes": [list(s) for s in shapes], "file_bytes": len(blob),
               "seconds": time.perf_counter() - start}
     if passed:  # a temporary file renamed over `out`: never a half-written engine where one was asked for
-        tmp = temporary_beside(out)
-        try:
-            tmp.write_bytes(blob)
-            publish(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
-    write_atomically(report_path(out), json.dumps(report, indent=2) + "\n")
+        atomic_write(out, blob)
+    atomic_write(report_path(out), json.dumps(report, indent=2) + "\n")
     if not passed:
         name, worst = max(report["outputs"].items(), key=lambda kv: kv[1]["max_abs_diff"])
         raise ExportError(f"TensorRT {precision} parity past tolerance: {name} differs from ONNX Runtime by up to "
@@ -238,6 +233,6 @@ def export_tensorrt(model: str | os.PathLike, out: str | os.PathLike, precision:
         export_onnx(model, onnx_path, "portable", log=log)
         report = build_engine(onnx_path, out, precision, max_batch, max_seq, log=log)
     report["onnx"] = f"portable export of {model}"
-    write_atomically(report_path(Path(out)), json.dumps(report, indent=2) + "\n")
+    atomic_write(report_path(Path(out)), json.dumps(report, indent=2) + "\n")
     return report
 

@@ -1,2 +1,3 @@
 COMPILE_MODES = ("auto", "on", "off")  # the decode step compiled (compiled.py); here so that the CLI's --help imports no torch
 BACKENDS = ("auto", "torch", "onnx")  # Engine over torch, or over ONNX Runtime (OnnxBackend); auto: by the model path
+SCHEDULERS = ("continuous", "batch")  # scheduler.py's policies: requests join running steps, or run to completion

@@ -12,7 +12,6 @@ neither changes nor is counted in the expert load).
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -33,7 +32,9 @@ from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.backends import ModelRunner, backend_for
 from moeserve.runtime.output import StreamEvent
 from moeserve.runtime.sampling import EngineError, SamplingParams
+from moeserve.runtime.scores import bits_per_byte
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
+from moeserve.runtime.validate import check_text
 from moeserve.runtime.windows import batch_end, check_stride, default_stride, rolling_windows
 from moeserve.tokenizer import Tokenizer, load_checkpoint_tokenizer
 
@@ -114,7 +115,7 @@ class Score:
 
     @classmethod
     def of(cls, row: RowScore, text: str) -> "Score":
-        return cls(row.logprob, row.n_tokens, -row.logprob / math.log(2) / len(text.encode("utf-8")), row.windows)
+        return cls(row.logprob, row.n_tokens, bits_per_byte(row.logprob, text), row.windows)
 
     def as_dict(self) -> dict:
         return {"logprob": self.logprob, "n_tokens": self.n_tokens, "bits_per_byte": self.bits_per_byte,
@@ -244,14 +245,7 @@ class Engine:
 
     def encode(self, text: str, what: str = "text", *, any_length: bool = False) -> list[int]:
         """<bos> + the text's ids; longer than the context is an error unless `any_length` (scoring)."""
-        if not isinstance(text, str):
-            raise EngineError(f"{what} must be a string, got {type(text).__name__}")
-        if not text:
-            raise EngineError(f"{what} is empty")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise EngineError(f"{what} is not valid Unicode ({e.reason} at character {e.start})") from e
+        check_text(text, what)
         ids = self.text_tokenizer().encode(text, bos=True)
         if len(ids) > self.cfg.max_seq_len and not any_length:
             raise EngineError(f"{what} is {len(ids)} tokens; the model's context is {self.cfg.max_seq_len}")

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from moeserve.errors import UserError
 
-class EngineError(ValueError):  # a ValueError, so the CLI reports it as a user error
+
+class EngineError(UserError):
     """A request the model cannot serve as asked (too long, empty, wrong task, no tokenizer)."""
 
 

@@ -32,10 +32,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from moeserve.runtime import SCHEDULERS
 from moeserve.runtime.output import Completion, EventCallback, OutputProcessor
 from moeserve.runtime.sampling import SamplingParams, TokenLogprob
 
-SCHEDULERS = ("continuous", "batch")
 
 
 def default_prefill_chunk(device: torch.device) -> int:

@@ -26,6 +26,7 @@ from moeserve.runtime.backends.base import ModelRunner
 from moeserve.runtime.output import Completion, OutputProcessor
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample, token_logprobs
 from moeserve.runtime.scheduler import Plan, Prefill, Scheduler, Sequence
+from moeserve.runtime.validate import check_token_ids
 from moeserve.tokenizer import Tokenizer
 
 __all__ = ["Completion", "Sequence", "StepEngine", "check_request"]
@@ -37,8 +38,7 @@ def check_request(cfg: MoEConfig, tokenizer: Tokenizer | None, prompt: list[int]
     params.validate()
     if not prompt:
         raise EngineError(f"{what} has no tokens")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= cfg.vocab_size for t in prompt):
-        raise EngineError(f"{what} has a token id outside [0, {cfg.vocab_size})")
+    check_token_ids(prompt, cfg.vocab_size, what)
     if len(prompt) >= cfg.max_seq_len and params.max_new_tokens > 0:
         raise EngineError(f"{what} is {len(prompt)} tokens; the model's context is {cfg.max_seq_len}")
     if params.stop and tokenizer is None:

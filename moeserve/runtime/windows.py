@@ -12,6 +12,8 @@ costs n / stride windows; stride C - 1 gives disjoint windows (lm-evaluation-har
 
 from __future__ import annotations
 
+from moeserve.errors import UserError
+
 
 def default_stride(context: int) -> int:
     """Half the context: each token keeps at least C/2 tokens of context, at about 2x the disjoint cost."""
@@ -20,8 +22,8 @@ def default_stride(context: int) -> int:
 
 def check_stride(stride: int, context: int) -> None:
     if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride < context:
-        raise ValueError(f"stride = {stride!r}: expected an integer in [1, {context - 1}] (the model's context of "
-                         f"{context} tokens, less the one a window's first scored token needs)")
+        raise UserError(f"stride = {stride!r}: expected an integer in [1, {context - 1}] (the model's context of "
+                        f"{context} tokens, less the one a window's first scored token needs)")
 
 
 def rolling_windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:

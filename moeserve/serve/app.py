@@ -6,7 +6,8 @@
 
 The model loads (and runs one warm-up batch) after the server starts listening, so /healthz answers
 at once and /readyz says 503 until the model can serve. Every refusal is an `ApiError`, turned into
-its status and JSON body in one handler.
+its status and JSON body in one handler; a `UserError` (the caller's fault) is a 422, and any other
+exception, a bare ValueError included, a 500, logged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.errors import UserError
 from moeserve.runtime.engine import Engine
 from moeserve.serve.gate import Gate
 from moeserve.serve.metrics import Metrics
@@ -70,6 +72,12 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
         err = ApiError(code, msg, param="body" if e.status_code == 400 else None)
         err.status = e.status_code
         return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(UserError)
+    async def user_error(request: Request, e: UserError) -> JSONResponse:
+        """The caller asked for what cannot be done (an EngineError, say): 422 with its message. A bare
+        ValueError is no such thing: it is a bug, and `crashed` answers it."""
+        return await api_error(request, ApiError("invalid_value", str(e)))
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> JSONResponse:

@@ -29,31 +29,33 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Generator, Literal
 
+from moeserve.errors import MoeServeError, UserError
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams
 from moeserve.runtime.output import StreamEvent
 from moeserve.runtime.scheduler import Admission, Plan, Policy, Scheduler, Sequence, default_prefill_chunk
 from moeserve.runtime.steps import StepEngine
+from moeserve.serve.config import BatchConfig
 from moeserve.runtime.windows import batch_end, default_stride, rolling_windows
 
 log = logging.getLogger("moeserve.serve")
 Kind = Literal["complete", "score", "classify"]
 
 
-class QueueFull(Exception):
+class QueueFull(MoeServeError):
     def __init__(self, depth: int, retry_after_s: int):
         super().__init__(f"the request queue is full ({depth} waiting); retry in {retry_after_s} s")
         self.depth, self.retry_after_s = depth, retry_after_s
 
 
-class Closed(Exception):
+class Closed(MoeServeError):
     """The server is shutting down and takes no new work."""
 
 
-class DeadlineExceeded(Exception):
+class DeadlineExceeded(MoeServeError):
     pass
 
 
-class Unavailable(Exception):
+class Unavailable(MoeServeError):
     """A part the model needs (an expert shard on Ray: serve/ray_app.py) is not answering; the request can
     be retried once it is back."""
 
@@ -109,23 +111,10 @@ class Place:
         return True
 
 
-@dataclass
-class BatchConfig:
-    max_batch_size: int = 32  # rows per engine call; more raises throughput and each request's latency
-    max_batch_tokens: int = 16384  # padded tokens per engine call (rows x width), bounds activation memory
-    wait_s: float = 0.005  # how long the oldest request may wait for others to join its batch
-    max_queue: int = 256  # requests waiting; past it, 429 at once
-    # continuous scheduler: padded tokens of scoring or classification run between two decode steps while sequences
-    # are generating; smaller keeps their tokens coming, larger runs a long scoring request in fewer, faster calls
-    slice_tokens: int = 2048
-    # continuous scheduler, while nothing is generating: larger calls run faster, and a completion that arrives waits
-    # for at most one of them (at most max_batch_tokens)
-    idle_slice_tokens: int = 8192
-
-    def policy(self, scheduler: str) -> Policy:
-        """The scheduler's policy: "continuous" or "batch" (run to completion), within these limits."""
-        return Policy(scheduler, self.max_batch_size, self.max_batch_tokens, self.wait_s, self.slice_tokens,
-                      self.idle_slice_tokens)
+def policy_of(cfg: BatchConfig, scheduler: str) -> Policy:
+    """The scheduler's policy: "continuous" or "batch" (run to completion), within the batch limits."""
+    return Policy(scheduler, cfg.max_batch_size, cfg.max_batch_tokens, cfg.wait_s, cfg.slice_tokens,
+                  cfg.idle_slice_tokens)
 
 
 class Batcher:
@@ -139,7 +128,7 @@ class Batcher:
     def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None, *, scheduler: str = "batch", slots: int = 8,
                  prefill_chunk: int | None = None):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
-        policy = cfg.policy(scheduler)
+        policy = policy_of(cfg, scheduler)
         self.steps: StepEngine | None = None
         if engine.cfg.task == "lm":
             self.steps = engine.step_engine(slots if policy.mode == "continuous" else cfg.max_batch_size,
@@ -359,7 +348,7 @@ def _dropped(job: Job) -> bool:
 def _fail(job: Job, e: Exception) -> None:
     if isinstance(e, Unavailable):
         log.warning("a %s request failed: %s", job.kind, e)
-    elif not isinstance(e, ValueError):  # EngineError is a ValueError: the request's fault, not a bug
+    elif not isinstance(e, UserError):  # the request's fault, not a bug
         log.error("a %s request failed", job.kind, exc_info=e)
     if not job.future.done():
         job.future.set_exception(e)

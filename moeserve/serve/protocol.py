@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moeserve.errors import MoeServeError
+
 # code -> HTTP status: the one place where a kind of failure gets its status.
 STATUS: dict[str, int] = {
     "invalid_json": 400,  # the body is not JSON (or not UTF-8)
@@ -44,7 +46,7 @@ def error_type(status: int) -> str:
     return "server_error" if status >= 500 else "invalid_request_error"
 
 
-class ApiError(Exception):
+class ApiError(MoeServeError):
     """A request the server refuses or could not finish; `code` picks the status (STATUS)."""
 
     def __init__(self, code: str, message: str, *, param: str | None = None, limit: Any = None,

@@ -39,6 +39,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from torch import Tensor
 
 from moeserve.checkpoint import load_expert_slice, read_config
+from moeserve.errors import UserError
 from moeserve.ray_cluster import connect
 from moeserve.runtime.engine import DTYPES, Engine, resolve_device, resolve_dtype
 from moeserve.runtime.backends.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges
@@ -53,7 +54,7 @@ from moeserve.serve.state import ServeConfig
 def shard_ranges(n_experts: int, n_shards: int) -> list[range]:
     """Shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (expert_shards.contiguous_ranges)."""
     if not 1 <= n_shards <= n_experts:
-        raise ValueError(f"--expert-shards {n_shards}: expected 1..{n_experts} (the model's experts)")
+        raise UserError(f"--expert-shards {n_shards}: expected 1..{n_experts} (the model's experts)")
     return contiguous_ranges(n_experts, n_shards)
 
 
@@ -309,20 +310,20 @@ class RayServeOptions:
         for name in ("expert_shards", "shard_replicas"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
+                raise UserError(f"{name} = {v!r}: expected an integer >= 1")
         if self.exchange not in EXCHANGES:
-            raise ValueError(f"exchange = {self.exchange!r}: expected one of {', '.join(EXCHANGES)}")
+            raise UserError(f"exchange = {self.exchange!r}: expected one of {', '.join(EXCHANGES)}")
         if self.exchange != "handles" and self.shard_replicas != 1:
-            raise ValueError(f"--shard-replicas > 1 needs --exchange handles: with {self.exchange}, the shards are "
+            raise UserError(f"--shard-replicas > 1 needs --exchange handles: with {self.exchange}, the shards are "
                              "single actors of the ingress")
         if not (isinstance(self.shard_timeout_s, (int, float)) and self.shard_timeout_s > 0):
-            raise ValueError(f"shard_timeout_s = {self.shard_timeout_s!r}: expected a number > 0")
+            raise UserError(f"shard_timeout_s = {self.shard_timeout_s!r}: expected a number > 0")
         for name in ("cpus_per_shard", "gpus_per_shard", "ingress_cpus", "ingress_gpus"):
             v = getattr(self, name)
             if v is None and name == "cpus_per_shard":
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"{name} = {v!r}: expected a number >= 0")
+                raise UserError(f"{name} = {v!r}: expected a number >= 0")
 
 
     def fitted(self, cluster_cpus: float) -> "RayServeOptions":
@@ -335,12 +336,12 @@ class RayServeOptions:
         return dataclasses.replace(self, cpus_per_shard=1.0 if share >= 1 else max(0.1, math.floor(share * 10) / 10))
 
     def check_fits(self, cpus: float, gpus: float) -> None:
-        """A ValueError naming the flags, where Ray could never schedule the replicas (they would wait forever)."""
+        """A UserError naming the flags, where Ray could never schedule the replicas (they would wait forever)."""
         replicas = self.expert_shards * self.shard_replicas
         need_cpus = self.ingress_cpus + replicas * (self.cpus_per_shard or 0)
         need_gpus = self.ingress_gpus + replicas * self.gpus_per_shard
         if need_cpus > cpus + 1e-9 or need_gpus > gpus + 1e-9:
-            raise ValueError(f"the application needs {need_cpus:g} CPUs and {need_gpus:g} GPUs ({self.expert_shards} "
+            raise UserError(f"the application needs {need_cpus:g} CPUs and {need_gpus:g} GPUs ({self.expert_shards} "
                              f"shards x {self.shard_replicas} replicas at --cpus-per-shard {self.cpus_per_shard:g} "
                              f"--gpus-per-shard {self.gpus_per_shard:g}, and the ingress); the cluster has {cpus:g} "
                              f"CPUs and {gpus:g} GPUs")

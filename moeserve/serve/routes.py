@@ -19,8 +19,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from moeserve.errors import UserError
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.serve.batcher import Closed, DeadlineExceeded, Job, Unavailable
+from moeserve.runtime.scores import bits_per_byte
+from moeserve.runtime.validate import check_text, check_token_ids, check_unicode
 from moeserve.runtime.windows import check_stride
 from moeserve.serve.protocol import (ApiError, ClassifyItem, ClassifyResponse, ModelCard, ModelList, ScoreItem,
                                      ScoreRequest, ScoreResponse, TextsRequest, Usage)
@@ -47,29 +50,31 @@ def _inputs(value, field: str, cfg: ServeConfig) -> list:
 
 
 def _check_unicode(text: str, field: str) -> None:
-    """JSON may escape a lone surrogate ("\\ud800"): a str that is no UTF-8 text, which no tokenizer encodes."""
+    """check_unicode, refused as the field's fault."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError("invalid_value", f"{field} is not valid Unicode: a lone surrogate "
-                       f"U+{ord(text[e.start]):04X} at character {e.start}", param=field) from None
+        check_unicode(text, field)
+    except EngineError as e:
+        raise ApiError("invalid_value", str(e), param=field) from None
 
 
 def _encode(engine: Engine, item: str | list[int], field: str, max_len: int | None) -> list[int]:
     """<bos> + the item's ids (a text, or ids as given), checked; at most `max_len` tokens unless None."""
     if isinstance(item, str):
-        if not item:
-            raise ApiError("invalid_value", f"{field} is empty", param=field)
+        try:
+            check_text(item, field)
+        except EngineError as e:
+            raise ApiError("invalid_value", str(e), param=field) from None
         if engine.tokenizer is None:
             raise ApiError("invalid_value", f"this model has no tokenizer; send {field} as token ids", param=field)
-        _check_unicode(item, field)
         ids = engine.tokenizer.encode(item, bos=True)
     else:
         ids, V = item, engine.cfg.vocab_size
         if not ids:
             raise ApiError("invalid_value", f"{field} has no token ids", param=field)
-        if any(t < 0 or t >= V for t in ids):
-            raise ApiError("invalid_value", f"{field} has a token id outside [0, {V})", param=field, limit=V - 1)
+        try:
+            check_token_ids(ids, V, field)
+        except EngineError as e:
+            raise ApiError("invalid_value", str(e), param=field, limit=V - 1) from None
     if max_len is not None and len(ids) > max_len:
         raise ApiError("invalid_value", f"{field} is {len(ids)} tokens; at most {max_len} fit this model's context "
                        f"of {engine.cfg.max_seq_len}", param=field, limit=max_len)
@@ -89,7 +94,7 @@ def _result_error(e: BaseException) -> ApiError:
         return ApiError("shutting_down", str(e))
     if isinstance(e, Unavailable):
         return ApiError("unavailable", str(e), headers={"Retry-After": "1"})
-    if isinstance(e, EngineError):
+    if isinstance(e, UserError):  # the request's fault (EngineError among them); a bare ValueError is a bug: 500
         return ApiError("invalid_value", str(e))
     log.error("request failed", exc_info=e)
     return ApiError("internal_error", f"the model failed on this request ({type(e).__name__})")
@@ -159,7 +164,7 @@ async def _texts_job(req: TextsRequest | ScoreRequest, request: Request,
     if stride is not None:
         try:
             check_stride(stride, engine.cfg.max_seq_len)
-        except ValueError as e:
+        except UserError as e:
             raise ApiError("invalid_value", str(e), param="stride", limit=engine.cfg.max_seq_len - 1) from None
     # a text longer than the context is scored in windows; classified, it would be cut, so it is refused
     max_len = None if kind == "score" else engine.cfg.max_seq_len
@@ -176,7 +181,7 @@ async def _texts_job(req: TextsRequest | ScoreRequest, request: Request,
 async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
     texts, rows, results = await _texts_job(req, request, "score")
     data = [ScoreItem(index=i, logprob=lp, n_tokens=n, perplexity=math.exp(min(-lp / n, 709.0)),
-                      bits_per_byte=-lp / math.log(2) / len(t.encode("utf-8")), windows=w)
+                      bits_per_byte=bits_per_byte(lp, t), windows=w)
             for i, ((lp, n, w), t) in enumerate(zip(results, texts))]
     used = sum(len(r) for r in rows)
     return ScoreResponse(model=_state(request).name, data=data, usage=Usage(prompt_tokens=used, total_tokens=used))

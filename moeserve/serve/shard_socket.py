@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moeserve.errors import MoeServeError
+
 REQUEST = struct.Struct("<4sIIII")  # magic, layer, rows, width, experts (counts that follow)
 ANSWER = struct.Struct("<4sBQd")  # magic, ok, bytes that follow, compute seconds
 REQUEST_MAGIC, ANSWER_MAGIC = b"MSXq", b"MSXa"
@@ -53,7 +55,7 @@ def from_wire(a: np.ndarray, dtype: torch.dtype) -> Tensor:
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-class ExchangeError(ConnectionError):
+class ExchangeError(MoeServeError, ConnectionError):
     """A shard refused an exchange, failed computing it, or the connection broke."""
 
 

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from moeserve.errors import UserError
 from moeserve.tokenizer import ByteTokenizer
 
 SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
@@ -28,7 +29,7 @@ MAX_FILE_BYTES = 200_000  # huge generated tables (e.g. unicode data) would domi
 MIN_SPLIT_DOCS = 10  # below this a per-document split leaves val empty or absurdly lopsided
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A corpus file is missing, unreadable or malformed, or the data is too small for the request."""
 
 

@@ -20,14 +20,12 @@ import dataclasses
 import functools
 import platform
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from moeserve.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeserve.config import MoEConfig
@@ -36,8 +34,8 @@ from moeserve.runtime.model import Transformer
 from moeserve.tokenizer import load_checkpoint_tokenizer
 from moeserve.training.losses import aux_losses
 from moeserve.training.tasks import ClassificationData, Example
-from moeserve.training.trainer import (LOG_NAME, TrainConfig, _make_optimizer, _read_log, _restore_train_state,
-                                       _train_state, _write_log, autocast_dtype, lr_at)
+from moeserve.training.trainer import (LOG_NAME, StepLoss, TrainConfig, _make_optimizer, _read_log,
+                                       _restore_train_state, _train_state, _write_log, autocast_dtype, run_steps)
 
 ROUTING = ("trained", "frozen")
 VQ = ("mixed", "discrete")
@@ -219,42 +217,27 @@ def _finetune(base_path: Path, data: ClassificationData, tc: TrainConfig, fc: Fi
         _write_log(log_path, records)
 
     loss_cfg = cfg if fc.balance_loss else cfg.replace(balance_alpha=0.0)
-    model.train()
-    t_start = time.perf_counter() - train_seconds
-    bar = tqdm(initial=start, total=tc.steps, disable=not progress, desc="finetune", unit="step", mininterval=1.0,
-               dynamic_ncols=True)
-    for step in range(start, tc.steps):
-        t0 = time.perf_counter()
-        for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, tc)
+
+    def forward(step: int) -> StepLoss:
         ids, mask, y = batches.get(step)
         with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
             out_ = model(ids, attention_mask=mask)
         task = F.cross_entropy(out_.logits.float(), y)
         aux = aux_losses(out_.aux, cfg)
-        loss = task + aux.total(loss_cfg)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr (now {tc.lr})")
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tc.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return StepLoss(task, task + aux.total(loss_cfg), {"balance_loss": aux.balance.item()}, len(y))
+
+    def evaluate_step(step: int, rec: dict) -> dict[str, str]:
+        acc, test_loss = evaluate(model, test_rows, test_labels, amp)
+        rec.update(test_accuracy=acc, test_loss=test_loss)
+        metrics.update(test_accuracy=acc, test_loss=test_loss, step=step + 1)
+        return {"test_acc": f"{acc:.3f}"}
+
+    def after_update() -> None:
         if fc.routing == "trained":  # X-MoE's ||e_i|| constraint rewrites the embeddings: not when they are frozen
             model.constrain_()
-        dt = time.perf_counter() - t0
-        rec = {"step": step, "loss": task.item(), "balance_loss": aux.balance.item(), "lr": lr_at(step, tc),
-               "grad_norm": grad_norm.item(), "examples_per_s": len(y) / dt}
-        if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
-            acc, test_loss = evaluate(model, test_rows, test_labels, amp)
-            rec.update(test_accuracy=acc, test_loss=test_loss)
-            metrics.update(test_accuracy=acc, test_loss=test_loss, step=step + 1)
-            bar.set_postfix(loss=f"{task.item():.3f}", test_acc=f"{acc:.3f}", refresh=False)
-        elif step % 10 == 0:
-            bar.set_postfix(loss=f"{task.item():.3f}", refresh=False)
-        records.append(rec)
-        metrics["train_seconds"] = time.perf_counter() - t_start
-        if step + 1 == tc.steps or (tc.save_every and (step + 1) % tc.save_every == 0):
-            save(step + 1)
-        bar.update()
-    bar.close()
+
+    model.train()
+    run_steps(tc, optimizer, [p for p in model.parameters() if p.requires_grad], start=start,
+              train_seconds=train_seconds, records=records, metrics=metrics, forward=forward, evaluate=evaluate_step,
+              after_update=after_update, save=save, per_s="examples_per_s", desc="finetune", progress=progress)
     return metrics

@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from moeserve.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeserve.config import MoEConfig
+from moeserve.files import atomic_write
 from moeserve.runtime.device import cpu_has_fast_bf16
 from moeserve.runtime.loading import load_into
 from moeserve.runtime.model import Transformer
@@ -204,9 +204,71 @@ def _read_log(path: Path, before_step: int) -> list[dict]:
 
 
 def _write_log(path: Path, records: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+@dataclass
+class StepLoss:
+    """What one step's forward pass gives the loop (run_steps); the task decides how it is computed."""
+
+    task: torch.Tensor  # the task's own loss, logged as "loss"
+    total: torch.Tensor  # what is minimised: the task's loss and the auxiliary losses
+    record: dict[str, Any]  # the task's fields of the step's log record
+    items: int  # tokens or examples in the step, for the record's throughput
+
+
+def run_steps(tc: TrainConfig, optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], *, start: int,
+              train_seconds: float, records: list[dict], metrics: dict[str, Any],
+              forward: Callable[[int], StepLoss], evaluate: Callable[[int, dict], dict[str, str]],
+              after_update: Callable[[], None], save: Callable[[int], None], per_s: str,
+              fitted: Callable[[TrainConfig], None] | None = None, desc: str = "train", progress: bool = True) -> None:
+    """Steps `start`.. of a run: the loop pre-training and fine-tuning share, so that a fix to one is a fix to both.
+
+    Per step: the learning rate, `forward`, a finite-loss check, backward, clipping of `parameters`, the optimizer
+    step, `after_update` (constraints); a log record (appended to `records`); every tc.eval_every steps and at the
+    end, `evaluate(step, record)` (which adds its results to the record and to `metrics`, and returns the progress
+    bar's fields); every tc.save_every steps and at the end, `save(step + 1)`. With `fitted` and a time budget,
+    tc.steps is fitted to this machine after tc.pace_steps steps and `fitted` is told (module docstring).
+    """
+    t_start = time.perf_counter() - train_seconds
+    bar = tqdm(initial=start, total=tc.steps, disable=not progress, desc=desc, unit="step", mininterval=1.0,
+               dynamic_ncols=True)
+    step_seconds: list[float] = []
+    for step in range(start, tc.steps):
+        t0 = time.perf_counter()
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, tc)
+        out = forward(step)
+        if not torch.isfinite(out.total):
+            raise FloatingPointError(f"loss became {out.total.item()} at step {step}; lower --lr (now {tc.lr})")
+        out.total.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        after_update()
+        dt = time.perf_counter() - t0
+        step_seconds.append(dt)
+        if fitted is not None and tc.time_budget_s is not None and step + 1 == tc.pace_steps:
+            tc = dataclasses.replace(tc, steps=fit_steps(tc, step_seconds, time.perf_counter() - t_start, step + 1))
+            bar.total = tc.steps
+            fitted(tc)
+            if progress:
+                bar.write(f"{desc}: {_pace(step_seconds):.2f} s/step on this machine: {tc.steps} steps fit the "
+                          f"{tc.time_budget_s:.0f} s budget")
+        rec = {"step": step, "loss": out.task.item(), **out.record, "lr": lr_at(step, tc),
+               "grad_norm": grad_norm.item(), per_s: out.items / dt}
+        if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+            bar.set_postfix(loss=f"{out.task.item():.3f}", **evaluate(step, rec), refresh=False)
+        elif step % 10 == 0:
+            bar.set_postfix(loss=f"{out.task.item():.3f}", refresh=False)
+        records.append(rec)
+        metrics["train_seconds"] = time.perf_counter() - t_start
+        if step + 1 == tc.steps or (tc.save_every and (step + 1) % tc.save_every == 0):
+            save(step + 1)
+        bar.update()
+        if step + 1 == tc.steps:  # a fitted run ends before the range it started with
+            break
+    bar.close()
 
 
 def train(cfg: MoEConfig, tc: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
@@ -279,56 +341,30 @@ def _train(cfg: MoEConfig, tc: TrainConfig, out: Path, resume: bool, progress: b
                         train_meta=meta)
         _write_log(log_path, records)
 
-    model.train()
-    t_start = time.perf_counter() - train_seconds
-    bar = tqdm(initial=start, total=tc.steps, disable=not progress, desc="train", unit="step", mininterval=1.0,
-               dynamic_ncols=True)
-    step_seconds: list[float] = []
-    for step in range(start, tc.steps):
-        t0 = time.perf_counter()
-        for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, tc)
+    def forward(step: int) -> StepLoss:
         x, y = batcher.get(step)
         task, out_ = lm_loss(model, x, y, amp)
         aux = aux_losses(out_.aux, cfg)
-        loss = task + aux.total(cfg)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr (now {tc.lr})")
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        model.constrain_()
-        dt = time.perf_counter() - t0
-        step_seconds.append(dt)
-        if tc.time_budget_s is not None and step + 1 == tc.pace_steps:
-            tc = dataclasses.replace(tc, steps=fit_steps(tc, step_seconds, time.perf_counter() - t_start, step + 1))
-            recipe["train"]["steps"] = bar.total = tc.steps
-            if progress:
-                bar.write(f"train: {_pace(step_seconds):.2f} s/step on this machine: {tc.steps} steps fit the "
-                          f"{tc.time_budget_s:.0f} s budget")
-        rec = {
-            "step": step, "loss": task.item(), "balance_loss": aux.balance.item(),
-            "vq_codebook_loss": aux.vq_codebook.item(), "vq_commitment_loss": aux.vq_commitment.item(),
-            "lr": lr_at(step, tc), "grad_norm": grad_norm.item(), "tokens_per_s": x.numel() / dt,
-            "load_entropy_bits": [round(load_entropy(a.counts), 4) for a in out_.aux],
-        }
-        if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
-            val, top1 = evaluate(model, val_batches, amp)
-            rec.update(val_loss=val, val_bits_per_byte=bits_per_byte(val))
-            if last_top1:
-                rec["routing_fluctuation"] = [round(routing_fluctuation(a, b), 4) for a, b in zip(last_top1, top1)]
-            last_top1 = top1
-            metrics.update(val_loss=val, val_bits_per_byte=bits_per_byte(val), step=step + 1)
-            bar.set_postfix(loss=f"{task.item():.3f}", val_bpb=f"{bits_per_byte(val):.3f}", refresh=False)
-        elif step % 10 == 0:
-            bar.set_postfix(loss=f"{task.item():.3f}", refresh=False)
-        records.append(rec)
-        metrics["train_seconds"] = time.perf_counter() - t_start
-        if step + 1 == tc.steps or (tc.save_every and (step + 1) % tc.save_every == 0):
-            save(step + 1)
-        bar.update()
-        if step + 1 == tc.steps:  # a fitted run ends before the range it started with
-            break
-    bar.close()
+        return StepLoss(task, task + aux.total(cfg), {
+            "balance_loss": aux.balance.item(), "vq_codebook_loss": aux.vq_codebook.item(),
+            "vq_commitment_loss": aux.vq_commitment.item(),
+            "load_entropy_bits": [round(load_entropy(a.counts), 4) for a in out_.aux]}, x.numel())
+
+    def evaluate_step(step: int, rec: dict) -> dict[str, str]:
+        nonlocal last_top1
+        val, top1 = evaluate(model, val_batches, amp)
+        rec.update(val_loss=val, val_bits_per_byte=bits_per_byte(val))
+        if last_top1:
+            rec["routing_fluctuation"] = [round(routing_fluctuation(a, b), 4) for a, b in zip(last_top1, top1)]
+        last_top1 = top1
+        metrics.update(val_loss=val, val_bits_per_byte=bits_per_byte(val), step=step + 1)
+        return {"val_bpb": f"{bits_per_byte(val):.3f}"}
+
+    def fitted(fit: TrainConfig) -> None:
+        recipe["train"]["steps"] = fit.steps
+
+    model.train()
+    run_steps(tc, optimizer, list(model.parameters()), start=start, train_seconds=train_seconds, records=records,
+              metrics=metrics, forward=forward, evaluate=evaluate_step, after_update=model.constrain_, save=save,
+              per_s="tokens_per_s", fitted=fitted, desc="train", progress=progress)
     return metrics

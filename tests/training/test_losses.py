@@ -1,5 +1,5 @@
 """Auxiliary losses (balance, VQ), their weighted total, and the load entropy, each against a
-computation written out here from the formulas of DESIGN.md."""
+computation written out here from the formulas of docs/design.md."""
 
 from __future__ import annotations
 

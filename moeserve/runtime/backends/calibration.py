@@ -36,7 +36,6 @@ CONFIGS) is kept: that is noise.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -54,6 +53,8 @@ import torch.nn.functional as F
 
 from moeserve.cache import cache_root
 from moeserve.config import MoEConfig
+from moeserve.errors import UserError
+from moeserve.files import atomic_write
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.device import cpu_name
 from moeserve.runtime.backends.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
@@ -99,7 +100,7 @@ CONFIGS: dict[str, tuple[str, str, bool, bool]] = {
 log = logging.getLogger("moeserve.runtime")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError):
     """A calibration mode other than auto, off or redo."""
 
 
@@ -448,15 +449,11 @@ def _read(path: Path, key: dict) -> DispatchPlan | None:
 def _write(path: Path, key: dict, plan: DispatchPlan, seconds: float) -> None:
     record = {"key": key, "plan": asdict(plan), "seconds": round(seconds, 2),
               "measured": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(record, indent=1))
     except OSError as e:  # a read-only cache costs a re-measure next time, nothing else
         log.warning("could not save the calibration to %s (%s); it will be measured again next time", path, e)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def _name(dtype: torch.dtype) -> str:

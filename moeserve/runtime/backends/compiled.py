@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
@@ -42,7 +43,7 @@ from moeserve.runtime.moe import MoEAux
 log = logging.getLogger("moeserve.runtime")
 
 
-class CompileError(RuntimeError):
+class CompileError(MoeServeError, RuntimeError):
     """The compiled decode step cannot run here (no C++ compiler for inductor, an unsupported device)."""
 
 

@@ -47,7 +47,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -56,6 +55,7 @@ from torch import Tensor
 from moeserve.cache import cache_root
 from moeserve.runtime.backends import kernel_checks
 from moeserve.runtime.backends.kernel_abi import DTYPES, KernelError, check_abi, check_structures, parse_header
+from moeserve.files import publish, temporary_beside
 from moeserve.runtime.device import cpu_name
 
 log = logging.getLogger(__name__)
@@ -312,13 +312,15 @@ def _build() -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        built = Path(tmp) / out.name
+    built = temporary_beside(out)  # published whole: a concurrent process sees no half-written library
+    try:
         r = subprocess.run([cc, *flags, *map(str, sources), "-o", str(built), "-lm"], capture_output=True,
                            text=True, timeout=300)
         if r.returncode != 0:
             raise KernelError(f"{cc} could not build it: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-        os.replace(built, out)  # atomic: a concurrent process sees no half-written library
+        publish(built, out)
+    finally:
+        built.unlink(missing_ok=True)
     log.info("built the CPU kernel: %s", out)
     return out
 

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moeserve.errors import MoeServeError
+
 ABI = 1  # the MOESERVE_KERNEL_ABI the bindings here, in cpu_kernel.py and in kernel_decode.py are written for
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-class KernelError(RuntimeError):
+class KernelError(MoeServeError, RuntimeError):
     """The kernel was asked for where it is not available (the message says why)."""
 
 

@@ -17,11 +17,12 @@ import platform
 import torch
 from torch import Tensor, nn
 
+from moeserve.errors import UserError
 from moeserve.runtime import device as device_caps
 from moeserve.runtime.backends.layout import Laid
 
 
-class PackingError(ValueError):
+class PackingError(UserError):
     """Packing asked for where this CPU or build of torch cannot do it."""
 
 

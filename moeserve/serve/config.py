@@ -1,0 +1,80 @@
+"""The server's configuration: what `moeserve serve`'s flags set, and where their defaults live.
+
+Apart from the server's machinery (no torch, no FastAPI), so that the CLI reads the defaults from these fields to
+build its flags without importing a model runtime.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moeserve.errors import UserError
+from moeserve.runtime import SCHEDULERS
+
+API_KEY_ENV = "MOESERVE_API_KEY"
+
+
+@dataclass
+class BatchConfig:
+    max_batch_size: int = 32  # rows per engine call; more raises throughput and each request's latency
+    max_batch_tokens: int = 16384  # padded tokens per engine call (rows x width), bounds activation memory
+    wait_s: float = 0.005  # how long the oldest request may wait for others to join its batch
+    max_queue: int = 256  # requests waiting; past it, 429 at once
+    # continuous scheduler: padded tokens of scoring or classification run between two decode steps while sequences
+    # are generating; smaller keeps their tokens coming, larger runs a long scoring request in fewer, faster calls
+    slice_tokens: int = 2048
+    # continuous scheduler, while nothing is generating: larger calls run faster, and a completion that arrives waits
+    # for at most one of them (at most max_batch_tokens)
+    idle_slice_tokens: int = 8192
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise: a model server is not a public service by default
+    port: int = 8000
+    model_name: str | None = None  # the id clients send as `model` (default: the checkpoint's directory name)
+    api_key: str | None = None  # bearer token required on /v1/* (default: $MOESERVE_API_KEY, else none)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    request_timeout_s: float = 60.0  # arrival to last token; past it, 504 and the work is dropped
+    max_body_bytes: int = 1 << 20  # 413 past this
+    body_timeout_s: float = 10.0  # a body that has not all arrived this long after its last part: 408
+    max_inputs: int = 32  # prompts or texts per request
+    max_tokens: int | None = None  # largest max_tokens accepted (default: the model's context)
+    # model work one request may ask for, in tokens (Job.work): a few seconds of the default model on 2 CPU cores
+    max_request_tokens: int = 16384
+    expert_metrics: bool | None = None  # per-(layer, expert) series; None: on unless layers x experts > 4096
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    threads: int | None = None  # torch threads of the model (default: torch's, one per core)
+    scheduler: str = "continuous"  # continuous: requests join running steps; batch: run-to-completion batches
+    kv_slots: int = 8  # continuous: sequences generating at once (cache slots of the model's context each)
+    prefill_chunk: int | None = None  # continuous: prompt tokens per step while others generate (None: by device)
+    chat_template: Path | None = None  # a Jinja2 file for /v1/chat/completions, over the checkpoint's own
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        for name in ("request_timeout_s", "max_body_bytes", "max_inputs", "shutdown_timeout_s", "body_timeout_s",
+                     "max_request_tokens"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} = {getattr(self, name)!r}: expected a positive number")
+        b = self.batch
+        for name in ("max_batch_size", "max_batch_tokens", "max_queue", "slice_tokens", "idle_slice_tokens"):
+            if isinstance(getattr(b, name), bool) or not isinstance(getattr(b, name), int) or getattr(b, name) < 1:
+                raise UserError(f"{name} = {getattr(b, name)!r}: expected an integer >= 1")
+        if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise UserError(f"max_tokens = {self.max_tokens!r}: expected an integer >= 1 or None")
+        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
+            raise UserError(f"threads = {self.threads!r}: expected an integer >= 1 or None")
+        if not 0 <= self.port <= 65535:
+            raise UserError(f"port = {self.port!r}: expected 0..65535")
+        if self.scheduler not in SCHEDULERS:
+            raise UserError(f"scheduler = {self.scheduler!r}: expected one of {', '.join(SCHEDULERS)}")
+        for name in ("kv_slots", "prefill_chunk"):
+            value = getattr(self, name)
+            if (value is not None or name == "kv_slots") and (isinstance(value, bool) or not isinstance(value, int)
+                                                               or value < 1):
+                raise UserError(f"{name} = {value!r}: expected an integer >= 1")
+        if not b.wait_s >= 0:
+            raise UserError(f"batch wait = {b.wait_s!r}: expected a number of seconds >= 0")
