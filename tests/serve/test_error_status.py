@@ -34,20 +34,34 @@ class Tokenizer:
         return getattr(self.tokenizer, name)
 
 
-class FailingEngine(Engine):
-    """Fails, on the model's thread, a batch of completions that holds "run-user" or "run-bug"."""
+class FailingRunner:
+    """The engine's runner, failing, on the model's thread, a prompt that reads "run-user" or "run-bug"."""
 
-    def complete_ids(self, rows, params, on_token=None, cancel=None):
-        texts = {self.tokenizer.decode(r) for r in rows}
-        if "run-user" in texts:
+    def __init__(self, runner, tokenizer):
+        self.runner, self.tokenizer = runner, tokenizer
+
+    def _check(self, rows) -> None:
+        texts = {self.tokenizer.decode([int(t) for t in r]) for r in rows}
+        if any("run-user" in t for t in texts):
             raise EngineError("run-user cannot be served")
-        if "run-bug" in texts:
+        if any("run-bug" in t for t in texts):
             raise ValueError("run-bug broke the model")
-        return super().complete_ids(rows, params, on_token, cancel)
+
+    def prefill(self, cache, slot, ids_S, start, all_logits=False):
+        self._check([ids_S.tolist()])
+        return self.runner.prefill(cache, slot, ids_S, start, all_logits)
+
+    def step_rows(self, cache, slots, ids, starts):
+        self._check(ids)
+        return self.runner.step_rows(cache, slots, ids, starts)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
 
 
 def _load(ckpt) -> Engine:
-    engine = FailingEngine.load(ckpt, dtype="float32", device="cpu")
+    engine = Engine.load(ckpt, dtype="float32", device="cpu")
+    engine.runner = FailingRunner(engine.runner, engine.tokenizer)
     engine.tokenizer = Tokenizer(engine.tokenizer)
     return engine
 
