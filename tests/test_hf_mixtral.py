@@ -331,11 +331,12 @@ def test_engine_greedy_32_tokens_equal_transformers_generate(tmp_path: Path, bac
         with torch.no_grad():
             theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
                                  min_new_tokens=32, pad_token_id=0)[0, len(p):].tolist()
-        ours, _ = engine.generate_ids([p], SamplingParams(max_new_tokens=32, ignore_eos=True))
+        ours = [c.token_ids for c in engine.complete([p], SamplingParams(max_new_tokens=32, ignore_eos=True))]
         assert ours[0] == theirs
     # The batch of unequal prompts gives each prompt the same 32 tokens.
-    batch, reasons = engine.generate_ids(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
-    alone = [engine.generate_ids([p], SamplingParams(max_new_tokens=32, ignore_eos=True))[0][0] for p in prompts]
+    done = engine.complete(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    batch, reasons = [c.token_ids for c in done], [c.finish_reason for c in done]
+    alone = [engine.complete([p], SamplingParams(max_new_tokens=32, ignore_eos=True))[0].token_ids for p in prompts]
     assert batch == alone and reasons == ["length"] * 3
 
 

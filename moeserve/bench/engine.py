@@ -142,7 +142,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
             params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
             def ours(e: Engine, n: int = new_tokens) -> list[list[int]]:
-                return e.generate_ids(prompts.tolist(), dataclasses.replace(params, max_new_tokens=n))[0]
+                return [c.token_ids for c in e.complete(prompts.tolist(), dataclasses.replace(params, max_new_tokens=n))]
 
             impls = {"moeserve Engine": lambda n=new_tokens: ours(engine, n)}  # each: n new tokens
             engines = {"moeserve Engine": engine}  # whose decode tokens by path (graph / eager) each row reports
@@ -157,14 +157,14 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 fast = Engine.load(path, dtype=dtype, device=device, compile="on",
                                    plan=dataclasses.replace(engine.plan, decode_grouped=False))
                 t0 = time.perf_counter()
-                fast.warm_up(batch)
+                fast.executor.warm_up(batch)
                 plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
                 impls["moeserve Engine, compiled decode"] = lambda n=new_tokens: ours(fast, n)
                 engines["moeserve Engine, compiled decode"] = fast
                 if torch.device(device).type == "cuda" and dtype == torch.bfloat16:  # the experts the other way
                     grouped = Engine.load(path, dtype=dtype, device=device, compile="on",
                                           plan=dataclasses.replace(fast.plan, grouped_mm=True, decode_grouped=True))
-                    grouped.warm_up(batch)
+                    grouped.executor.warm_up(batch)
                     impls[f"moeserve Engine, compiled decode, {GROUPED}"] = lambda n=new_tokens: ours(grouped, n)
                     engines[f"moeserve Engine, compiled decode, {GROUPED}"] = grouped
             ids = prompts.to(device)
@@ -214,7 +214,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                        "decode_tokens_per_s": round(decode_tps, 1),
                        "same_tokens": tokens[name] == tokens["moeserve Engine"]}
                 if name in engines:  # every run's decode tokens, warm-up's included: a compiled row's must replay
-                    row["decode_paths"] = dict(engines[name].decode_tokens)
+                    row["decode_paths"] = dict(engines[name].executor.decode_tokens)
                 if batch == 1:  # a decode step reads each weight once for one token: bandwidth-bound
                     row["weights_gb_per_s"] = round(weight_bytes * decode_tps / 1e9, 1)
                     row["pct_of_copy_bandwidth"] = round(100 * weight_bytes * decode_tps / 1e9 / bandwidth, 1)

@@ -89,12 +89,12 @@ def live_length(path: Path, contexts=CONTEXTS, context_tokens: int = 100, new_to
             engine = Engine.load(with_context(path, context, Path(tmp) / str(context)), dtype=dtype,
                                  device=device, compile="on")
             t0 = time.perf_counter()
-            engine.warm_up(1)
+            engine.executor.warm_up(1)
 
             def generate(n: int) -> float:
                 _sync(device)
                 t = time.perf_counter()
-                engine.generate_ids(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                engine.complete(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
                 _sync(device)
                 return time.perf_counter() - t
 

@@ -66,7 +66,7 @@ class Parity:
 def reference_top1(engine: Engine, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(logits, top-1 expert per real token per MoE layer) from the torch model."""
     with torch.inference_mode():
-        out = engine.run(ids, attention_mask=mask)
+        out = engine.executor.run(ids, attention_mask=mask)
     top1 = [(a.routing.expert_ids[:, 0] if a.routing is not None else a.codes) for a in out.aux]
     return out.logits.float(), top1
 

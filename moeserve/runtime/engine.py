@@ -1,17 +1,16 @@
-"""The inference engine: one loaded model behind the calls the CLI, the server, the exporter and the
-benchmarks make: forward, generate, score, classify, route, with expert-load accounting.
+"""The engine: one loaded model behind the text-level calls the CLI, the server, the exporter and the benchmarks
+make: encode, generate (complete), score, classify, route.
 
-The Engine holds a model runner (runner.py: the torch Transformer, or an ONNX Runtime session) and
-does what is the same for both: text, padding, sampling, expert-load accounting. Generation runs on
-the step engine (steps.py), over a slot KV cache: `generate` is a static batch of it, and a server
-keeps one running and lets requests join it (continuous batching). Scoring and classification run
-whole right-padded batches; padding is masked out of attention and never routed to an expert (so it
-neither changes nor is counted in the expert load).
+The Engine holds an Executor (executor.py: the backend that runs the model, its lock, its expert-load counter)
+and a tokenizer, and does what is the same whatever runs the model: text, padding, the arithmetic of scores.
+Generation runs on the step engine (steps.py), over a slot KV cache: `complete` is a static batch of it, and a
+server keeps one running and lets requests join it (continuous batching). Scoring and classification run whole
+right-padded batches; padding is masked out of attention and never routed to an expert (so it neither changes
+nor is counted in the expert load).
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 from dataclasses import dataclass
@@ -22,14 +21,13 @@ import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
-from moeserve.runtime import BACKENDS
-from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, plan_for, resolve_mode
-from moeserve.runtime.backends.compiled import COMPILE_MODES, CompileError, model_uncompilable, resolve_compile
+from moeserve.runtime import BACKENDS, COMPILE_MODES
+from moeserve.runtime.backends import ModelRunner
+from moeserve.runtime.backends.calibration import DispatchPlan, resolve_mode
 from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
+from moeserve.runtime.executor import Executor, ExpertLoad
 from moeserve.runtime.loading import load_model, verifying
-from moeserve.runtime.model import ExpertsFactory, ModelOutput, Transformer
-from moeserve.runtime.moe import MoEAux
-from moeserve.runtime.backends import ModelRunner, backend_for
+from moeserve.runtime.model import ExpertsFactory, Transformer
 from moeserve.runtime.output import StreamEvent
 from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.scores import bits_per_byte
@@ -70,34 +68,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return dt
 
 
-class ExpertLoad:
-    """Tokens routed to each (MoE layer, expert) since the last reset: one [L, E] int64 counter on the
-    model's device that every forward adds its per-layer bincounts to, without waiting for the device;
-    read (one copy to the host) only when asked. Thread-safe, so a metrics endpoint can read it while
-    the model's thread runs."""
-
-    def __init__(self, n_layers: int, n_experts: int, device: torch.device | str = "cpu"):
-        self._counts = torch.zeros(n_layers, n_experts, dtype=torch.int64, device=device)
-        self._lock = threading.Lock()
-
-    def add(self, aux: list[MoEAux]) -> None:
-        if not aux or any(a.counts is None for a in aux):
-            return
-        counts = torch.stack([a.counts for a in aux]).to(self._counts.device, non_blocking=True)
-        with self._lock:
-            self._counts += counts
-
-    def snapshot(self) -> Tensor:
-        with self._lock:
-            return self._counts.cpu()
-
-    def reset(self) -> Tensor:
-        """Return the counts so far and start again from zero."""
-        with self._lock:
-            out, self._counts = self._counts, torch.zeros_like(self._counts)
-        return out.cpu()
-
-
 class RowScore(NamedTuple):
     """What `Engine.score_ids` gives per row of token ids."""
 
@@ -130,58 +100,49 @@ CancelCheck = Callable[[int], bool]
 
 
 class Engine:
-    """A model runner, its tokenizer, and the expert-load counter; one call at a time (a lock guards the
-    runner and its caches).
-
-    A torch model is laid out by a DispatchPlan (calibration.py): `plan` if given, else the one measured
-    for this model's shapes on this machine (cached after the first time; `calibration` 'off' takes the
-    unmeasured defaults, 'redo' measures again; None: $MOESERVE_CALIBRATION, else 'auto'). `compile`: the
-    decode step as a compiled graph (compiled.py: 'on', 'off', or 'auto': on CUDA only); its weights are
-    then plain, not oneDNN-packed, whatever the plan says."""
+    """A model's executor and its tokenizer: one call into the model at a time (the executor's lock guards the
+    backend and its caches). `plan`, `calibration` and `compile` choose and lay out the backend (Executor)."""
 
     def __init__(self, model: Transformer | ModelRunner, tokenizer: Tokenizer | None = None, *, name: str = "model",
                  path: Path | None = None, plan: DispatchPlan | None = None, calibration: str | None = None,
                  compile: str = "off"):
-        self.model: Transformer | None = None
-        self.plan: DispatchPlan | None = None
-        if isinstance(model, Transformer):
-            self.model = model.eval()
-            if plan is None:
-                shape = ExpertShape.of(model.cfg) if model.moe_layers else None
-                plan = plan_for(shape, self.model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype,
-                                calibration)
-            model = backend_for(self.model, plan, self._compiled(compile), fallback=compile == "auto")
-            self.plan = model.plan
-            self._fallback = compile == "auto"
-        self.runner: ModelRunner = model
-        self.cfg: MoEConfig = model.cfg
+        self.executor = Executor(model, plan, calibration, compile)
+        self.cfg: MoEConfig = self.executor.cfg
         self.tokenizer = tokenizer
         self.name, self.path = name, path
-        n_moe = len(self.cfg.moe_layer_ids) if self.model is None else len(self.model.moe_layers)
-        self.expert_load = ExpertLoad(n_moe, self.cfg.n_experts, self.device)
-        # decode tokens by how they ran: "graph" (a compiled step's replay) or "eager" (moeserve_decode_tokens_total)
-        self.decode_tokens: collections.Counter[str] = collections.Counter()
-        self._lock = threading.RLock()
 
-    def lay_out(self, plan: DispatchPlan | None = None) -> None:
-        """Lay the torch model out again, as `plan` says (default: as now): after its weights were changed in place,
-        which a layout's copies (packed or fused weights, VQ tables) do not follow, or to run another plan. A
-        compiled engine stays compiled."""
-        if self.model is None:
-            raise EngineError(f"{self.name} runs on {self.runner.name}, whose layout is its own")
-        with self._lock:
-            self.runner = backend_for(self.model, plan or self.plan, self.runner.name == "compiled", self._fallback)
-            self.plan = self.runner.plan
+    # the executor's, read here (and the runner replaceable, as tests slow it down)
+    @property
+    def runner(self) -> ModelRunner:
+        return self.executor.runner
 
-    def _compiled(self, mode: str) -> bool:
-        try:
-            compiled = resolve_compile(mode, self.model.tok_embeddings.weight.device)
-        except CompileError as e:
-            raise EngineError(str(e)) from None
-        why = model_uncompilable(self.model) if compiled else None
-        if why is not None and mode == "on":
-            raise EngineError(f"--compile on: {why}")
-        return compiled and why is None
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        self.executor.runner = runner
+
+    @property
+    def model(self) -> Transformer | None:
+        return self.executor.model
+
+    @property
+    def plan(self) -> DispatchPlan | None:
+        return self.executor.plan
+
+    @property
+    def expert_load(self) -> ExpertLoad:
+        return self.executor.expert_load
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self.executor.lock
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.executor.dtype
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -208,33 +169,13 @@ class Engine:
         return cls(model.to(device=dev, dtype=resolve_dtype(dtype, dev)), tokenizer, **kwargs)
 
     @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.runner.dtype
-
-    @property
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.extra.get("eos_token_id")
 
     # ---- forward ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> ModelOutput:
-        """The runner's forward on a whole batch, its expert load counted (callers hold no lock: this takes it).
-        Never with autograd: with it, every layer takes the training path (a loop over experts in torch, no C
-        kernel, no packed weights) and records a graph nobody asked for, 2-4x slower at a short prompt."""
-        with self._lock:
-            out = self.runner.forward(input_ids.to(self.device),
-                                      None if attention_mask is None else attention_mask.to(self.device))
-        self.expert_load.add(out.aux)
-        return out
-
-    @torch.inference_mode()
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """LongTensor [B, T] -> logits [B, T, V] (float32; [B, C] for classifiers)."""
-        return self.run(input_ids, attention_mask).logits.float()
+        return self.executor.run(input_ids, attention_mask).logits.float()
 
     # ---- text helpers ------------------------------------------------------------------------
     def text_tokenizer(self) -> Tokenizer:
@@ -261,29 +202,14 @@ class Engine:
         return ids.to(self.device), mask.to(self.device)
 
     # ---- generation --------------------------------------------------------------------------
-    def warm_up(self, slots: int) -> None:
-        """Build what the first requests would otherwise wait for: the compiled decode step's graphs for up to
-        `slots` rows (nothing when eager)."""
-        with self._lock, torch.inference_mode():
-            self.runner.warm_up(slots)
-
     def step_engine(self, slots: int, max_len: int | None = None, prefill_chunk: int = 512,
                     share_prefill: bool = True) -> StepEngine:
-        """A step engine over this engine's runner with a cache of `slots` sequences of `max_len` positions
-        (default: the model's context), its expert load counted here. The caller steps it on one thread
-        (the server's model thread) and holds `self.lock` around each step if others use the engine."""
+        """A step engine over this model with a cache of `slots` sequences of `max_len` positions (default: the
+        model's context), its expert load counted here. The caller steps it on one thread (the server's model
+        thread) and holds `lock` around each step if others use the engine."""
         if self.cfg.task != "lm":
             raise EngineError(f"{self.name} is a {self.cfg.task} model; generation needs a language model")
-        return StepEngine(self.runner, self.tokenizer, self.eos_id, slots=slots,
-                          max_len=max_len or self.cfg.max_seq_len, prefill_chunk=prefill_chunk,
-                          on_aux=self.expert_load.add, share_prefill=share_prefill, on_decode=self._count_decode)
-
-    def _count_decode(self, path: str, rows: int) -> None:
-        self.decode_tokens[path] += rows
-
-    @property
-    def lock(self) -> threading.RLock:
-        return self._lock
+        return self.executor.step_engine(self.tokenizer, self.eos_id, slots, max_len, prefill_chunk, share_prefill)
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -291,45 +217,29 @@ class Engine:
         """Continue each prompt; returns the continuations only, one per prompt."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, list(stop or []))
-        return [c.text for c in self.complete(prompts, [params] * len(prompts))]
+        return [c.text for c in self.complete(prompts, params)]
 
-    def complete(self, prompts: list[str], params: list[SamplingParams],
-                 on_event: RowEventCallback | None = None) -> list[Completion]:
-        """The full answer per prompt (text, tokens, why it ended), each with its own sampling params."""
-        rows = [self.encode(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        return self.complete_ids(rows, params, on_event)
-
-    def complete_ids(self, rows: list[list[int]], params: list[SamplingParams],
-                     on_event: RowEventCallback | None = None, cancel: CancelCheck | None = None) -> list[Completion]:
-        """`complete` for prompts already encoded, as one static batch: every prompt starts together, each
-        ends on its own. `cancel(row)`, asked before each step, ends a row early (reason "cancelled"): a
-        server drops a request whose client left or whose deadline passed without holding up the rest."""
-        self.text_tokenizer()
-        return [s.completion() for s in self._generate(rows, params, on_event, cancel)]
-
-    def generate_ids(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-                     ) -> tuple[list[list[int]], list[str]]:
-        """Token-level generation for a batch: (new token ids per prompt, finish reason per prompt)."""
-        seqs = self._generate(prompts, params)
-        return [s.out for s in seqs], [s.finish_reason for s in seqs]
-
-    def _generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                  on_event: RowEventCallback | None = None, cancel: CancelCheck | None = None) -> list[Sequence]:
+    def complete(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_event: RowEventCallback | None = None, cancel: CancelCheck | None = None) -> list[Completion]:
+        """The full answer per prompt (text, tokens, why it ended), as one static batch: every prompt starts
+        together, each ends on its own, each with its own sampling params (one for all, or one each). Prompts are
+        texts, or token ids already encoded (then a model without a tokenizer answers with tokens and no text).
+        `cancel(row)`, asked before each step, ends a row early (reason "cancelled"): a server drops a request
+        whose client left or whose deadline passed without holding up the rest."""
         if not prompts:
             return []
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise EngineError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        seqs = []
-        for b, (row, p) in enumerate(zip(prompts, params)):
-            seqs.append(Sequence(list(row), p,
-                                 on_event=(lambda e, b=b: on_event(b, e)) if on_event else None,
-                                 cancelled=(lambda b=b: cancel(b)) if cancel else None))
+        rows = [self.encode(p, f"prompt {i}") if isinstance(p, str) else list(p) for i, p in enumerate(prompts)]
+        params = [params] * len(rows) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(rows):
+            raise EngineError(f"{len(rows)} prompts but {len(params)} sampling params")
+        seqs = [Sequence(row, p, on_event=(lambda e, b=b: on_event(b, e)) if on_event else None,
+                         cancelled=(lambda b=b: cancel(b)) if cancel else None)
+                for b, (row, p) in enumerate(zip(rows, params))]
         for i, s in enumerate(seqs):  # every row is checked before any runs
             check_request(self.cfg, self.tokenizer, s.prompt, s.params, f"prompt {i}")
         longest = max(len(s.prompt) + min(s.params.max_new_tokens, self.cfg.max_seq_len - len(s.prompt)) for s in seqs)
-        with self._lock:
-            return self.step_engine(len(seqs), max_len=longest).run(seqs)
+        with self.lock:
+            return [s.completion() for s in self.step_engine(len(seqs), max_len=longest).run(seqs)]
 
     # ---- scoring ---------------------------------------------------------------------------
     def score_ids(self, rows: list[list[int]], stride: int | None = None,
@@ -391,10 +301,7 @@ class Engine:
         if self.cfg.task != "lm":
             raise EngineError(f"{self.name} is a {self.cfg.task} model; scoring needs a language model")
         ids, mask = self._right_pad(rows)  # causal attention never reaches the padding
-        with self._lock:  # the head a few rows at a time (torch): no [B, S, V] logits
-            out = self.runner.target_logprobs(ids, mask, ids[:, 1:])
-        self.expert_load.add(out.aux)
-        return out.logits, mask[:, 1:]
+        return self.executor.token_logprobs(ids, mask), mask[:, 1:]
 
     def score(self, texts: list[str], stride: int | None = None) -> list[Score]:
         """Per text: log-probability, tokens scored, bits per UTF-8 byte, windows (any length: see score_ids)."""
@@ -402,28 +309,19 @@ class Engine:
         return [Score.of(row, t) for row, t in zip(self.score_ids(rows, stride), texts)]
 
     # ---- classification and routes -------------------------------------------------------------
-    @torch.inference_mode()
-    def classify(self, texts: list[str]) -> list[list[float]]:
-        """Class probabilities per text, for classification checkpoints."""
+    def classify(self, inputs: list[str] | list[list[int]]) -> list[list[float]]:
+        """Class probabilities per text (or per row of token ids already encoded), for classification checkpoints."""
         if self.cfg.task != "classify":
             raise EngineError(f"{self.name} is a language model; classify needs a classification checkpoint")
-        return self.classify_ids([self.encode(t, f"text {i}") for i, t in enumerate(texts)])
-
-    @torch.inference_mode()
-    def classify_ids(self, rows: list[list[int]]) -> list[list[float]]:
-        if self.cfg.task != "classify":
-            raise EngineError(f"{self.name} is a language model; classify needs a classification checkpoint")
-        if not rows:
+        if not inputs:
             return []
-        ids, mask = self._right_pad(rows)
-        logits = self.run(ids, attention_mask=mask).logits
-        return logits.float().softmax(-1).tolist()
+        ids, mask = self._right_pad([self.encode(t, f"text {i}") if isinstance(t, str) else list(t)
+                                     for i, t in enumerate(inputs)])
+        return self.executor.run(ids, attention_mask=mask).logits.float().softmax(-1).tolist()
 
-    @torch.inference_mode()
     def route(self, text: str) -> list[list[list[int]]]:
         """Per MoE layer, per token (including <bos>), the experts it was sent to."""
-        ids = torch.tensor([self.encode(text)], device=self.device)
-        out = self.run(ids)
+        out = self.executor.run(torch.tensor([self.encode(text)]))
         routes = []
         for a in out.aux:
             routes.append(a.routing.expert_ids.tolist() if a.routing is not None else a.codes[:, None].tolist())

@@ -419,7 +419,7 @@ class SliceWork:
             results, start = [], 0
             while start < len(rows):
                 end = batch_end([len(r) for r in rows], start, budget)
-                results += self.engine.classify_ids(rows[start:end])
+                results += self.engine.classify(rows[start:end])
                 budget = yield (end - start) * max(len(r) for r in rows[start:end])
                 start = end
         if self.metrics:

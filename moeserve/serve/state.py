@@ -56,9 +56,9 @@ class ServerState:
             self.chat_template = self._chat_template(engine)
             self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
                                        engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
-            self.metrics.watch_decode(lambda: self.engine.decode_tokens if self.engine else None)
+            self.metrics.watch_decode(lambda: self.engine.executor.decode_tokens if self.engine else None)
             if engine.cfg.task == "lm":
-                engine.warm_up(self.cfg.kv_slots if self.cfg.scheduler == "continuous" else self.cfg.batch.max_batch_size)
+                engine.executor.warm_up(self.cfg.kv_slots if self.cfg.scheduler == "continuous" else self.cfg.batch.max_batch_size)
             self._warm_up(engine)
             self.engine = engine
             self.batcher = self._batcher(engine)
@@ -108,11 +108,11 @@ class ServerState:
         bos = [engine.tokenizer.bos_id] if engine.tokenizer is not None and engine.tokenizer.bos_id is not None else []
         rows = [bos + [1, 2, 3], bos + [4]]
         if engine.cfg.task == "lm":
-            if engine.tokenizer is not None:  # complete_ids decodes text
-                engine.complete_ids(rows, [SamplingParams(max_new_tokens=2)] * 2)
+            if engine.tokenizer is not None:  # a completion is text
+                engine.complete(rows, [SamplingParams(max_new_tokens=2)] * 2)
             engine.score_ids(rows)
         else:
-            engine.classify_ids(rows)
+            engine.classify(rows)
         engine.expert_load.reset()
 
     def require_ready(self) -> Engine:

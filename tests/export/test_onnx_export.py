@@ -169,7 +169,7 @@ def torch_cases(engine: Engine) -> list[Case]:
         t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         logits = engine.forward(t_ids, t_mask).numpy()
         with torch.inference_mode():
-            out = engine.run(t_ids, attention_mask=t_mask)
+            out = engine.executor.run(t_ids, attention_mask=t_mask)
         experts = [(a.routing.expert_ids if a.routing is not None else a.codes[:, None]).numpy() for a in out.aux]
         cases.append(Case(ids, mask, logits, experts))
     return cases

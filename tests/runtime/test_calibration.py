@@ -330,7 +330,7 @@ def test_a_plan_given_is_the_layout_built_and_a_new_one_replaces_it(plan):
                               {plan.gather_max})
     before = engine.generate(["def "], max_new_tokens=8)
     other = DispatchPlan(pack_dense=not plan.pack_dense and onednn_packing_available("cpu", torch.float32))
-    engine.lay_out(other)  # packed modules go back to plain ones, and the other way
+    engine.executor.lay_out(other)  # packed modules go back to plain ones, and the other way
     assert layout(engine)[0] == other.pack_dense and layout(engine)[2] == {False}
     assert engine.generate(["def "], max_new_tokens=8) == before
 

@@ -83,11 +83,11 @@ def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
     eager = Engine.from_model(model, tok, device=device, calibration="off")
     fast = Engine.from_model(Transformer(cfg), tok, device=device, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
-    fast.lay_out()
+    fast.executor.lay_out()
     rows = [tok.encode("def f(x):", bos=True), tok.encode("import", bos=True)]
     params = [SamplingParams(max_new_tokens=n, temperature=t, seed=3) for n, t in ((12, 0.0), (5, 0.8))]
-    want = eager.complete_ids(rows, params)
-    got = fast.complete_ids(rows, params)
+    want = eager.complete(rows, params)
+    got = fast.complete(rows, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert torch.equal(fast.expert_load.snapshot(), eager.expert_load.snapshot())
     assert fast.runner._decode is not None and fast.runner.graph_decode  # it ran compiled, not a silent fallback
@@ -191,13 +191,13 @@ def test_compiled_decode_attends_over_the_live_span(device, monkeypatch):
     eager = Engine.from_model(model, tok, device=device, calibration="off")
     fast = Engine.from_model(Transformer(model.cfg), tok, device=device, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
-    fast.lay_out()
+    fast.executor.lay_out()
     prompt = [tok.encode("def f(x):", bos=True)]
     assert len(prompt[0]) == 10
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    want = eager.generate_ids(prompt, params)[0]
+    want = [c.token_ids for c in eager.complete(prompt, params)]
     graphs = counters["stats"]["unique_graphs"]
-    got = fast.generate_ids(prompt, params)[0]
+    got = [c.token_ids for c in fast.complete(prompt, params)]
     assert got == want
     decode = fast.runner._decode
     assert decode.spans == [16, 32, 64]
@@ -232,7 +232,7 @@ def test_decode_stays_on_the_graph_while_prompts_arrive():
     eager = Engine.from_model(model, tok, calibration="off")
     fast = Engine.from_model(Transformer(model.cfg), tok, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
-    fast.lay_out()
+    fast.executor.lay_out()
     prompts = [tok.encode(t, bos=True) for t in ("def f(x):", "import os", "class A:")]
     tokens = {}
     for name, engine in (("eager", eager), ("compiled", fast)):
@@ -249,10 +249,10 @@ def test_decode_stays_on_the_graph_while_prompts_arrive():
         tokens[name] = [s.out for s in seqs]
     assert tokens["compiled"] == tokens["eager"]
     # each sequence's first token comes from its prefill, the other 11 from decode steps
-    assert eager.decode_tokens == {"eager": 33}
-    assert fast.decode_tokens == {"graph": 33}
+    assert eager.executor.decode_tokens == {"eager": 33}
+    assert fast.executor.decode_tokens == {"graph": 33}
     metrics = Metrics()
-    metrics.watch_decode(lambda: fast.decode_tokens)
+    metrics.watch_decode(lambda: fast.executor.decode_tokens)
     text = metrics.render().decode()
     assert 'moeserve_decode_tokens_total{path="graph"} 33.0' in text
     assert 'moeserve_decode_tokens_total{path="eager"} 0.0' in text

@@ -75,7 +75,7 @@ def test_logits_with_cache_match_full_forward():
     ids = eng.encode("while True:\n    pass")
     full = eng.forward(torch.tensor([ids]))[0]
     params = SamplingParams(max_new_tokens=1)
-    eng.generate_ids([ids[:5]], params)  # warm the code path; the check below is on the raw model
+    eng.complete([ids[:5]], params)  # warm the code path; the check below is on the raw model
     m = eng.model
     cache = KVCache.for_model(m, 1, len(ids))
     with torch.no_grad():
@@ -101,7 +101,7 @@ def test_eos_ends_a_row():
     with torch.no_grad():  # make <eos> the certain next token
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] *= 0
         eng.model.tok_embeddings.weight[ByteTokenizer.eos_id] += 50 * eng.model.norm.weight.sign()
-    eng.lay_out()  # packed copies follow weight edits only when laid out again
+    eng.executor.lay_out()  # packed copies follow weight edits only when laid out again
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=10)])[0]
     assert c.token_ids == [] and c.finish_reason == "stop"
     c = eng.complete(["abc"], [SamplingParams(max_new_tokens=3, ignore_eos=True)])[0]
@@ -130,7 +130,7 @@ def test_expert_load_counts_exactly_the_routed_tokens():
     assert counts.shape == (eng.cfg.n_layers, eng.cfg.n_experts)
     assert counts.sum(dim=1).tolist() == [n_real * eng.cfg.top_k] * eng.cfg.n_layers
     # Generation: prompt tokens once, then one routed token per generated token fed back.
-    out, _ = eng.generate_ids(rows, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    out = [c.token_ids for c in eng.complete(rows, SamplingParams(max_new_tokens=6, ignore_eos=True))]
     counts = eng.expert_load.reset()
     fed = n_real + sum(len(o) - 1 for o in out)
     assert counts.sum(dim=1).tolist() == [fed * eng.cfg.top_k] * eng.cfg.n_layers
@@ -189,7 +189,7 @@ def test_bad_prompts():
     with pytest.raises(EngineError, match="must be a string"):
         eng.score([3])
     with pytest.raises(EngineError, match="outside"):
-        eng.generate_ids([[1, 9999]], SamplingParams())
+        eng.complete([[1, 9999]], SamplingParams())
     # Long prompts get what fits: the budget shrinks to the context.
     out = eng.complete(["y" * 90], [SamplingParams(max_new_tokens=50, ignore_eos=True)])[0]
     assert out.completion_tokens == 96 - 91 and out.finish_reason == "length"
@@ -239,7 +239,7 @@ def test_run_never_records_a_graph():
     a graph, 2-4x slower at a short prompt."""
     engine = make_engine()
     assert torch.is_grad_enabled()
-    out = engine.run(torch.tensor([engine.encode("def f(x):")]))
+    out = engine.executor.run(torch.tensor([engine.encode("def f(x):")]))
     assert out.logits.is_inference() and not out.logits.requires_grad
     torch.testing.assert_close(out.logits.float(), engine.forward(torch.tensor([engine.encode("def f(x):")])),
                                atol=0, rtol=0)

@@ -163,9 +163,9 @@ def test_the_step_is_left_out_where_its_parts_are_not_on_the_kernel():
     engine = make_engine("softmax")
     for plan in (dataclasses.replace(KERNEL_PLAN, kernel_norms=False), dataclasses.replace(KERNEL_PLAN, kernel_dense=False),
                  dataclasses.replace(KERNEL_PLAN, kernel_experts=False)):
-        engine.lay_out(plan)
+        engine.executor.lay_out(plan)
         assert engine.runner.step is None, plan
-    engine.lay_out(KERNEL_PLAN)
+    engine.executor.lay_out(KERNEL_PLAN)
     assert engine.runner.step is not None
 
 

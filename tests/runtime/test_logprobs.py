@@ -32,7 +32,7 @@ def reference(engine: Engine, ids: list[int]) -> torch.Tensor:
 def test_generated_tokens_logprobs_and_top_alternatives_match_a_direct_forward(engine, temperature):
     prompt = engine.encode(PROMPTS[1])
     params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=5, seed=3, ignore_eos=True, logprobs=5)
-    c = engine.complete_ids([prompt], [params])[0]
+    c = engine.complete([prompt], [params])[0]
     assert len(c.logprobs) == len(c.token_ids) == 10 and c.prompt_logprobs is None
     ref = reference(engine, prompt + c.token_ids)
     for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
@@ -75,8 +75,8 @@ def test_prompt_logprobs_equal_the_scored_terms_chunked_or_not(engine, chunk):
 def test_a_whole_context_prompt_is_scored_without_generating(engine):
     prompt = (engine.encode(PROMPTS[1]) * 20)[:engine.cfg.max_seq_len]
     with pytest.raises(EngineError, match="context"):  # nothing fits after it
-        engine.complete_ids([prompt], [SamplingParams(max_new_tokens=1)])
-    c = engine.complete_ids([prompt], [SamplingParams(max_new_tokens=0, prompt_logprobs=0)])[0]
+        engine.complete([prompt], [SamplingParams(max_new_tokens=1)])
+    c = engine.complete([prompt], [SamplingParams(max_new_tokens=0, prompt_logprobs=0)])[0]
     assert [lp.logprob for lp in c.prompt_logprobs[1:]] == pytest.approx(engine.token_logprobs_ids([prompt])[0],
                                                                         abs=TOL)
     assert all(lp.top == [] for lp in c.prompt_logprobs[1:])
@@ -85,9 +85,9 @@ def test_a_whole_context_prompt_is_scored_without_generating(engine):
 def test_logprobs_out_of_range_are_refused(engine):
     for bad in (21, -1, True, 2.0):
         with pytest.raises(EngineError, match="logprobs"):
-            engine.complete_ids([[1, 2]], [SamplingParams(logprobs=bad)])
+            engine.complete([[1, 2]], [SamplingParams(logprobs=bad)])
     with pytest.raises(EngineError, match="prompt_logprobs"):
-        engine.complete_ids([[1, 2]], [SamplingParams(prompt_logprobs=21)])
+        engine.complete([[1, 2]], [SamplingParams(prompt_logprobs=21)])
 
 
 def test_token_logprobs_helper_takes_each_rows_own_top_n():
@@ -124,7 +124,7 @@ def test_choices_of_one_prompt_share_its_prefill_and_equal_single_requests(share
     engine = make_engine("softmax")
     prompt = engine.encode(PROMPTS[1])
     seeds = [7, 8, 9]
-    alone = [engine.complete_ids([prompt], choices([s], 2))[0] for s in seeds]
+    alone = [engine.complete([prompt], choices([s], 2))[0] for s in seeds]
     calls = counting_prefills(engine)
     seqs = [Sequence(prompt, p) for p in choices(seeds, 2)]
     engine.step_engine(4, share_prefill=share).run(seqs)
@@ -143,7 +143,7 @@ def test_choices_beyond_the_free_slots_prefill_on_their_own():
     engine = make_engine("softmax")
     prompt = engine.encode(PROMPTS[0])
     seeds = [1, 2, 3]
-    alone = [engine.complete_ids([prompt], choices([s]))[0].token_ids for s in seeds]
+    alone = [engine.complete([prompt], choices([s]))[0].token_ids for s in seeds]
     calls = counting_prefills(engine)
     seqs = engine.step_engine(2).run([Sequence(prompt, p) for p in choices(seeds)])
     assert [s.out for s in seqs] == alone

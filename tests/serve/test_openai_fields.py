@@ -42,7 +42,7 @@ def client(server: Live) -> "openai.OpenAI":
 
 
 def greedy(engine: Engine, ids: list[int], n: int, **kw) -> object:
-    return engine.complete_ids([ids], [SamplingParams(max_new_tokens=n, **kw)])[0]
+    return engine.complete([ids], [SamplingParams(max_new_tokens=n, **kw)])[0]
 
 
 # ---- chat ------------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def test_chat_logprobs_are_the_models_own(mixtral):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     r = client(server).chat.completions.create(model="mixtral", messages=messages, max_tokens=6, temperature=1.3,
                                                seed=2, logprobs=True, top_logprobs=3)
-    want = server.engine.complete_ids([ids], [SamplingParams(max_new_tokens=6, temperature=1.3, seed=2)])[0]
+    want = server.engine.complete([ids], [SamplingParams(max_new_tokens=6, temperature=1.3, seed=2)])[0]
     content = r.choices[0].logprobs.content
     assert len(content) == want.completion_tokens
     ref = server.engine.forward(torch.tensor([ids + want.token_ids]))[0].log_softmax(-1)
