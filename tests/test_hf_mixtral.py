@@ -116,7 +116,8 @@ def test_tied_embeddings(tmp_path: Path) -> None:
     hf = hf_mixtral(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in saved_keys(tmp_path)
     model, ckpt = load_model(tmp_path)
-    assert ckpt.config.tie_embeddings and isinstance(model.output, TiedHead) and "output.weight" not in model.state_dict()
+    assert ckpt.config.tie_embeddings and isinstance(model.output, TiedHead)
+    assert "output.weight" not in model.state_dict()
     assert_logits_match(tmp_path, hf, shapes=((2, 9),))
 
 

@@ -142,7 +142,8 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
             params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
             def ours(e: Engine, n: int = new_tokens) -> list[list[int]]:
-                return [c.token_ids for c in e.complete(prompts.tolist(), dataclasses.replace(params, max_new_tokens=n))]
+                done = e.complete(prompts.tolist(), dataclasses.replace(params, max_new_tokens=n))
+                return [c.token_ids for c in done]
 
             impls = {"moeserve Engine": lambda n=new_tokens: ours(engine, n)}  # each: n new tokens
             engines = {"moeserve Engine": engine}  # whose decode tokens by path (graph / eager) each row reports

@@ -20,7 +20,7 @@ import torch
 
 @functools.cache
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: there a bf16 GEMM runs several times an fp32 one (about 5x measured on one)."""
+    """AMX or AVX512-BF16: there a bf16 GEMM runs several times as fast as an fp32 one."""
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # a torch without the probes: read the flags the kernel reports

@@ -332,7 +332,7 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | tor
                 device: str | torch.device = "auto", *, threads: int | None = None, verify: bool = True,
                 calibration: str | None = None, compile: str = "off") -> Engine:
     """A checkpoint directory on torch, or a graph from `moeserve export onnx` on ONNX Runtime
-    (runtime/onnx_runner.py); backend 'auto' goes by the path: a .onnx file is an export. `calibration`
+    (runtime/backends/onnx.py); backend 'auto' goes by the path: a .onnx file is an export. `calibration`
     is the torch Engine's (an ONNX Runtime session chooses its own kernels)."""
     if backend not in BACKENDS:
         raise EngineError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")

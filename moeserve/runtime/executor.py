@@ -111,7 +111,7 @@ class Executor:
     @torch.inference_mode()
     def run(self, ids: Tensor, attention_mask: Tensor | None = None) -> ModelOutput:
         """The backend's forward on a whole batch, its expert load counted (callers hold no lock: this takes it).
-        Never with autograd: the backends' layouts are inference-only, and a graph nobody asked for costs 2-4x."""
+        Never with autograd: the backends' layouts are inference-only, and a graph nobody asked for costs time."""
         with self.lock:
             out = self.runner.forward(ids.to(self.device),
                                       None if attention_mask is None else attention_mask.to(self.device))

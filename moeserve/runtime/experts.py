@@ -5,12 +5,12 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K experts p
   gelu    y = gelu(x W1^T) W2^T
   swiglu  y = (silu(x W1^T) * (x W3^T)) W2^T        (Mixtral: w1 gate, w3 up, w2 down)
 
-`moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every
-faster dispatch path is tested against. `moe_sorted` is the training path, in three steps that are
-also the seam for experts that live elsewhere (backends/expert_shards.py): `dispatch` (one gather of
-the tokens sorted by expert), `compute` (one contiguous block per expert), `combine` (one scatter
-back). Indexing a stacked [E, F, D] parameter once per expert would make autograd allocate a full-size zero gradient for each index
-(E^2 F D memory traffic); unbinding it once gives each expert a view whose gradients are stacked once.
+`moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every faster dispatch
+path is tested against. `moe_sorted` is the training path, in three steps that are also the seam for experts that
+live elsewhere (backends/expert_shards.py): `dispatch` (one gather of the tokens sorted by expert), `compute` (one
+contiguous block per expert), `combine` (one scatter back). Indexing a stacked [E, F, D] parameter once per expert
+would make autograd allocate a full-size zero gradient for each index (E^2 F D memory traffic); unbinding it once
+gives each expert a view whose gradients are stacked once.
 
 Faster inference paths over the same weights (fused gate-up, oneDNN packing, gather by token count, the C
 kernel, the compiled step's sync-free paths) are the backends' (runtime/backends/experts.py): a backend lays

@@ -68,8 +68,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
 def verifying(path: str | os.PathLike, verify: bool = True) -> Iterator[None]:
     """Check the checkpoint's hashes on a thread while the body loads and lays out the model; leaving
     the block waits for the check and raises its CheckpointError, so the body's model is used only if
-    the files are intact. hashlib releases the GIL, so the 1.9 s of hashing a 2.6 GB checkpoint overlaps
-    the loading and packing (2.3 s together instead of 3.6 s). Nothing to check: a Hugging Face directory."""
+    the files are intact. hashlib releases the GIL, so the hashing overlaps the loading and the layout
+    instead of adding to them. Nothing to check: a Hugging Face directory."""
     if not verify or not is_hashed(path):
         yield
         return

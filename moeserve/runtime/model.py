@@ -132,12 +132,12 @@ class TiedHead(nn.Module):
 class ModelOutput:
     logits: Tensor  # [B, S, V] for language models, [B, C] for classifiers
     aux: list[MoEAux] = field(default_factory=list)  # one per MoE layer, in layer order
-    graph: bool = False  # a compiled decode step's (runner.py): counted as moeserve_decode_tokens_total{path="graph"}
+    graph: bool = False  # a compiled step's replay (backends/compiled.py): moeserve_decode_tokens_total{path="graph"}
 
 
 class _SkipInit(TorchFunctionMode):
     """torch.nn.init's functions return their tensor untouched. On the meta device they would compute
-    nothing anyway, but their decompositions import torch._dynamo (1.5 s at start-up)."""
+    nothing anyway, but their decompositions import torch._dynamo, seconds of a start-up."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__module__", None) == "torch.nn.init":
@@ -169,8 +169,8 @@ class Transformer(nn.Module):
     def empty(cls, cfg: MoEConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
               experts_factory: ExpertsFactory | None = None) -> "Transformer":
         """A model whose weights a checkpoint will assign (loading.py): they are neither allocated nor
-        initialised here (for a 2.6 GB Mixtral the random initialisation alone took 8 s, all of it then
-        overwritten); only the RoPE tables, which no checkpoint holds, are computed."""
+        initialised here (a random initialisation the checkpoint then overwrites would be most of a large model's
+        load); only the RoPE tables, which no checkpoint holds, are computed."""
         with torch.device("meta"), _SkipInit():
             model = cls(cfg, experts_factory)
         model.rope_cos, model.rope_sin = model.rope_cos.to(device, dtype), model.rope_sin.to(device, dtype)

@@ -371,9 +371,9 @@ def build_app(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOpti
 
 def ingress_max_ongoing(serve_cfg: ServeConfig) -> int:
     """Requests Serve lets into the ingress replica at once: all that its own queue, its running batch or cache
-    slots, and probes can hold. Serve's default (5) kept all but 5 requests waiting in Ray's proxy: 2.6
-    requests/s at 32 clients with 4 of the 8 cache slots used, 10 s of TTFT spent before the app saw the
-    request, and no 429 from the app's queue bound, ever."""
+    slots, and probes can hold. Serve's default (5) kept all but 5 requests waiting in Ray's proxy: cache slots
+    idle, the time to first token spent before the app saw the request, and no 429 from the app's queue bound,
+    ever (docs/design-notes.md)."""
     b = serve_cfg.batch
     return b.max_queue + max(serve_cfg.kv_slots, b.max_batch_size) + 32
 

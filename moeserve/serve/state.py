@@ -43,7 +43,7 @@ class ServerState:
     def start(self, source: Engine | Callable[[], Engine]) -> None:
         """Start the one thread that owns the model: it loads it (given a loader), warms it up, then runs
         the batcher. One thread for all model work, because each thread that runs torch ops gets its own
-        OpenMP team, and a second team spinning beside the first makes both slower (2.5x measured)."""
+        OpenMP team, and a second team spinning beside the first makes both slower."""
         self._thread = threading.Thread(target=self._own_model, args=(source,), name="moeserve-model", daemon=True)
         self._thread.start()
 

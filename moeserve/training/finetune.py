@@ -102,7 +102,7 @@ def encode(tokenizer, examples: list[Example], max_len: int) -> list[list[int]]:
 
 
 def pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and their attention mask, as Engine.classify_ids pads."""
+    """Right-padded ids and their attention mask, as Engine.classify pads."""
     width = max(map(len, rows))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)

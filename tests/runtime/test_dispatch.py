@@ -33,7 +33,9 @@ from moeserve.config import MoEConfig
 from moeserve.runtime import device
 from moeserve.runtime.backends.packing import onednn_packing_available
 from moeserve.runtime.experts import Experts, moe_reference
-from moeserve.runtime.backends.experts import InferenceWeights, expert_counts, fuse_expert_weights, moe_gather, moe_grouped
+from moeserve.runtime.backends.experts import (
+    InferenceWeights, expert_counts, fuse_expert_weights, moe_gather, moe_grouped,
+)
 from moeserve.runtime.backends.eager import TableMoELayer, lay_out_moe
 from moeserve.runtime.backends.experts import TorchExperts, lay_out_experts
 from moeserve.runtime.backends.layout import plain_

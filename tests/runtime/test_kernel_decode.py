@@ -161,7 +161,8 @@ def test_models_the_step_does_not_take_keep_the_layers_calls(router, overrides, 
 @requires_kernel
 def test_the_step_is_left_out_where_its_parts_are_not_on_the_kernel():
     engine = make_engine("softmax")
-    for plan in (dataclasses.replace(KERNEL_PLAN, kernel_norms=False), dataclasses.replace(KERNEL_PLAN, kernel_dense=False),
+    for plan in (dataclasses.replace(KERNEL_PLAN, kernel_norms=False),
+                 dataclasses.replace(KERNEL_PLAN, kernel_dense=False),
                  dataclasses.replace(KERNEL_PLAN, kernel_experts=False)):
         engine.executor.lay_out(plan)
         assert engine.runner.step is None, plan

@@ -231,8 +231,8 @@ def test_rows_of_any_lengths_are_each_their_row_alone(dense):
     if dense == "kernel":
         if not cpu_kernel.available():
             pytest.skip(f"no C kernel here: {cpu_kernel.unavailable_reason()}")
-        engine.executor.lay_out(dataclasses.replace(engine.plan, kernel_experts=True, kernel_dense=True, kernel_norms=True,
-                                           pack_dense=False, pack_experts=False))
+        engine.executor.lay_out(dataclasses.replace(engine.plan, kernel_experts=True, kernel_dense=True,
+                                                    kernel_norms=True, pack_dense=False, pack_experts=False))
     model, runner = engine.model, engine.runner
     same = torch.equal if dense == "kernel" else (lambda x, y: torch.allclose(x, y, rtol=0, atol=1e-5))
     a, b, c = engine.encode("import os, sys"), engine.encode("x = 1"), engine.encode("def f(y):")

@@ -1,16 +1,18 @@
 """The backend seam: the few calls the Engine and the step engine make into a model, whatever runs it.
 
     forward(ids, mask)                    a whole batch, no cache (scoring, classification, routes)
-    target_logprobs(ids, mask, targets)   optional: forward's log p of `targets` only, [B, T] (scoring)
+    target_logprobs(ids, mask, targets)   forward's log p of `targets` only, [B, T] (scoring)
     new_cache(slots, max_len)             room for `slots` sequences of up to `max_len` positions
     prefill(cache, slot, ids, start)      a sequence's tokens start.. written into its slot (logits of
                                           the last at least; of every one with all_logits=True)
     decode(cache, slots, ids, positions)  one token for each of a set of slots
-    step_rows(cache, slots, ids, starts)  optional: rows of any lengths in one call, each its tokens ids[b]
+    step_rows(cache, slots, ids, starts)  where can_step_rows: rows of any lengths in one call, each its tokens ids[b]
                                           written into slot slots[b] from starts[b] (a step's prompt chunks
                                           and decode tokens together); logits of each row's last token
-    copy_prefix(cache, src, dst, length)  optional: positions 0..length-1 of slot src copied into slot dst
+    copy_prefix(cache, src, dst, length)  where can_copy_prefix: positions 0..length-1 of slot src copied into slot dst
                                           (a prompt's n choices share one prefill)
+
+    warm_up(slots)                        build what the first requests would wait for (a compiled step's graphs)
 
 Each call returns a ModelOutput (logits and per-MoE-layer aux); the Engine does the rest (sampling,
 text, expert-load accounting). Which slots a call touches is decided by the caller on the host, so a
@@ -33,6 +35,7 @@ from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.layout import plain_
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
+
 
 class ModelRunner(Protocol):
     """What the Engine and the step engine call. The optional calls are declared, not probed: a runner says

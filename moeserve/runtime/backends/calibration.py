@@ -2,23 +2,21 @@
 
 Three choices decide an MoE model's speed on a CPU, and their best answers differ from CPU to CPU:
 
-  pack_dense, pack_experts   oneDNN-packed weights or plain ones (packing.py). Packing made fp32 GEMMs
-                             2.4x faster on an AVX512 EPYC; on an AVX2 one packed experts were faster at
-                             one shape and slower at another, and bf16 weights cannot be packed at all
-                             without AVX512 (device.onednn_bf16_available).
+  pack_dense, pack_experts   oneDNN-packed weights or plain ones (packing.py): faster on some CPUs, slower
+                             at some shapes on others, and bf16 weights cannot be packed at all without
+                             AVX512 (device.onednn_bf16_available).
   gather_max                 up to how many tokens the gather path beats the grouped one (experts.py)
   grouped_mm                 for many tokens, one grouped_mm call or a loop over the experts
   kernel_experts             plain expert weights run by a C GEMM written for decode's few rows
-                             (cpu_kernel.py), where it builds: 1.3-2x oneDNN's packed GEMMs at 2-16 rows
-                             on an AVX2 EPYC, a tie at one row, 0.6-0.8x at 64-128 rows
+                             (cpu_kernel.py), where it builds: ahead of oneDNN at a few rows, behind it
+                             at a prompt's hundreds (docs/design-notes.md has the figures)
 
-`plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend
-on the values; each call reads other weights than the last, STREAM_BYTES) the first time a shape is
-loaded on a machine, and caches the plan as JSON under the cache directory, keyed by the CPU, torch's
-thread count and version, the dtype and the shape: 1-15 seconds (a 644M-parameter Mixtral on 2 cores),
-once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without measuring; "redo" measures
-again. On CUDA the defaults stand (grouped_mm for many tokens, and for a compiled bf16 decode step): the
-CUDA choices are not calibrated per machine yet.
+`plan_for` times each candidate on random weights of the model's shapes (a GEMM's time does not depend on the
+values; each call reads other weights than the last, STREAM_BYTES) the first time a shape is loaded on a machine,
+and caches the plan as JSON under the cache directory, keyed by the CPU, torch's thread count and version, the
+dtype and the shape: seconds, once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without
+measuring; "redo" measures again. On CUDA the defaults stand (grouped_mm for many tokens, and for a compiled bf16
+decode step): the CUDA choices are not calibrated per machine yet.
 
 How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
 packed with a loop, packed for the gather path with grouped_mm beyond) is timed at token counts 1, 2, 4,
@@ -27,11 +25,10 @@ C kernel where it builds. The winner is the configuration with the least mean ti
 ladder, as if the same number of tokens went through the layer at every count: a server reads prompts in
 chunks of tens to hundreds of tokens and generates as many tokens again one step at a time, at batch sizes
 of 1 to tens. A sum of raw times would let the 512-token count decide alone; a geometric mean of time /
-best (up to version 6) weighed a 2 ms decode step and a 150 ms prefill alike, so that on the 644M
-Mixtral (fp32, AVX512 EPYC) the C kernel, 1.4x faster at one token and 1.4-2x slower at 256-512, tied with
-packed weights and the measurement's noise chose between them from one run to the next. Within 2% of the
-winner, the simpler configuration (plain before the kernel before packed, a loop before grouped_mm; see
-CONFIGS) is kept: that is noise.
+best weighs a decode step and a prefill a hundred times longer alike, and let the measurement's noise choose
+between two layouts from one run to the next (docs/design-notes.md). Within 2% of the winner, the simpler
+configuration (plain before the kernel before packed, a loop before grouped_mm; see CONFIGS) is kept: that is
+noise.
 """
 
 from __future__ import annotations
@@ -63,21 +60,20 @@ from moeserve.runtime.backends.packing import onednn_packing_available, pack_wei
 VERSION = 8  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
-# Up to a prefill-sized 512: the ranking at 128 tokens did not hold at 1024 on an AVX2 EPYC (packed weights
-# ahead at 128, 10% behind at 1024), so the ladder must reach the regime where the GEMMs dominate.
+# Up to a prefill-sized 512: a ranking at 128 tokens need not hold at 1024, so the ladder reaches the regime where
+# the GEMMs dominate.
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DENSE_TOKENS = (1, 16, 128)
 # Where the C kernel was chosen, it and torch's GEMMs on the same plain weights are timed again at a prompt's or a
-# scoring batch's row counts: the kernel's lead at a few tokens turned at a few hundred (644M Mixtral, fp32, Zen 4:
-# experts 173 against 146 ms at 512 tokens, 708 against 437 at 2048), so past the crossover the kernel's layers run
-# torch's GEMMs (DispatchPlan.kernel_max_tokens): 1.6x the tokens/s of a 16-record scoring batch.
+# scoring batch's row counts: the kernel's lead at a few tokens turns at a few hundred, so past the crossover the
+# kernel's layers run torch's GEMMs (DispatchPlan.kernel_max_tokens; figures in docs/design-notes.md).
 LARGE_TOKENS = (1024, 2048)
 LARGE_DENSE_TOKENS = (512, 2048)
 COUNT_S = 0.1  # each count is timed for about this long, and at least MIN_ROUNDS rounds
 # A model's decode step reads each weight once, from memory, not from a cache: consecutive calls of a
 # measurement go to different weights (dense) and different experts (MoE), cycling through about this many
-# bytes. One hot [D, D] weight stays in the last-level cache and measured packed and plain alike on an AVX2
-# EPYC (1.02x), while a model's stream of weights ran 1.5x faster packed at one token.
+# bytes. One hot [D, D] weight stays in the last-level cache and times packed and plain alike, where a model's
+# stream of weights does not.
 STREAM_BYTES = 128 << 20
 ROUTINGS = 8  # routings cycled through per token count: at one token, top_k of E experts each
 MAX_S = 20.0  # a model so large that the ladder takes longer stops at the count it has reached
@@ -86,7 +82,7 @@ TIE = 1.02  # within 2% of the best score, the simpler configuration wins
 
 # configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first: what a tie
 # goes to. The C kernel reads the weights where they lie (a checkpoint's mapped pages: no copy at load), so it
-# comes before packing, which copies every expert at load (3.4 s and 2.6 GB more for the 644M Mixtral). The last
+# comes before packing, which copies every expert at load (seconds, and the experts' memory again). The last
 # holds the experts twice over (packed for the gather path, stacked plain for grouped_mm): a third more memory
 # than "packed", so it is taken only where it beats every other by more than the tie margin.
 CONFIGS: dict[str, tuple[str, str, bool, bool]] = {

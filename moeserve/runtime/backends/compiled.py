@@ -11,8 +11,7 @@ every time, so here it is made shape-static:
 - every row attends over a span of the cache: the live length (the longest row's position + 1) rounded up to a
   power of two (`spans`), masked by its position. The span is a dynamic dimension: one compile covers every span
   (a symbolic length), and on CUDA one graph is recorded per (bucket, span), so a step reads the keys its rows
-  can see, never the whole cache: at 100 tokens of context a 32k-context model took 1.10x the step time of a
-  2k one on an H100 (1.63x when every row read the whole cache; docs/benchmarks.md);
+  can see, never the whole cache, and a long context costs a short conversation little (docs/benchmarks.md);
 - the experts run a path with no host sync and fixed shapes (backends/experts.py: GraphExperts) on plain
   weights (oneDNN-packed weights are opaque to the compiler);
 - the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
@@ -67,9 +66,9 @@ def model_uncompilable(model: Transformer) -> str | None:
 
 def resolve_compile(mode: str, device: torch.device) -> bool:
     """'on': compile or fail naming why; 'off': eager; 'auto': on CUDA (launch-bound without graphs), eager on
-    a CPU, where compiling costs ~12 s per batch bucket at start-up on 2 cores (docs/benchmarks.md) and pays
-    only for small models: the compiled step copies each token's experts out of the stack (moe_indexed), which
-    for a 644M Mixtral made decode 0.65x eager. `--compile on` is for a small model's long-running server."""
+    a CPU, where compiling costs seconds per batch bucket at start-up and pays only for small models: the compiled
+    step copies each token's experts out of the stack (moe_indexed), which made a 644M Mixtral's decode slower
+    than eager (docs/design-notes.md). `--compile on` is for a small model's long-running server."""
     if mode not in COMPILE_MODES:
         raise CompileError(f"compile mode {mode!r}: expected one of {', '.join(COMPILE_MODES)}")
     if mode == "off" or (mode == "auto" and device.type != "cuda"):

@@ -1,20 +1,19 @@
 """C kernels for CPU inference (kernels/, one C file an op): a GEMM written for the few rows of decode, used by
 the experts and the dense layers (gemm.c), a MoE layer's experts in one call (experts.c: KernelExperts), RMSNorm
-(norm.c: KernelRMSNorm) and a decode step's attention over the KV cache (attention.c: attend_decode); float32 and
+(norm.c: rms_norm) and a decode step's attention over the KV cache (attention.c: attend_decode); float32 and
 bfloat16. kernel_decode.py builds on them: the router (router.c) and a whole decode step in one call (step.c).
 
 At one row, oneDNN's packed GEMV streams a weight near memory speed; at two to eight rows (an expert's
 share of a decode step that batches several sequences) oneDNN and MKL fall to half of that, because
 their small-M paths read the weight in a way that does not reuse it across rows. The kernel reads each
 weight row once for all rows, so a serving step of 8 sequences, where each expert gets about 2 rows,
-reads its experts at about the speed of one row. Past 8 rows it blocks for the L2 cache: at 16 rows
-(an expert's share of a short prompt) it is level with oneDNN's packed GEMM, at 64-128 rows 0.6-0.8x
-of it (numbers in docs/benchmarks.md). One plain copy of the weights serves both; the calibration
-weighs the two ends.
+reads its experts at about the speed of one row. Past 8 rows it blocks for the L2 cache, level with
+oneDNN's packed GEMM at an expert's share of a short prompt and behind it past that (docs/benchmarks.md).
+One plain copy of the weights serves both; the calibration weighs the two ends.
 
-In bfloat16 a decode step streams half the bytes. torch's own bf16 GEMMs at one row ran at 10-17 GB/s on an
-AVX512-BF16 EPYC (oneDNN's packed ones faster, the calibration times both); the kernel's bf16 path runs at
-the speed of its float32 one, so at half the time. It uses AVX512-BF16's pairwise dot products where the CPU
+In bfloat16 a decode step streams half the bytes. torch's own bf16 GEMMs at one row stream well below memory
+speed (oneDNN's packed ones faster, the calibration times both); the kernel's bf16 path streams as fast as its
+float32 one, so takes half the time. It uses AVX512-BF16's pairwise dot products where the CPU
 has them and widens bf16 to float32 elsewhere (`bf16_native()` says which was built; $MOESERVE_KERNEL_CFLAGS
 adds compiler flags, so that `-mno-avx512bf16` builds the other side on a CPU that has it).
 
@@ -198,7 +197,7 @@ class KernelExperts:
     """One MoE layer's stacked expert weights as `experts_ffn` takes them: w1 and w3 [E, F, D], w2 [E, D, F],
     each expert's matrix with contiguous rows and the experts at any fixed stride, so that the parameters
     are used where they lie (a checkpoint's memory-mapped pages, or the two halves of a Mixtral import's
-    gate-up tensor): no [w1; w3] copy, which was 1.2 s of a 644M model's start. A call runs the whole layer:
+    gate-up tensor): no [w1; w3] copy at load. A call runs the whole layer:
     both GEMMs and the activation of every expert hit, two barriers apart, in place of a dozen torch
     operations per expert. w3=None: a gelu FFN. float32 or bfloat16 (in bf16 the activation is computed in
     float32 and rounded once)."""

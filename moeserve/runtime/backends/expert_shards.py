@@ -92,9 +92,6 @@ class ShardedExperts(nn.Module):
         ranges = [list(r) for r in contiguous_ranges(E, n_shards)]
         return cls(E, [ExpertShard.of(experts, ids) for ids in ranges], ranges)
 
-    def prepare_inference(self, **kwargs) -> None:
-        """Shards compute on their blocks as the training path does; nothing to lay out here."""
-
     def run_shards(self, inputs: list[tuple[Tensor, list[int]]]) -> list[Tensor]:
         """Each shard on its rows. One at a time here; a remote implementation overrides this to have
         every shard working at once."""

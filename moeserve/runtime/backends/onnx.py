@@ -1,4 +1,4 @@
-"""A model runner (runner.py) over an ONNX Runtime session of a graph that `moeserve export onnx` wrote:
+"""The ONNX Runtime backend (the calls of base.ModelRunner) over a session of a graph that `moeserve export onnx` wrote:
 the Engine holds it as it holds the torch model, so serve, score and bench run an exported model as they
 run a checkpoint (`--backend onnx`, or any path ending in .onnx).
 
@@ -62,7 +62,7 @@ def presents_as_past(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class OnnxBackend:
-    """The model-runner protocol (runner.py) over an ONNX Runtime session. A slot's cache is its past
+    """The runner calls (base.ModelRunner) over an ONNX Runtime session. A slot's cache is its past
     keys and values (a KV-cache graph) or its token ids so far (a plain graph, which recomputes the
     prefix each step); a decode step runs each slot on its own, since the graph takes one past length
     per call."""

@@ -2,9 +2,8 @@
 
 A weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the
 op inductor's freezing pass uses) skips the per-call reorder of a plain `F.linear`. Whether that pays
-depends on the CPU: on an AVX512-BF16 EPYC, decode-sized bf16 GEMMs ran about 2x faster and fp32 GEMMs
-about 2.4x (MKL's sgemm took a slow path there); on an AVX2-only EPYC, packed fp32 GEMMs ran slower
-than plain ones, and bf16 cannot be packed at all (device.onednn_bf16_available). So packing is
+depends on the CPU: faster on an AVX512-BF16 EPYC (MKL's sgemm took a slow path there), slower than plain
+fp32 GEMMs on an AVX2-only one, where bf16 cannot be packed at all (device.onednn_bf16_available). So packing is
 *available* where torch can do it, and *used* where calibration.py measured it faster on this machine.
 Packed tensors are opaque (no autograd, no views), so packing is for inference only and every packed
 module keeps its plain weight for state_dict and export (backends/layout.py).
