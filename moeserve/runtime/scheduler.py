@@ -37,7 +37,6 @@ from moeserve.runtime.output import Completion, EventCallback, OutputProcessor
 from moeserve.runtime.sampling import SamplingParams, TokenLogprob
 
 
-
 def default_prefill_chunk(device: torch.device) -> int:
     """Prompt tokens a step while others generate, where none is given. A step's model call carries the running
     sequences' tokens with the prompt's chunk, so a small chunk costs them little throughput and stalls them less

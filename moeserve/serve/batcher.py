@@ -234,8 +234,8 @@ class Batcher:
             if self.metrics and not again:
                 self.metrics.queue_seconds.observe(now - job.arrival)
                 self.metrics.prompt_tokens.inc(sum(len(r) for r in job.rows))
-            seqs = [Sequence(row, p, on_event=None if job.on_event is None else partial(job.on_event, i),
-                             cancelled=partial(_dropped, job)) for i, (row, p) in enumerate(zip(job.rows, job.params))]
+            seqs = [Sequence(row, p, on_event=partial(self._event, job, i), cancelled=partial(_dropped, job))
+                    for i, (row, p) in enumerate(zip(job.rows, job.params))]
             try:
                 self.engine.text_tokenizer()  # completions are text: a model without a tokenizer cannot give them
                 if self.steps is None:
@@ -273,11 +273,16 @@ class Batcher:
                 self.metrics.batch_seconds.labels("complete").observe(dt)
         elif self._round_s is not None:
             self._round_s += dt
-        for job, seqs in self._live.items():  # time to first token: the step that chose one
-            if job.first_token_at is None and any(s.out for s in seqs):
-                job.first_token_at = time.monotonic()
-                if self.metrics:
-                    self.metrics.ttft.observe(job.first_token_at - job.arrival)
+
+    def _event(self, job: Job, i: int, event: StreamEvent) -> None:
+        """Row i of `job` has text (or has ended): time to first token at the job's first, taken as the event leaves
+        for the stream rather than when the step ends, then the job's own callback (streaming)."""
+        if job.first_token_at is None:
+            job.first_token_at = time.monotonic()
+            if self.metrics:
+                self.metrics.ttft.observe(job.first_token_at - job.arrival)
+        if job.on_event is not None:
+            job.on_event(i, event)
 
     def _step_failed(self, e: Exception) -> None:
         """A failed step leaves the cache in an unknown state: start afresh, and fail the requests that were in it.
