@@ -18,7 +18,7 @@ from moeserve.papers_cli import add_paper_commands
 from moeserve.config import MANIFEST_FILE, PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
 from moeserve.runtime import BACKENDS, COMPILE_MODES
-from moeserve.serve.config import SCHEDULERS, BatchConfig, ServeConfig
+from moeserve.serve.config import EXCHANGES, SCHEDULERS, BatchConfig, RayServeOptions, ServeConfig
 
 BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
 CALIBRATE_HELP = ("measure again which weight layout and dispatch path are fastest on this machine for this model's "
@@ -169,7 +169,7 @@ def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
         raise ValueError(f"--ray needs Ray Serve: pip install -e '.[ray]' ({e})") from None
     if path.suffix == ".onnx" or args.backend == "onnx":
         raise ValueError("--ray serves a checkpoint directory on torch, not an ONNX export")
-    opts = ray_app.RayServeOptions(expert_shards=args.expert_shards, shard_replicas=args.shard_replicas,
+    opts = RayServeOptions(expert_shards=args.expert_shards, shard_replicas=args.shard_replicas,
                                    cpus_per_shard=args.cpus_per_shard, gpus_per_shard=args.gpus_per_shard,
                                    ingress_gpus=args.ingress_gpus, shard_timeout_s=args.shard_timeout,
                                    exchange=args.exchange)
@@ -314,6 +314,10 @@ def _batch_default(name: str) -> Any:
     return _field_default(BatchConfig, name)
 
 
+def _ray_default(name: str) -> Any:
+    return _field_default(RayServeOptions, name)
+
+
 def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="serve a model over HTTP (no checkpoint: the built-in default model)",
                         description="Serve a checkpoint over HTTP: OpenAI-style /v1/completions and "
@@ -363,25 +367,27 @@ def _add_serve(sub) -> None:
     ray = sv.add_argument_group("Ray Serve (pip install -e '.[ray]')")
     ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application whose experts live in "
                      "shard deployments (the cluster at $RAY_ADDRESS, else a local Ray)")
-    ray.add_argument("--expert-shards", type=int, default=2, metavar="S",
-                     help="shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (default: 2)")
-    ray.add_argument("--shard-replicas", type=int, default=1, metavar="R",
-                     help="replicas per shard, with --exchange handles (default: 1)")
-    ray.add_argument("--cpus-per-shard", type=float, default=None, metavar="N", help="CPUs per shard replica "
+    ray.add_argument("--expert-shards", type=int, default=_ray_default("expert_shards"), metavar="S",
+                     help="shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (default: %(default)s)")
+    ray.add_argument("--shard-replicas", type=int, default=_ray_default("shard_replicas"), metavar="R",
+                     help="replicas per shard, with --exchange handles (default: %(default)s)")
+    ray.add_argument("--cpus-per-shard", type=float, default=_ray_default("cpus_per_shard"), metavar="N",
+                     help="CPUs per shard replica "
                      "(default: 1, or what the ingress's CPU leaves, shared, where the cluster has fewer)")
-    ray.add_argument("--gpus-per-shard", type=float, default=0.0, metavar="N",
-                     help="GPUs per shard replica; fractional shares a GPU between shards (default: 0, CPU actors)")
-    ray.add_argument("--ingress-gpus", type=float, default=0.0, metavar="N",
-                     help="GPUs for the ingress (the dense layers and the step engine) (default: 0)")
-    ray.add_argument("--exchange", default="sockets", choices=("sockets", "compiled", "actors", "handles"),
+    ray.add_argument("--gpus-per-shard", type=float, default=_ray_default("gpus_per_shard"), metavar="N",
+                     help="GPUs per shard replica; fractional shares a GPU between shards (default: %(default)g, "
+                     "CPU actors)")
+    ray.add_argument("--ingress-gpus", type=float, default=_ray_default("ingress_gpus"), metavar="N",
+                     help="GPUs for the ingress (the dense layers and the step engine) (default: %(default)g)")
+    ray.add_argument("--exchange", default=_ray_default("exchange"), choices=EXCHANGES,
                      help="how the ingress reaches the shards. sockets: they are Ray actors of the ingress, sent "
                      "their rows over a TCP connection each (the fastest; idle shards cost nothing); compiled: the "
                      "same actors behind one Ray Compiled Graph (each shard spins a core while it waits); actors: "
                      "the same actors called as Ray tasks; handles: Serve deployments called through handles, with "
-                     "replicas (default: sockets)")
-    ray.add_argument("--shard-timeout", type=float, default=10.0, metavar="S",
+                     "replicas (default: %(default)s)")
+    ray.add_argument("--shard-timeout", type=float, default=_ray_default("shard_timeout_s"), metavar="S",
                      help="an expert exchange unanswered this long fails its requests with 503: a shard whose "
-                     "replicas are all gone until Serve replaces one (default: 10)")
+                     "replicas are all gone until Serve replaces one (default: %(default)g)")
     ray.add_argument("--print-config", action="store_true",
                      help="print a Ray Serve config file for `serve deploy` on a cluster, and exit")
     sv.add_argument("--body-timeout", type=float, default=_serve_default("body_timeout_s"), metavar="S",

@@ -33,7 +33,8 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 yaml = pytest.importorskip("yaml")
 
-from moeserve.serve.ray_app import RayServeOptions, build_app, shard_ranges  # noqa: E402  (needs ray)
+from moeserve.serve.config import RayServeOptions  # noqa: E402
+from moeserve.serve.ray_app import build_app, shard_ranges  # noqa: E402  (needs ray)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest.py)
 PROMPTS = ["def f(x):", "import os\n", "class A:"]
