@@ -34,3 +34,20 @@ def test_every_package_of_the_dev_extra_is_installed():
             missing.append(name)
     assert not missing, f"the dev extra's {missing} are not installed: pip install -e '.[dev]' (README)"
     assert {"pytest-xdist", "ray", "onnxruntime", "transformers"} <= set(dev_requirements())
+
+
+def test_the_c_kernel_builds_where_a_compiler_is_present():
+    """About 40 tests need the C kernel and skip without it. On a Linux x86 machine with a C compiler (CI's), a
+    kernel that fails to build, to load, or one of its own checks is a broken install: named here, not skipped."""
+    import os
+    import platform
+    import shutil
+
+    from moeserve.runtime.backends import cpu_kernel
+
+    cc = os.environ.get("CC") or "cc"
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which(cc):
+        pytest.skip(f"not a Linux x86 machine with a C compiler ({cc!r}): the kernel is optional here")
+    if os.environ.get(cpu_kernel.ENV, "").lower() == "off":
+        pytest.skip(f"${cpu_kernel.ENV}=off")
+    assert cpu_kernel.available(), f"the C kernel is not available: {cpu_kernel.unavailable_reason()}"
