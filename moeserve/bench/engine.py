@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.report import BenchError, check_plot, finish
+from moeserve.bench.report import BenchError, run_bench
 from moeserve.checkpoint import parameter_counts
 from moeserve.runtime.backends.calibration import interleaved_ms
 from moeserve.runtime.device import dtype_unsupported, machine
@@ -305,17 +305,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(args) -> int:
-    import sys
-
-    try:
-        check_plot(args)
-        report = bench_engine(args.dtypes, args.new_tokens, args.prompt_len, args.repeats,
-                              checkpoint=args.checkpoint, calibration="redo" if args.calibrate else None,
-                              compiled=args.compile, model=args.model, device=args.device, batch=args.batch,
-                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except BenchError as e:
-        print(f"moeserve bench engine: {e}", file=sys.stderr)
-        return 2
-    print(markdown(report))
-    finish(report, args, "engine")
-    return 0
+    report = run_bench(args, "engine", lambda progress: bench_engine(
+        args.dtypes, args.new_tokens, args.prompt_len, args.repeats, checkpoint=args.checkpoint,
+        calibration="redo" if args.calibrate else None, compiled=args.compile, model=args.model, device=args.device,
+        batch=args.batch, progress=progress))
+    return 2 if report is None else 0

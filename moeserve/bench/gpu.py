@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from moeserve.bench.engine import _sync, bench_engine, write_mixtral
-from moeserve.bench.report import BenchError, check_plot, finish
+from moeserve.bench.report import BenchError, run_bench
 from moeserve.runtime.engine import Engine, SamplingParams
 
 TESTS = ["tests/runtime", "tests/bench/test_engine_bench.py", "tests/export/test_tensorrt.py",
@@ -219,15 +219,10 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(args) -> int:
-    try:
-        check_plot(args)
-        report = bench_gpu(args.checkpoint, tests=not args.skip_tests,
-                           progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except BenchError as e:
-        print(f"moeserve bench gpu: {e}", file=sys.stderr)
+    report = run_bench(args, "gpu", lambda progress: bench_gpu(args.checkpoint, tests=not args.skip_tests,
+                                                               progress=progress))
+    if report is None:
         return 2
-    print(markdown(report))
-    finish(report, args, "gpu")
     failed = report.get("tests", {}).get("failed")
     return 1 if failed or report.get("tests", {}).get("error") or report["errors"] else 0
 

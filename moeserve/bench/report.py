@@ -46,6 +46,19 @@ def finish(report: dict, args, bench: str, plot: bool = True) -> dict:
     return report
 
 
+def run_bench(args, bench: str, measure) -> dict | None:
+    """A bench's `main`: measure(progress) (progress lines go to stderr), its Markdown printed, then `finish`. None,
+    the reason printed, where it cannot run as asked (BenchError): the caller exits 2."""
+    try:
+        check_plot(args)
+        report = measure(lambda msg: print(msg, file=sys.stderr, flush=True))
+    except BenchError as e:
+        print(f"moeserve bench {bench}: {e}", file=sys.stderr)
+        return None
+    print(module(bench).markdown(report))
+    return finish(report, args, bench)
+
+
 def module(bench: str):
     if bench not in MODULES:
         raise ValueError(f"unknown bench {bench!r}: expected one of {', '.join(MODULES)}")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.report import BenchError, check_plot, finish
+from moeserve.bench.report import BenchError, run_bench
 from moeserve.runtime.device import machine
 from moeserve.runtime.engine import Engine
 
@@ -183,8 +183,7 @@ def _gguf(values: list[str]) -> dict[str, Path]:
 
 
 def main(args) -> int:
-    try:
-        check_plot(args)
+    def measure(progress) -> dict:
         if args.llama_perplexity and not (shutil.which(args.llama_perplexity) or Path(args.llama_perplexity).is_file()):
             raise BenchError(f"--llama-perplexity {args.llama_perplexity}: not found")
         checkpoint = args.checkpoint
@@ -192,12 +191,7 @@ def main(args) -> int:
             from moeserve.training.default_model import default_model_path
 
             checkpoint = default_model_path(progress=True)
-        report = bench_score(checkpoint, args.dtypes, args.records, args.tokens, args.repeats, args.threads,
-                             args.llama_perplexity, _gguf(args.gguf or []),
-                             progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except BenchError as e:
-        print(f"moeserve bench score: {e}", file=sys.stderr)
-        return 2
-    print(markdown(report))
-    finish(report, args, "score")
-    return 0
+        return bench_score(checkpoint, args.dtypes, args.records, args.tokens, args.repeats, args.threads,
+                           args.llama_perplexity, _gguf(args.gguf or []), progress=progress)
+
+    return 2 if run_bench(args, "score", measure) is None else 0
