@@ -46,8 +46,13 @@ class KernelLinear(Laid, nn.Linear):
 class KernelRMSNorm(Laid, nn.RMSNorm):
     """nn.RMSNorm in one kernel call: the float32 sums of torch's, rounded once."""
 
+    @property
+    def epsilon(self) -> float:
+        """nn.RMSNorm's eps, None meaning its dtype's machine epsilon (as torch resolves it)."""
+        return self.eps if self.eps is not None else torch.finfo(self.weight.dtype).eps
+
     def forward(self, x: Tensor) -> Tensor:
-        return cpu_kernel.rms_norm(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
+        return cpu_kernel.rms_norm(x, self.weight, self.epsilon)
 
 
 class KernelAttention(Laid, Attention):
@@ -147,15 +152,13 @@ class CpuKernelBackend(EagerBackend):
             if (not isinstance(ffn, MoELayer) or not isinstance(ffn.router, KernelRouted)
                     or not all(isinstance(n, KernelRMSNorm) for n in norms) or not isinstance(a, KernelAttention)):
                 return None  # a dense FFN, a VQ layer, a capacity limit, LayerNorm: the ops one by one
-            eps = [n.eps if n.eps is not None else torch.finfo(n.weight.dtype).eps for n in norms]
-            attention = DecodeAttention(((norms[0].weight, eps[0]), (norms[1].weight, eps[1])),
+            attention = DecodeAttention(((norms[0].weight, norms[0].epsilon), (norms[1].weight, norms[1].epsilon)),
                                         (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
             parts.append((attention, ffn.router.kernel, ffn.experts.w.fused))
         norm = model.norm
         if not isinstance(norm, KernelRMSNorm) or not isinstance(model.output, KernelLinear):
             return None
-        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-        return KernelDecodeStep(parts, (norm.weight, eps), model.output.weight, model.tok_embeddings.weight,
+        return KernelDecodeStep(parts, (norm.weight, norm.epsilon), model.output.weight, model.tok_embeddings.weight,
                                 (model.rope_cos, model.rope_sin), self.cfg.sliding_window)
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
