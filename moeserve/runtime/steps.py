@@ -66,6 +66,10 @@ class StepEngine:
         self.cache: Any = runner.new_cache(slots, max_len)
 
     @property
+    def slots(self) -> int:
+        return self.scheduler.slots
+
+    @property
     def prefill_chunk(self) -> int:
         return self.scheduler.prefill_chunk
 
