@@ -12,6 +12,7 @@ held ride with the next event. Work per token is bounded by the stop strings' le
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,6 +73,7 @@ class OutputProcessor:
         self.logprobs: list[TokenLogprob] = []  # per token of token_ids, if params.logprobs is set
         self.prompt_logprobs: list[TokenLogprob | None] = []  # if params.prompt_logprobs is set
         self.finish_reason: str | None = None
+        self.first_token_at: float | None = None  # time.monotonic() of the first token chosen (time to first token)
         self._parts: list[str] = []  # the text given out
         self._held = ""  # text not yet given out: at most a stop string's length less one
         self._stopped = False  # a stop string was found; nothing after it is text
@@ -89,6 +91,8 @@ class OutputProcessor:
     def accept(self, token: int, logprob: TokenLogprob | None) -> str | None:
         """Add a chosen token; the finish reason if it ended the sequence. The end-of-sequence token ends it
         without being part of it."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         if token == self.eos_id and not self.params.ignore_eos:
             return self._end("stop", "")
         self.token_ids.append(token)

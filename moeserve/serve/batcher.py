@@ -234,8 +234,9 @@ class Batcher:
             if self.metrics and not again:
                 self.metrics.queue_seconds.observe(now - job.arrival)
                 self.metrics.prompt_tokens.inc(sum(len(r) for r in job.rows))
-            seqs = [Sequence(row, p, on_event=partial(self._event, job, i), cancelled=partial(_dropped, job))
-                    for i, (row, p) in enumerate(zip(job.rows, job.params))]
+            seqs = [Sequence(row, p, cancelled=partial(_dropped, job)) for row, p in zip(job.rows, job.params)]
+            for i, seq in enumerate(seqs):
+                seq.on_event = partial(self._event, job, i, seq)
             try:
                 self.engine.text_tokenizer()  # completions are text: a model without a tokenizer cannot give them
                 if self.steps is None:
@@ -274,11 +275,11 @@ class Batcher:
         elif self._round_s is not None:
             self._round_s += dt
 
-    def _event(self, job: Job, i: int, event: StreamEvent) -> None:
-        """Row i of `job` has text (or has ended): time to first token at the job's first, taken as the event leaves
-        for the stream rather than when the step ends, then the job's own callback (streaming)."""
+    def _event(self, job: Job, i: int, seq: Sequence, event: StreamEvent) -> None:
+        """Row i of `job` has text (or has ended): at the job's first, its time to first token (when the row's first
+        token was chosen, not when the step ended), then the job's own callback (streaming)."""
         if job.first_token_at is None:
-            job.first_token_at = time.monotonic()
+            job.first_token_at = seq.output.first_token_at or time.monotonic()
             if self.metrics:
                 self.metrics.ttft.observe(job.first_token_at - job.arrival)
         if job.on_event is not None:
