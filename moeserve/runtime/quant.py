@@ -1,0 +1,241 @@
+"""Weight-only quantization (issue 39): int8 with a scale per output channel, int4 in groups with a scale per group.
+
+On a CPU, decode streams every weight it uses once a token, so its speed is bytes per weight: float32 4, bf16 2,
+int8 1 (plus 4 bytes a row), int4 0.5 (plus a float16 scale per group of 32: 4.5 bits, llama.cpp's Q4_0). A MoE
+model's total parameters are 4-8x its active ones, so the bytes also decide whether the model fits at all.
+
+The formats, exactly (the C kernel and every torch path compute with these numbers):
+
+  int8   q [O, I] int8 in [-127, 127], scale [O] float32.  w[o, i] = q[o, i] * scale[o]
+         scale = max_i |w[o, i]| / 127 (0 for a zero row), q = round(w / scale) (half to even).
+  int4   packed [O, I/2] uint8, scale [O, I/G] float16, G the group (a multiple of 32 dividing I).
+         w[o, i] = (u[o, i] - 8) * scale[o, i // G], with u in [0, 15].
+         Per group, m is the element of largest magnitude (its sign kept) and scale = fp16(m / -8), so that m
+         maps to u = 0 exactly and the 16 levels all serve (llama.cpp's Q4_0 rule); u = clamp(round(w / scale) + 8).
+         Packing: each run of 32 elements i0 .. i0+31 of a row is 16 bytes; byte i0/2 + j holds element i0 + j in
+         its low nibble and element i0 + 16 + j in its high nibble (j < 16): one shift and one mask give 16
+         consecutive elements to a vector unit.
+
+Leading dims pass through: stacked experts [E, O, I] quantize per expert and output row. The embedding, routers,
+norms and VQ codebooks stay in full precision (few bytes a token: one embedding row; routers decide which weights
+are read at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moeserve.runtime.experts import Experts, combine, dispatch, expert_forward
+
+FORMATS = ("int8", "int4")
+DEFAULT_GROUP = 32
+
+
+class QuantError(ValueError):
+    """A quantization request that cannot be met (a bad format or group size, an already quantized model)."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One weight format: bits 8 (per output channel) or 4 (groups of `group` input elements)."""
+
+    bits: int
+    group: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bits not in (8, 4):
+            raise QuantError(f"bits = {self.bits!r}: expected 8 (int8) or 4 (int4)")
+        if self.bits == 8 and self.group is not None:
+            raise QuantError("int8 has one scale per output channel: no group size")
+        if self.bits == 4:
+            g = self.group
+            if isinstance(g, bool) or not isinstance(g, int) or g < 32 or g % 32:
+                raise QuantError(f"group size {g!r}: expected a multiple of 32 (32, 64, 128, ...)")
+
+    @classmethod
+    def parse(cls, name: str, group: int | None = None) -> "QuantSpec":
+        """'int8' or 'int4' (group: int4's, default 32)."""
+        if name == "int8":
+            if group is not None:
+                raise QuantError("--group-size is int4's: int8 has one scale per output channel")
+            return cls(8)
+        if name == "int4":
+            return cls(4, DEFAULT_GROUP if group is None else group)
+        raise QuantError(f"format {name!r}: expected one of {', '.join(FORMATS)}")
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def as_dict(self) -> dict:
+        return {"bits": self.bits, "group": self.group}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        if not isinstance(d, dict) or set(d) != {"bits", "group"}:
+            raise QuantError(f"quantization {d!r}: expected {{'bits': 8 or 4, 'group': null or an int}}")
+        return cls(d["bits"], d["group"])
+
+    def check_width(self, in_features: int, what: str = "a weight") -> None:
+        if self.bits == 4 and in_features % self.group:
+            raise QuantError(f"{what}: group size {self.group} does not divide its input width {in_features}")
+
+    def bytes_per_weight(self) -> float:
+        """Bytes streamed per weight, scales included (int8's per-row scale counted as nothing)."""
+        return 1.0 if self.bits == 8 else 0.5 + 2 / self.group
+
+
+# ---- int8 ---------------------------------------------------------------------------------------
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(q int8 [..., O, I], scale float32 [..., O]) of w [..., O, I]."""
+    w = w.detach().float()
+    scale = w.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale[..., None]
+
+
+# ---- int4 ---------------------------------------------------------------------------------------
+def pack_int4(u: Tensor) -> Tensor:
+    """u [..., I] uint8 values in [0, 15] -> [..., I/2]: per 32 elements, 16 bytes of (low j, high j + 16)."""
+    *lead, I = u.shape
+    b = u.reshape(*lead, I // 32, 2, 16)
+    return (b[..., 0, :] | (b[..., 1, :] << 4)).reshape(*lead, I // 2)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """pack_int4's inverse: [..., I/2] -> [..., I] uint8 in [0, 15]."""
+    *lead, half = packed.shape
+    b = packed.reshape(*lead, half // 16, 1, 16)
+    return torch.cat([b & 0xF, b >> 4], dim=-2).reshape(*lead, half * 2)
+
+
+def quantize_int4(w: Tensor, group: int = DEFAULT_GROUP) -> tuple[Tensor, Tensor]:
+    """(packed uint8 [..., O, I/2], scale float16 [..., O, I/group]) of w [..., O, I]."""
+    QuantSpec(4, group).check_width(w.shape[-1])
+    w = w.detach().float()
+    *lead, I = w.shape
+    g = w.reshape(*lead, I // group, group)
+    m = g.gather(-1, g.abs().argmax(-1, keepdim=True))  # the element of largest magnitude, signed
+    scale = (m / -8).to(torch.float16)
+    d = scale.float()
+    safe = torch.where(d != 0, d, torch.ones_like(d))
+    u = (torch.round(g / safe) + 8).clamp_(0, 15)
+    u = torch.where(d != 0, u, torch.full_like(u, 8)).to(torch.uint8)
+    return pack_int4(u.reshape(*lead, I)), scale.squeeze(-1)
+
+
+def dequantize_int4(packed: Tensor, scale: Tensor) -> Tensor:
+    u = unpack_int4(packed)
+    *lead, I = u.shape
+    G = I // scale.shape[-1]
+    return ((u.float() - 8).reshape(*lead, I // G, G) * scale.float()[..., None]).reshape(*lead, I)
+
+
+def quantize(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    return quantize_int8(w) if spec.bits == 8 else quantize_int4(w, spec.group)
+
+
+def dequantize(q: Tensor, scale: Tensor, spec: QuantSpec) -> Tensor:
+    """The float32 weight a quantized one stands for."""
+    return dequantize_int8(q, scale) if spec.bits == 8 else dequantize_int4(q, scale)
+
+
+def storage_shapes(shape: tuple[int, ...], spec: QuantSpec) -> tuple[tuple, torch.dtype, tuple, torch.dtype]:
+    """(q's shape and dtype, scale's shape and dtype) for a float weight of `shape` [..., O, I]."""
+    *lead, I = shape
+    if spec.bits == 8:
+        return (*lead, I), torch.int8, tuple(lead), torch.float32
+    return (*lead, I // 2), torch.uint8, (*lead, I // spec.group), torch.float16
+
+
+# ---- modules ------------------------------------------------------------------------------------
+class QuantLinear(nn.Module):
+    """A bias-free linear map on a quantized weight. This forward is the reference (the weight dequantized, then
+    torch's GEMM in x's dtype); a backend lays it out on faster kernels of the same arithmetic."""
+
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, device=None):
+        super().__init__()
+        spec.check_width(in_features)
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        (qs, qt, ss, st) = storage_shapes((out_features, in_features), spec)
+        self.register_buffer("qweight", torch.zeros(qs, dtype=qt, device=device))
+        self.register_buffer("scale", torch.zeros(ss, dtype=st, device=device))
+
+    @classmethod
+    def of(cls, weight: Tensor, spec: QuantSpec) -> "QuantLinear":
+        O, I = weight.shape
+        m = cls(I, O, spec, device=weight.device)
+        m.qweight, m.scale = quantize(weight, spec)
+        return m
+
+    def dequantized(self, dtype: torch.dtype) -> Tensor:
+        return dequantize(self.qweight, self.scale, self.spec).to(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.name}" + (
+            f", group={self.spec.group}" if self.spec.group else "")
+
+
+class QuantExperts(nn.Module):
+    """A layer's E experts on quantized stacked weights ([E, out, in] each, quantized per expert and row). The
+    forward is the reference: Experts' dispatch, each expert's weights dequantized when it has rows."""
+
+    WEIGHTS = ("w1", "w2", "w3")
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, act: str, spec: QuantSpec, device=None):
+        super().__init__()
+        self.act, self.spec, self.observer = act, spec, None
+        shapes = {"w1": (n_experts, d_ff, d_model), "w2": (n_experts, d_model, d_ff), "w3": (n_experts, d_ff, d_model)}
+        for name in self.WEIGHTS:
+            if name == "w3" and act != "swiglu":
+                continue
+            spec.check_width(shapes[name][-1], f"experts' {name}")
+            qs, qt, ss, st = storage_shapes(shapes[name], spec)
+            self.register_buffer(f"{name}_q", torch.zeros(qs, dtype=qt, device=device))
+            self.register_buffer(f"{name}_scale", torch.zeros(ss, dtype=st, device=device))
+
+    @classmethod
+    def of(cls, experts: Experts, spec: QuantSpec) -> "QuantExperts":
+        E, Fh, D = experts.w1.shape
+        m = cls(E, D, Fh, experts.act, spec, device=experts.w1.device)
+        for name in cls.WEIGHTS:
+            w = getattr(experts, name)
+            if w is not None:
+                q, s = quantize(w, spec)
+                setattr(m, f"{name}_q", q)
+                setattr(m, f"{name}_scale", s)
+        return m
+
+    @property
+    def n_experts(self) -> int:
+        return self.w1_q.shape[0]
+
+    @property
+    def has_w3(self) -> bool:
+        return hasattr(self, "w3_q")
+
+    def weight(self, name: str, e: int, dtype: torch.dtype) -> Tensor | None:
+        """Expert e's `name` dequantized, or None (w3 of a gelu layer)."""
+        if name == "w3" and not self.has_w3:
+            return None
+        return dequantize(getattr(self, f"{name}_q")[e], getattr(self, f"{name}_scale")[e], self.spec).to(dtype)
+
+    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
+        dt = x_TD.dtype
+        ys = [expert_forward(e, x_ND, self.weight("w1", e, dt), self.weight("w2", e, dt), self.weight("w3", e, dt),
+                             self.observer)
+              for e, x_ND in enumerate(d.blocks()) if x_ND.shape[0]]
+        return combine(d, torch.cat(ys) if ys else x_TD.new_zeros(0, x_TD.shape[1]), x_TD)
