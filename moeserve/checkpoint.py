@@ -42,7 +42,8 @@ HF_MIXTRAL = "hf-mixtral"  # LoadedCheckpoint.manifest["format"] of a Hugging Fa
 TRAIN_STATE_FILE = "train_state.safetensors"
 TRAIN_META_FILE = "train_state.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.w[123]$")
+_EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.w[123](_qweight)?$")
+QUANT_STATE = ("qweight", "scale")  # the name endings of a quantized weight and its scales (runtime/quant.py)
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -220,9 +221,15 @@ def _load_tensors(file: Path, names: list[str], device: str, shapes_only: bool =
         raise CheckpointError(f"{file}: not a valid safetensors file, truncated or corrupt ({e})") from e
 
 
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """Floating-point weights in `dtype`; integer and bool state (a VQ layer's `initialized`) as stored."""
-    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+def is_quant_state(name: str) -> bool:
+    """A quantized weight or its scales: stored as they are computed with, whatever dtype the model loads in."""
+    return name.endswith(QUANT_STATE)
+
+
+def _as_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Floating-point weights in `dtype`; integer and bool state (a VQ layer's `initialized`) and quantized weights'
+    scales as stored."""
+    return t if dtype is None or not t.is_floating_point() or is_quant_state(name) else t.to(dtype)
 
 
 def _write_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -366,7 +373,7 @@ def load_checkpoint(
     manifest = _read_manifest(path)
     if verify:
         _verify(path, manifest)
-    state = {k: _as_dtype(t, dtype) for name, names in files.items()
+    state = {k: _as_dtype(k, t, dtype) for name, names in files.items()
              for k, t in _load_tensors(path / name, names, device, keep=keep).items()}
     ts_file, meta_file = path / TRAIN_STATE_FILE, path / TRAIN_META_FILE
     train_state = _load_tensors(ts_file, [], "cpu") if load_train_state and ts_file.exists() else None
@@ -413,7 +420,7 @@ def load_expert_slice(path: str | os.PathLike, start: int, stop: int, *, dtype: 
                 raise CheckpointError(str(e)) from e
         for k, f in slices.items():
             if is_expert_weight(k):
-                out[k] = _as_dtype(f.get_slice(k)[start:stop], dtype)
+                out[k] = _as_dtype(k, f.get_slice(k)[start:stop], dtype)
     return config, out
 
 
@@ -439,15 +446,19 @@ def parameter_counts(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> d
 
     Stacked expert tensors `layers.{i}.ffn.experts.w1|w2|w3` count at experts_per_token / E per token;
     everything else is dense. A tied LM head (`output.weight` absent, or present with tie_embeddings
-    and the embedding's shape, as a module's state_dict lists it) is counted once.
+    and the embedding's shape, as a module's state_dict lists it) is counted once. A quantized weight
+    counts its weights (two a byte in int4), not its scales.
     """
     total = experts = active_experts = 0
     emb = shapes.get("tok_embeddings.weight")
+    per_byte = 2 if (config.quantization or {}).get("bits") == 4 else 1
     for name, shape in shapes.items():
         shape = tuple(int(d) for d in shape)
         if name == "output.weight" and config.tie_embeddings and emb is not None and shape == tuple(emb):
             continue
-        n = math.prod(shape)
+        if name.endswith("scale") and config.quantization is not None:
+            continue
+        n = math.prod(shape) * (per_byte if name.endswith("qweight") else 1)
         total += n
         if _EXPERT_RE.match(name):
             if not shape or shape[0] != config.n_experts:

@@ -13,16 +13,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from moeserve.bench.cli import add_bench
-from moeserve.convert import add_convert
+from moeserve.convert import add_convert, add_quantize
 from moeserve.papers_cli import add_paper_commands
 from moeserve.config import MANIFEST_FILE, PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
-from moeserve.runtime import BACKENDS, COMPILE_MODES
+from moeserve.runtime import BACKENDS, COMPILE_MODES, QUANT_FORMATS
 from moeserve.serve.config import EXCHANGES, SCHEDULERS, BatchConfig, RayServeOptions, ServeConfig
 
 BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
 CALIBRATE_HELP = ("measure again which weight layout and dispatch path are fastest on this machine for this model's "
                   "shapes (measured once and cached otherwise; MOESERVE_CALIBRATION=off skips it)")
+QUANTIZE_HELP = ("quantize the weights as they load: int8 (a scale per output channel) or int4 (groups of 32); "
+                 "the embedding, norms and routers stay in full precision. `moeserve quantize` writes a quantized "
+                 "checkpoint once instead")
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
                                                 PermissionError)
 COMPILE_HELP = ("the decode step as one compiled graph per batch size (torch.compile; CUDA graphs on a GPU): on, off, "
@@ -74,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     path = args.checkpoint if args.checkpoint is not None else _default_checkpoint(args.quiet)
     engine = load_engine(path, args.backend, dtype=args.dtype, calibration=_calibration(args),
-                         verify=args.checkpoint is not None, compile=args.compile)
+                         verify=args.checkpoint is not None, compile=args.compile, quantize=args.quantize)
     if engine.cfg.task != "lm":
         raise ValueError(f"{path} is a '{engine.cfg.task}' model; generate needs a language model")
     text = engine.generate(args.prompt, args.max_tokens, args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -88,7 +91,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     cfg = ScoreConfig(
         input=args.input, output=args.output, format=args.format, text_field=args.text_field, id_field=args.id_field,
-        dtype=args.dtype, device=args.device, backend=args.backend, batch_size=args.batch_size,
+        dtype=args.dtype, device=args.device, backend=args.backend, quantize=args.quantize, batch_size=args.batch_size,
         batch_tokens=args.batch_tokens, stride=args.stride, chunk_size=args.chunk_size, resume=args.resume,
         overwrite=args.overwrite, progress=not args.quiet,
     )
@@ -147,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_ray(args, path, cfg)
     return serve(path, cfg, dtype=args.dtype, device=args.device, backend=args.backend,
                  calibration=_calibration(args), compile=args.compile, verify=args.checkpoint is not None,
-                 access_log=not args.no_access_log, log_level=args.log_level)
+                 access_log=not args.no_access_log, log_level=args.log_level, quantize=args.quantize)
 
 
 def _hash_ahead(path: Path) -> None:
@@ -236,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_score(sub)
     add_convert(sub)
+    add_quantize(sub)
     add_paper_commands(sub)
     add_bench(sub, CALIBRATE_HELP)
     return p
@@ -294,6 +298,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     g.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
+    g.add_argument("--quantize", choices=QUANT_FORMATS, help=QUANTIZE_HELP)
     g.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     g.add_argument("--compile", default="auto", choices=COMPILE_MODES, help=COMPILE_HELP)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -336,6 +341,7 @@ def _add_serve(sub) -> None:
     sv.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
     sv.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
+    sv.add_argument("--quantize", choices=QUANT_FORMATS, help=QUANTIZE_HELP)
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     sv.add_argument("--compile", default="auto", choices=COMPILE_MODES, help=COMPILE_HELP)
@@ -463,6 +469,7 @@ def _add_score(sub) -> None:
                    "and CPUs with fast bf16)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: auto: a GPU if there is one)")
     s.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
+    s.add_argument("--quantize", choices=QUANT_FORMATS, help=QUANTIZE_HELP)
     s.add_argument("--batch-size", type=int, default=64, metavar="N", help="most rows per forward pass (default: 64)")
     s.add_argument("--batch-tokens", type=int, default=16384, metavar="N",
                    help="most tokens per forward pass, padding included (default: 16384)")

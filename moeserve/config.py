@@ -29,6 +29,16 @@ VQ_DISTANCES = ("l2", "cosine")
 TOKENIZERS = ("byte", "hf", "none")
 
 
+def _quantization_ok(q: Any) -> bool:
+    """int8 per output channel (no group), or int4 in groups of a multiple of 32 (runtime/quant.QuantSpec)."""
+    if not isinstance(q, dict) or set(q) != {"bits", "group"} or isinstance(q["bits"], bool):
+        return False
+    group = q["group"]
+    if q["bits"] == 8:
+        return group is None
+    return q["bits"] == 4 and not isinstance(group, bool) and isinstance(group, int) and group >= 32 and group % 32 == 0
+
+
 class ConfigError(UserError):
     """A config field holds a value outside what the model family allows."""
 
@@ -82,6 +92,9 @@ class MoEConfig:
     vq_distance: str = "l2"  # l2 or cosine nearest-code search
     vq_beta: float = 0.25  # commitment weight (VQ-VAE)
     vq_alpha: float = 0.1  # weight of the VQ loss; the paper sweeps (0.05, 0.15)
+
+    # --- Weight-only quantization (runtime/quant.py) ---
+    quantization: dict[str, Any] | None = None  # {"bits": 8, "group": null} or {"bits": 4, "group": 32}; null = float
 
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)
 
@@ -210,6 +223,9 @@ class MoEConfig:
             fail("vocab_size", self.vocab_size, "at least 259 for the byte tokenizer (256 bytes + 3 specials)")
         if not isinstance(self.extra, dict):
             fail("extra", self.extra, "a JSON object")
+        if self.quantization is not None and not _quantization_ok(self.quantization):
+            fail("quantization", self.quantization,
+                 '{"bits": 8, "group": null} or {"bits": 4, "group": a multiple of 32}, or null')
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

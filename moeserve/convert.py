@@ -15,26 +15,38 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moeserve.runtime.quant import QuantSpec
 
 # what the loaders read beside the weights: the tokenizer (tokenizer.py) and the chat template (chat.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 
 
-def convert(src: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False) -> Path:
-    """The checkpoint at `src` (any directory `Engine.load` takes), in `dtype` (None: as stored), written to `out`
-    as a moeserve checkpoint with the tokenizer files `src` has."""
-    from moeserve.checkpoint import CheckpointError, save_checkpoint
+def convert(src: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False,
+            quantize: QuantSpec | None = None) -> Path:
+    """The checkpoint at `src` (any directory `Engine.load` takes), in `dtype` (None: as stored), its weights
+    quantized where `quantize` says (runtime/quant.py), written to `out` as a moeserve checkpoint with the tokenizer
+    files `src` has."""
+    from moeserve.checkpoint import CheckpointError, read_config, save_checkpoint
     from moeserve.runtime.engine import DTYPES
     from moeserve.runtime.loading import load_model
+    from moeserve.runtime.quant import QuantError, describe, quantize_model_
 
     out = Path(out)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} exists; --overwrite replaces it")
     if Path(src).resolve() == out.resolve():
         raise CheckpointError(f"{out}: the output must not be the checkpoint it is converted from")
+    if quantize is not None and read_config(src).quantization is not None:  # named before gigabytes are read
+        raise QuantError(f"{src} is already quantized ({describe(read_config(src).quantization)}); quantize the "
+                         "unquantized checkpoint")
     model, ckpt = load_model(src, dtype=None if dtype is None else DTYPES[dtype])
-    path = save_checkpoint(out, ckpt.config, model.state_dict())
+    if quantize is not None:
+        quantize_model_(model, quantize)
+    path = save_checkpoint(out, model.cfg, model.state_dict())
     for name in TOKENIZER_FILES:
         if (ckpt.path / name).is_file():
             shutil.copy2(ckpt.path / name, path / name)
@@ -56,9 +68,38 @@ def add_convert(sub) -> None:
     c.set_defaults(func=cmd_convert)
 
 
+def add_quantize(sub) -> None:
+    q = sub.add_parser("quantize", help="write a checkpoint with int8 or int4 weights",
+                       description="Load a checkpoint (moeserve's or a Hugging Face Mixtral directory) and write it "
+                       "with its linear maps, experts and LM head quantized weight-only: int8 with a scale per output "
+                       "channel, or int4 in groups with a float16 scale per group (llama.cpp's Q4_0 rule). The "
+                       "embedding, norms and routers stay as they are. The output is a moeserve checkpoint (hashed, "
+                       "with the tokenizer beside it) that every command loads as any other.")
+    q.add_argument("checkpoint", type=Path, help="the checkpoint directory to quantize")
+    q.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8: int8; 4: int4")
+    q.add_argument("--group-size", type=int, metavar="G", help="int4: input elements per scale, a multiple of 32 "
+                   "dividing every weight's width (default: 32)")
+    q.add_argument("--out", type=Path, required=True, help="the directory to write")
+    q.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="the weights left in full precision "
+                   "(default: as stored)")
+    q.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    q.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from moeserve.runtime.quant import QuantSpec
+
+    spec = QuantSpec.parse(f"int{args.bits}", args.group_size)
+    return _write(args, spec)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
+    return _write(args, None)
+
+
+def _write(args: argparse.Namespace, spec) -> int:
     t0 = time.perf_counter()
-    path = convert(args.checkpoint, args.out, args.dtype, args.overwrite)
+    path = convert(args.checkpoint, args.out, args.dtype, args.overwrite, spec)
     size = sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".safetensors")
     print(f"wrote {path} ({size / 1e9:.2f} GB of weights) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

@@ -54,6 +54,7 @@ class ScoreConfig:
     dtype: str = "float32"  # float32: scores that reproduce across machines; auto: bf16 where it is fast
     device: str = "auto"
     backend: str = "auto"  # torch for a checkpoint directory, onnx for an exported .onnx file (auto: by the path)
+    quantize: str | None = None  # int8 or int4: the weights quantized as they load (runtime/quant.py)
     batch_size: int = 64  # rows per forward: more amortises per-call overhead, costs activation memory
     batch_tokens: int = 16384  # tokens per forward, padding included: bounds memory whatever the lengths
     stride: int | None = None  # rolling windows over texts past the context: None = half the context
@@ -122,12 +123,13 @@ class ModelFacts:
     task: str
     has_tokenizer: bool
     context: int
+    quantization: dict | None = None  # the weights' format (runtime/quant.py), None: float
 
     @classmethod
     def of(cls, engine: Engine) -> "ModelFacts":
         return cls(str(engine.path) if engine.path is not None else engine.name, engine.path,
                    str(engine.dtype).removeprefix("torch."), engine.device.type, engine.cfg.task,
-                   engine.tokenizer is not None, engine.cfg.max_seq_len)
+                   engine.tokenizer is not None, engine.cfg.max_seq_len, engine.cfg.quantization)
 
     def check(self, stride: int | None) -> None:
         if self.task != "lm":
@@ -330,7 +332,7 @@ def _identity(cfg: ScoreConfig, info: InputInfo, model: ModelFacts) -> dict:
         "checkpoint": model.name,
         "checkpoint_sha256": _checkpoint_fingerprint(model.path),
         "settings": {"format": cfg.resolved_format, "text_field": cfg.text_field, "id_field": cfg.id_field,
-                     "dtype": model.dtype, "device": model.device,
+                     "dtype": model.dtype, "device": model.device, "quantization": model.quantization,
                      "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens,
                      "stride": cfg.stride or default_stride(model.context)},
     }
@@ -404,7 +406,7 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
         model, score_spans = remote.model, remote.score_spans
     else:
         if engine is None:
-            engine = load_engine(checkpoint, cfg.backend, dtype=cfg.dtype, device=cfg.device)
+            engine = load_engine(checkpoint, cfg.backend, dtype=cfg.dtype, device=cfg.device, quantize=cfg.quantize)
         model = ModelFacts.of(engine)
 
         def score_spans(spans: Iterable[ChunkSpan]) -> Iterator[tuple[ChunkSpan, bytes, int]]:

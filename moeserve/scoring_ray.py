@@ -35,8 +35,9 @@ _SPAN_FIELDS = [f.name for f in dataclasses.fields(ChunkSpan)]
 class ChunkScorer:
     """A Ray Data actor: one engine, loaded once; each call scores the chunks of one batch of spans."""
 
-    def __init__(self, checkpoint: str, path: str, batching: Batching, backend: str, dtype: str, device: str):
-        self.engine = load_engine(checkpoint, backend, dtype=dtype, device=device)
+    def __init__(self, checkpoint: str, path: str, batching: Batching, backend: str, dtype: str, device: str,
+                 quantize: str | None = None):
+        self.engine = load_engine(checkpoint, backend, dtype=dtype, device=device, quantize=quantize)
         self.path, self.batching = Path(path), batching
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -71,7 +72,8 @@ class RayScorer:
         self.workers = workers or max(1, gpus or int(resources.get("CPU", 1)))
         facts = self.ray.remote(num_cpus=1, num_gpus=self.num_gpus)(_facts)
         try:  # the worker's device and dtype, which are not this process's where the GPUs are elsewhere
-            self.model: ModelFacts = self.ray.get(facts.remote(self.checkpoint, cfg.backend, cfg.dtype, cfg.device))
+            self.model: ModelFacts = self.ray.get(facts.remote(self.checkpoint, cfg.backend, cfg.dtype, cfg.device,
+                                                                cfg.quantize))
         except Exception as e:
             raise _unwrap(e) from None
 
@@ -93,7 +95,7 @@ class RayScorer:
                 num_gpus=self.num_gpus,
                 fn_constructor_kwargs=dict(checkpoint=self.checkpoint, path=str(cfg.input.absolute()),
                                            batching=cfg.batching, backend=cfg.backend, dtype=cfg.dtype,
-                                           device=cfg.device))
+                                           device=cfg.device, quantize=cfg.quantize))
             try:
                 for row in scored.iter_rows():
                     yield ChunkSpan(*(int(row[name]) for name in _SPAN_FIELDS)), bytes(row["data"]), int(row["errors"])
@@ -110,5 +112,5 @@ def score_file_ray(checkpoint: str | os.PathLike, cfg: ScoreConfig, workers: int
     return score_file(checkpoint, cfg, scorer=lambda: RayScorer(checkpoint, cfg, workers), log=log)
 
 
-def _facts(checkpoint: str, backend: str, dtype: str, device: str) -> ModelFacts:
-    return ModelFacts.of(load_engine(checkpoint, backend, dtype=dtype, device=device))
+def _facts(checkpoint: str, backend: str, dtype: str, device: str, quantize: str | None = None) -> ModelFacts:
+    return ModelFacts.of(load_engine(checkpoint, backend, dtype=dtype, device=device, quantize=quantize))

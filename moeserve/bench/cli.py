@@ -100,6 +100,25 @@ def add_bench(sub, calibrate_help: str) -> None:
                      "float32=mix-f32.gguf bfloat16=mix-bf16.gguf (convert_hf_to_gguf.py --outtype f32 / bf16)")
     _report_files(bsc)
     bsc.set_defaults(func=_main("moeserve.bench.score"))
+    bq = bsub.add_parser("quant", help="int8 and int4 weights against the unquantized model: bits per byte, KL, top-1 "
+                         "agreement, bytes and decode speed", description="Quantize a checkpoint at load in each "
+                         "format and compare it with the unquantized model on held-out text of the built-in corpus "
+                         "(never trained on), as llama.cpp's perplexity --kl-divergence does: bits per byte, the mean "
+                         "KL divergence of the next-token distributions, top-1 agreement; and the weight bytes a "
+                         "decode step reads, and batch-1 decode tokens/s.")
+    bq.add_argument("--checkpoint", type=Path, help="an unquantized language model (default: the built-in one)")
+    bq.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=("int8", "int4"),
+                    help="(default: int8 int4)")
+    bq.add_argument("--group-size", type=int, metavar="G", help="int4's group (default: 32)")
+    bq.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="activations and unquantized weights (default: float32)")
+    bq.add_argument("--records", type=int, default=16, metavar="N", help="held-out records (default: 16)")
+    bq.add_argument("--tokens", type=int, default=512, metavar="T", help="tokens per record, at most the context "
+                    "(default: 512)")
+    bq.add_argument("--new-tokens", type=int, default=64, metavar="N", help="decode tokens timed (default: 64)")
+    bq.add_argument("--repeats", type=int, default=3, metavar="R", help="timed decodes, median (default: 3)")
+    _report_files(bq)
+    bq.set_defaults(func=_main("moeserve.bench.quant"))
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",
                          description="Export a checkpoint in each ONNX mode (parity-checked) and time the scoring "
                          "forward (ids -> logits) of the torch Engine in fp32 and of each export on ONNX Runtime's "

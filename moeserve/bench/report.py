@@ -18,7 +18,7 @@ from moeserve.runtime.device import machine
 MODULES = {"train": "moeserve.bench.train", "layer": "moeserve.bench.layer", "engine": "moeserve.bench.engine",
            "onnx": "moeserve.bench.onnx", "http": "moeserve.bench.http_report", "serve": "moeserve.bench.serve_report",
            "shards": "moeserve.bench.shards", "gpu": "moeserve.bench.gpu",
-           "score": "moeserve.bench.score"}
+           "score": "moeserve.bench.score", "quant": "moeserve.bench.quant"}
 
 
 class BenchError(UserError):

@@ -29,6 +29,7 @@ from moeserve.runtime.executor import Executor, ExpertLoad
 from moeserve.runtime.loading import load_model, verifying
 from moeserve.runtime.model import ExpertsFactory, Transformer
 from moeserve.runtime.output import StreamEvent
+from moeserve.runtime.quant import QuantSpec, quantize_model_
 from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.scores import bits_per_byte
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
@@ -148,16 +149,21 @@ class Engine:
     @classmethod
     def load(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
              *, verify: bool = True, plan: DispatchPlan | None = None, calibration: str | None = None,
-             compile: str = "off", experts_factory: ExpertsFactory | None = None) -> "Engine":
+             compile: str = "off", experts_factory: ExpertsFactory | None = None,
+             quantize: str | QuantSpec | None = None) -> "Engine":
         """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`; with
-        `experts_factory`, without its experts, which the factory's modules compute (loading.load_model)."""
+        `experts_factory`, without its experts, which the factory's modules compute (loading.load_model).
+        `quantize` ('int8', 'int4' or a QuantSpec): its weights quantized as they load (runtime/quant.py)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         resolve_mode(calibration)  # bad modes are named before the weights are read
         if compile not in COMPILE_MODES:
             raise EngineError(f"compile mode {compile!r}: expected one of {', '.join(COMPILE_MODES)}")
+        spec = QuantSpec.parse(quantize) if isinstance(quantize, str) else quantize
         with verifying(path, verify):
             model, ckpt = load_model(path, device=dev, dtype=dt, verify=False, experts_factory=experts_factory)
+            if spec is not None:
+                quantize_model_(model, spec)
             tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
             return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,
                        calibration=calibration, compile=compile)
@@ -330,10 +336,10 @@ class Engine:
 
 def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "auto", *, threads: int | None = None, verify: bool = True,
-                calibration: str | None = None, compile: str = "off") -> Engine:
+                calibration: str | None = None, compile: str = "off", quantize: str | None = None) -> Engine:
     """A checkpoint directory on torch, or a graph from `moeserve export onnx` on ONNX Runtime
     (runtime/backends/onnx.py); backend 'auto' goes by the path: a .onnx file is an export. `calibration`
-    is the torch Engine's (an ONNX Runtime session chooses its own kernels)."""
+    is the torch Engine's (an ONNX Runtime session chooses its own kernels); `quantize` ('int8', 'int4') too."""
     if backend not in BACKENDS:
         raise EngineError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     is_onnx = Path(path).suffix == ".onnx"
@@ -342,8 +348,11 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", dtype: str | tor
 
         if compile == "on":
             raise EngineError("--compile on: an ONNX Runtime session is compiled by onnxruntime itself; use auto or off")
+        if quantize is not None:
+            raise EngineError(f"--quantize {quantize}: an ONNX export runs as it was exported; quantize the checkpoint")
         runner, tokenizer = load_onnx_backend(path, dtype=str(dtype), device=str(device), threads=threads)
         return Engine(runner, tokenizer, name=Path(path).stem, path=Path(path))
     if is_onnx:
         raise EngineError(f"{path} is an ONNX export; run it with --backend onnx (or auto)")
-    return Engine.load(path, dtype=dtype, device=device, verify=verify, calibration=calibration, compile=compile)
+    return Engine.load(path, dtype=dtype, device=device, verify=verify, calibration=calibration, compile=compile,
+                       quantize=quantize)

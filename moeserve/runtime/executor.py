@@ -16,10 +16,11 @@ from torch import Tensor
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.backends import ModelRunner, backend_for
-from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, plan_for
+from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, plan_for, quantized_plan
 from moeserve.runtime.backends.compiled import CompileError, model_uncompilable, resolve_compile
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
+from moeserve.runtime.quant import is_quantized
 from moeserve.runtime.sampling import EngineError
 from moeserve.runtime.steps import StepEngine
 from moeserve.tokenizer import Tokenizer
@@ -67,8 +68,10 @@ class Executor:
         self._fallback = compile == "auto"
         if isinstance(model, Transformer):
             self.model = model.eval()
-            if plan is None:
-                w = model.tok_embeddings.weight
+            w = model.tok_embeddings.weight
+            if plan is None and is_quantized(model):
+                plan = quantized_plan(w.device, w.dtype)
+            elif plan is None:
                 plan = plan_for(ExpertShape.of(model.cfg) if model.moe_layers else None, w.device, w.dtype, calibration)
             model = backend_for(self.model, plan, self._compiled(compile), self._fallback)
             self.plan = model.plan

@@ -15,8 +15,8 @@ from typing import Iterator
 import torch
 
 from moeserve.checkpoint import (
-    INDEX_FILE, WEIGHTS_FILE, CheckpointError, LoadedCheckpoint, is_expert_weight, is_hashed, load_checkpoint,
-    verify_checkpoint,
+    INDEX_FILE, WEIGHTS_FILE, CheckpointError, LoadedCheckpoint, is_expert_weight, is_hashed, is_quant_state,
+    load_checkpoint, verify_checkpoint,
 )
 from moeserve.runtime.model import ExpertsFactory, Transformer
 
@@ -55,7 +55,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     need and holds no second copy; converted or moved, each tensor is copied once."""
     keep = (lambda name: not is_expert_weight(name)) if experts_factory is not None else None
     ckpt = load_checkpoint(path, device=str(device), verify=verify, dtype=dtype, keep=keep)
-    stored = next((t.dtype for t in ckpt.state_dict.values() if t.is_floating_point()), torch.float32)
+    stored = next((t.dtype for k, t in ckpt.state_dict.items() if t.is_floating_point() and not is_quant_state(k)),
+                  torch.float32)
     model = Transformer.empty(ckpt.config, device, dtype or stored, experts_factory)
     load_into(model, ckpt, assign=True)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

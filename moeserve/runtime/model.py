@@ -22,6 +22,7 @@ from moeserve.config import MoEConfig
 from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.kv_cache import CacheRows, StepRows
 from moeserve.runtime.moe import MoEAux, MoELayer
+from moeserve.runtime.quant import QuantSpec, quantize_
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 HEAD_ROWS = 128  # rows of logits a scoring call holds at once (Transformer._target_logprobs)
@@ -164,6 +165,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+        if cfg.quantization is not None:  # a quantized checkpoint's model: its tensors are assigned by the loader
+            quantize_(self, QuantSpec.from_dict(cfg.quantization), weights=False)
 
     @classmethod
     def empty(cls, cfg: MoEConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -191,6 +194,21 @@ class Transformer(nn.Module):
             nn.init.normal_(p, mean=0.0, std=out_std if is_out else std)
         if self.cfg.task == "classify":
             nn.init.zeros_(self.classifier.bias)
+
+    def quantizable(self) -> list[tuple[nn.Module, str]]:
+        """(parent, attribute) of every module a weight-only quantization replaces (runtime/quant.py): attention's and
+        the dense FFNs' linear maps, each MoE layer's own experts and the LM head. The embedding, norms, routers, VQ
+        codebooks and a classifier stay in full precision."""
+        out: list[tuple[nn.Module, str]] = []
+        for block in self.layers:
+            out += [(block.attention, n) for n in ("wq", "wk", "wv", "wo")]
+            if isinstance(block.ffn, FeedForward):
+                out += [(block.ffn, n) for n in ("w1", "w2", "w3") if getattr(block.ffn, n) is not None]
+            elif isinstance(block.ffn.experts, Experts):
+                out.append((block.ffn, "experts"))
+        if self.cfg.task == "lm":
+            out.append((self, "output"))
+        return out
 
     @property
     def moe_layers(self) -> list[MoELayer]:

@@ -23,19 +23,26 @@ are read at all).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moeserve.errors import UserError
+from moeserve.runtime import QUANT_FORMATS
 from moeserve.runtime.experts import Experts, combine, dispatch, expert_forward
 
-FORMATS = ("int8", "int4")
+# A scale is viewed as an integer while a module is converted (Module.to(dtype), .half(), ...): a float cast would
+# round int8's float32 scales to the model's bf16 (0.4% off every weight) and leave int4's no longer float16.
+_AS_INT = {torch.float32: torch.int32, torch.float16: torch.int16}
+
+FORMATS = QUANT_FORMATS
 DEFAULT_GROUP = 32
 
 
-class QuantError(ValueError):
+class QuantError(UserError):
     """A quantization request that cannot be met (a bad format or group size, an already quantized model)."""
 
 
@@ -170,6 +177,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", torch.zeros(qs, dtype=qt, device=device))
         self.register_buffer("scale", torch.zeros(ss, dtype=st, device=device))
 
+    def _apply(self, fn, recurse=True):
+        return _apply_keeping_scales(self, fn, recurse)
+
     @classmethod
     def of(cls, weight: Tensor, spec: QuantSpec) -> "QuantLinear":
         O, I = weight.shape
@@ -203,7 +213,7 @@ class QuantExperts(nn.Module):
                 continue
             spec.check_width(shapes[name][-1], f"experts' {name}")
             qs, qt, ss, st = storage_shapes(shapes[name], spec)
-            self.register_buffer(f"{name}_q", torch.zeros(qs, dtype=qt, device=device))
+            self.register_buffer(f"{name}_qweight", torch.zeros(qs, dtype=qt, device=device))
             self.register_buffer(f"{name}_scale", torch.zeros(ss, dtype=st, device=device))
 
     @classmethod
@@ -214,23 +224,26 @@ class QuantExperts(nn.Module):
             w = getattr(experts, name)
             if w is not None:
                 q, s = quantize(w, spec)
-                setattr(m, f"{name}_q", q)
+                setattr(m, f"{name}_qweight", q)
                 setattr(m, f"{name}_scale", s)
         return m
 
+    def _apply(self, fn, recurse=True):
+        return _apply_keeping_scales(self, fn, recurse)
+
     @property
     def n_experts(self) -> int:
-        return self.w1_q.shape[0]
+        return self.w1_qweight.shape[0]
 
     @property
     def has_w3(self) -> bool:
-        return hasattr(self, "w3_q")
+        return hasattr(self, "w3_qweight")
 
     def weight(self, name: str, e: int, dtype: torch.dtype) -> Tensor | None:
         """Expert e's `name` dequantized, or None (w3 of a gelu layer)."""
         if name == "w3" and not self.has_w3:
             return None
-        return dequantize(getattr(self, f"{name}_q")[e], getattr(self, f"{name}_scale")[e], self.spec).to(dtype)
+        return dequantize(getattr(self, f"{name}_qweight")[e], getattr(self, f"{name}_scale")[e], self.spec).to(dtype)
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
@@ -239,3 +252,62 @@ class QuantExperts(nn.Module):
                              self.observer)
               for e, x_ND in enumerate(d.blocks()) if x_ND.shape[0]]
         return combine(d, torch.cat(ys) if ys else x_TD.new_zeros(0, x_TD.shape[1]), x_TD)
+
+
+def _apply_keeping_scales(module: nn.Module, fn, recurse: bool):
+    """Module._apply with every scale buffer moved as the integer view of its bits: device moves happen, float
+    casts do not (they only touch floating-point tensors)."""
+    scales = {id(b) for n, b in module._buffers.items() if b is not None and n.endswith("scale")}
+
+    def keep(t: Tensor) -> Tensor:
+        if id(t) in scales and t.dtype in _AS_INT:
+            return fn(t.view(_AS_INT[t.dtype])).view(t.dtype)
+        return fn(t)
+
+    return nn.Module._apply(module, keep, recurse)
+
+
+def quantize_(model: nn.Module, spec: QuantSpec, weights: bool = True) -> int:
+    """Replace each of `model.quantizable()` (runtime/model.py) by its quantized module: from its weights, or empty
+    (weights=False: a checkpoint's tensors will be assigned). How many were replaced."""
+    targets = model.quantizable()
+    for parent, name in targets:
+        m = getattr(parent, name)
+        if isinstance(m, (QuantLinear, QuantExperts)):
+            raise QuantError(f"{name} is already quantized ({m.spec.name}); quantize the unquantized checkpoint")
+        if isinstance(m, Experts):
+            new = QuantExperts.of(m, spec) if weights else QuantExperts(
+                m.n_experts, m.w1.shape[2], m.w1.shape[1], m.act, spec, device=m.w1.device)
+        else:
+            O, I = m.weight.shape
+            new = QuantLinear.of(m.weight, spec) if weights else QuantLinear(I, O, spec, device=m.weight.device)
+        setattr(parent, name, new)
+    return len(targets)
+
+
+def describe(quantization: dict | None) -> str:
+    """A config's `quantization` in words: int8, int4 (group 32), or float."""
+    if quantization is None:
+        return "float"
+    spec = QuantSpec.from_dict(quantization)
+    return spec.name + (f" (group {spec.group})" if spec.group else "")
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (QuantLinear, QuantExperts)) for m in model.modules())
+
+
+def quantize_model_(model: nn.Module, spec: QuantSpec) -> None:
+    """Quantize a loaded float model in place (`--quantize` at load), its config saying so, as a quantized
+    checkpoint's does: saved, it is one."""
+    if model.cfg.quantization is not None:
+        raise QuantError(f"the model is already quantized ({QuantSpec.from_dict(model.cfg.quantization).name}); "
+                         "quantize the unquantized checkpoint instead")
+    names = {id(m): n for n, m in model.named_modules()}
+    for parent, name in model.quantizable():
+        m = getattr(parent, name)
+        where = names.get(id(m), name)
+        for w in (m.w1, m.w2) if isinstance(m, Experts) else (m.weight,):
+            spec.check_width(w.shape[-1], f"{where} {list(w.shape)}")
+    quantize_(model, spec)
+    model.cfg = dataclasses.replace(model.cfg, quantization=spec.as_dict())

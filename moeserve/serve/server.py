@@ -30,7 +30,7 @@ class _Server(uvicorn.Server):
 
 def serve(checkpoint: str | Path, cfg: ServeConfig, *, dtype: str = "auto", device: str = "auto",
           backend: str = "auto", calibration: str | None = None, compile: str = "auto", verify: bool = True,
-          access_log: bool = True, log_level: str = "info") -> int:
+          access_log: bool = True, log_level: str = "info", quantize: str | None = None) -> int:
     """Serve a checkpoint directory or an .onnx export until stopped (`verify=False`: its hashes were
     checked a moment ago, as the CLI does for the default model). Returns the exit status: 1 if the
     model failed to load."""
@@ -43,7 +43,8 @@ def serve(checkpoint: str | Path, cfg: ServeConfig, *, dtype: str = "auto", devi
         raise NotADirectoryError(f"checkpoint {str(path)!r} is not a directory (nor an .onnx export)")
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(message)s")
     app = create_app(lambda: load_engine(path, backend, dtype=dtype, device=device, threads=cfg.threads,
-                                         calibration=calibration, compile=compile, verify=verify), cfg)
+                                         calibration=calibration, compile=compile, verify=verify,
+                                         quantize=quantize), cfg)
     state: ServerState = app.state.serve
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.shutdown_timeout_s,
                             access_log=access_log, log_level=log_level)

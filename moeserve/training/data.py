@@ -177,8 +177,7 @@ def load_corpus(
         root = _stdlib_root()
         files = default_corpus_files()
         for f in files:
-            # Key relative to the stdlib, so the split is the same wherever Python is installed.
-            docs.append((f"stdlib/{f.relative_to(root).as_posix()}", _read_text(f)))
+            docs.append((_stdlib_key(f, root), _read_text(f)))
         n_bytes = sum(f.stat().st_size for f in files)
         sources.append(f"python{sysconfig.get_python_version()} stdlib {root}: {len(files)} .py files, {n_bytes} bytes")
     else:
@@ -205,8 +204,7 @@ def load_corpus(
     val_docs: list[np.ndarray] = []
     if len(encoded) >= MIN_SPLIT_DOCS:
         for key, ids in encoded:
-            in_val = zlib.crc32(key.encode("utf-8")) % modulus == 0
-            (val_docs if in_val else train_docs).append(ids)
+            (val_docs if _in_val(key, modulus) else train_docs).append(ids)
     if not train_docs or not val_docs:
         train_docs, val_docs = [], []
         for _, ids in encoded:
@@ -262,6 +260,30 @@ class Batcher:
         starts = torch.randint(0, n_starts, (self.batch_size,), generator=self._generator(step))
         window = self.tokens[starts[:, None] + self._offsets].long()
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def _stdlib_key(f: Path, root: Path) -> str:
+    """A default-corpus document's split key: relative to the stdlib, so the split is the same wherever Python is
+    installed."""
+    return f"stdlib/{f.relative_to(root).as_posix()}"
+
+
+def _in_val(key: str, modulus: int) -> bool:
+    return zlib.crc32(key.encode("utf-8")) % modulus == 0
+
+
+def default_val_texts(max_chars: int, val_fraction: float = 0.05) -> list[str]:
+    """The default corpus's validation documents (load_corpus's split: text no model trained on it has seen), in
+    corpus order, until `max_chars` characters: held-out text for an evaluation that needs text, not token ids."""
+    root, modulus = _stdlib_root(), round(1 / val_fraction)
+    texts, total = [], 0
+    for f in default_corpus_files():
+        if total >= max_chars:
+            break
+        if _in_val(_stdlib_key(f, root), modulus):
+            texts.append(_read_text(f))
+            total += len(texts[-1])
+    return texts
 
 
 def eval_batches(

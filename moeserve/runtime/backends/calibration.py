@@ -142,6 +142,15 @@ def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "
     return DispatchPlan(pack, pack, cuda, 1, "default", reason, decode_grouped=cuda and dtype == torch.bfloat16)
 
 
+def quantized_plan(device: torch.device | str, dtype: torch.dtype) -> DispatchPlan:
+    """A quantized model's plan, not measured: its weights have one form per backend (runtime/quant.py's modules,
+    laid out by the backend), so there is nothing to time; RMSNorm and decode attention go on the C kernel where it
+    runs this dtype."""
+    on_kernel = torch.device(device).type == "cpu" and cpu_kernel.unavailable_for(dtype) is None
+    return DispatchPlan(False, False, False, 0, "quantized", "quantized weights: not calibrated",
+                        kernel_norms=on_kernel)
+
+
 @dataclass(frozen=True)
 class ExpertShape:
     """What the time of an MoE layer depends on."""
