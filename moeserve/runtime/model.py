@@ -22,7 +22,7 @@ from moeserve.config import MoEConfig
 from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.kv_cache import CacheRows, StepRows
 from moeserve.runtime.moe import MoEAux, MoELayer
-from moeserve.runtime.quant import QuantSpec, quantize_
+from moeserve.runtime.quant import QuantExperts, QuantSpec, quantize_
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 HEAD_ROWS = 128  # rows of logits a scoring call holds at once (Transformer._target_logprobs)
@@ -204,7 +204,7 @@ class Transformer(nn.Module):
             out += [(block.attention, n) for n in ("wq", "wk", "wv", "wo")]
             if isinstance(block.ffn, FeedForward):
                 out += [(block.ffn, n) for n in ("w1", "w2", "w3") if getattr(block.ffn, n) is not None]
-            elif isinstance(block.ffn.experts, Experts):
+            elif isinstance(block.ffn.experts, (Experts, QuantExperts)):  # its own, not an experts_factory's
                 out.append((block.ffn, "experts"))
         if self.cfg.task == "lm":
             out.append((self, "output"))

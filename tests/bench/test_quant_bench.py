@@ -1,0 +1,58 @@
+"""`moeserve bench quant`: each format against the unquantized model on held-out text, on a real (tiny) model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeserve.bench.quant import bench_quant, markdown, weight_bytes_per_token
+from moeserve.bench.report import BenchError
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.runtime.model import Transformer
+from moeserve.runtime.quant import QuantSpec, quantize_model_
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", max_seq_len=128))
+    return save_checkpoint(tmp_path_factory.mktemp("quant-bench") / "tiny", model.cfg, model.state_dict())
+
+
+def test_formats_against_the_float_model(checkpoint, one_torch_thread):
+    report = bench_quant(checkpoint, ["int8", "int4"], None, "float32", 3, 60, 4, 1, progress=lambda msg: None)
+    base, int8, int4 = report["results"]
+    assert [r["format"] for r in report["results"]] == ["float", "int8", "int4 (group 32)"]
+    assert report["records"] == 3 and report["tokens"] > 3 * 30
+    assert "mean_kl" not in base and 0 <= int8["mean_kl"] < int4["mean_kl"]  # int8 moves the distributions less
+    assert int8["top1_agreement"] >= int4["top1_agreement"] and 0.5 < int4["top1_agreement"] <= 1
+    assert abs(int8["bpb_change_pct"]) < abs(int4["bpb_change_pct"]) + 0.5
+    # bytes a decode step reads: fp32 -> int8 about a quarter, int4 less again (the embedding row stays fp32)
+    assert base["weight_bytes_per_token"] > 3 * int8["weight_bytes_per_token"] > 1.5 * int4["weight_bytes_per_token"]
+    assert all(r["decode_tokens_per_s"] > 0 for r in report["results"])
+    page = markdown(report)
+    assert f"| int8 | {int8['bits_per_byte']} | {int8['bpb_change_pct']:+.2f}% | {int8['mean_kl']} |" in page
+
+
+def test_weight_bytes_per_token_counts_what_decode_reads():
+    cfg = preset("tiny")  # tied head: the embedding matrix is read by the head
+    model = Transformer(cfg)
+    D, V, F, E, K, L = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.n_layers
+    attention = 4 * D * D  # tiny: multi-head, so wk and wv are D x D too
+    per_layer = attention + 3 * F * D * K + D * E + 2 * D  # K experts of E, the router, two norms
+    assert weight_bytes_per_token(model) == 4 * (L * per_layer + D + V * D)
+    quantize_model_(model, QuantSpec.parse("int8"))  # the head is its own int8 matrix; one embedding row is read
+    per_layer = (attention + 4 * 4 * D) + (3 * F * D + 4 * (2 * F + D)) * K + 4 * D * E + 4 * 2 * D
+    assert weight_bytes_per_token(model) == L * per_layer + 4 * D + (V * D + 4 * V) + 4 * D
+
+
+def test_a_quantized_checkpoint_is_refused(checkpoint, tmp_path):
+    out = tmp_path / "q"
+    assert subprocess.run([sys.executable, "-m", "moeserve.cli", "quantize", str(checkpoint), "--bits", "8", "--out",
+                           str(out)], capture_output=True, timeout=120).returncode == 0
+    with pytest.raises(BenchError, match=r"already quantized \(int8\): give the unquantized checkpoint"):
+        bench_quant(out, ["int4"], None, "float32", 1, 40, 2, 1, progress=lambda msg: None)

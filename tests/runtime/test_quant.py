@@ -1,0 +1,274 @@
+"""Weight-only quantization (runtime/quant.py): the formats on known values, the modules against the float model
+with the same (dequantized) weights, quantized checkpoints, --quantize at load and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.checkpoint import CheckpointError, WEIGHTS_FILE, load_checkpoint, parameter_counts, save_checkpoint
+from moeserve.config import ConfigError, MoEConfig, preset
+from moeserve.runtime.engine import Engine, EngineError, SamplingParams, load_engine
+from moeserve.runtime.experts import Experts
+from moeserve.runtime.loading import load_model
+from moeserve.runtime.model import Transformer
+from moeserve.runtime.quant import (
+    QuantError, QuantExperts, QuantLinear, QuantSpec, dequantize, dequantize_int4, dequantize_int8, pack_int4,
+    quantize_int4, quantize_int8, quantize_model_, unpack_int4,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    pass
+
+
+# ---- the formats --------------------------------------------------------------------------------
+def test_int8_on_known_values():
+    w = torch.tensor([[1.0, -2.54, 0.0, 0.01], [0.0, 0.0, 0.0, 0.0]])
+    q, scale = quantize_int8(w)
+    assert scale.dtype == torch.float32 and q.dtype == torch.int8
+    assert scale.tolist() == pytest.approx([2.54 / 127, 0.0])
+    assert q.tolist() == [[50, -127, 0, 0], [0, 0, 0, 0]]  # 1 / (2.54/127) = 50; 0.01 / 0.02 = 0.5 -> 0 (half to even)
+    assert torch.equal(dequantize_int8(q, scale), q.float() * scale[:, None])
+    assert dequantize_int8(q, scale)[1].abs().sum() == 0  # a zero row stays zero, no division by zero
+
+
+def test_int4_on_known_values():
+    # one group of 32: the largest magnitude is -4, so scale = -4 / -8 = 0.5 and every multiple of 0.5 in [-4, 3.5]
+    # is a level; -4 maps to u = 0
+    w = torch.arange(-8, 8).repeat(2).float()[None] * 0.5
+    packed, scale = quantize_int4(w, 32)
+    assert packed.shape == (1, 16) and packed.dtype == torch.uint8 and scale.dtype == torch.float16
+    assert scale.tolist() == [[0.5]]
+    assert torch.equal(dequantize_int4(packed, scale), w)  # on the grid: exact
+    u = unpack_int4(packed)
+    assert u[0, :16].tolist() == list(range(16)) and u[0, 16:].tolist() == list(range(16))
+    # byte j holds element j (low nibble) and element j + 16 (high nibble)
+    assert packed[0].tolist() == [j | (j << 4) for j in range(16)]
+    # a positive maximum maps to u = 0 too (scale negative), so +max is exact and the grid spans it
+    w2 = torch.zeros(1, 32)
+    w2[0, 3], w2[0, 5] = 8.0, -3.0
+    p2, s2 = quantize_int4(w2, 32)
+    assert s2.item() == -1.0 and dequantize_int4(p2, s2)[0, 3] == 8.0 and dequantize_int4(p2, s2)[0, 5] == -3.0
+
+
+def test_int4_groups_and_round_trip_error():
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, 128)  # stacked experts: leading dims pass through
+    for group in (32, 64, 128):
+        packed, scale = quantize_int4(w, group)
+        assert packed.shape == (3, 5, 64) and scale.shape == (3, 5, 128 // group)
+        d = scale.float()[..., None]
+        g = w.reshape(3, 5, -1, group)
+        err = (dequantize_int4(packed, scale) - w).abs().reshape(3, 5, -1, group)
+        inside = g / d <= 7.5  # u = 15 is the top level: past it (the far end from the maximum) values clamp
+        assert (err[inside] <= d.abs().expand_as(g)[inside] * 0.5 + 1e-6).all()  # round to nearest: half a step
+        assert (err <= d.abs() * 1.0 + 1e-6).all()  # clamped: at most one step (Q4_0's asymmetry)
+    u = torch.randint(0, 16, (4, 96), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(u)), u)
+
+
+def test_int8_round_trip_error():
+    w = torch.randn(7, 33)
+    q, scale = quantize_int8(w)
+    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] * 0.5 + 1e-7).all()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: QuantSpec(3), "expected 8 .int8. or 4 .int4."),
+    (lambda: QuantSpec(4, 48), "group size 48: expected a multiple of 32"),
+    (lambda: QuantSpec.parse("int8", 32), "--group-size is int4's"),
+    (lambda: QuantSpec.parse("int2"), "expected one of int8, int4"),
+    (lambda: quantize_int4(torch.zeros(2, 96), 64), "group size 64 does not divide its input width 96"),
+])
+def test_bad_formats_are_named(bad, message):
+    with pytest.raises(QuantError, match=message):
+        bad()
+
+
+def test_config_validates_quantization():
+    assert MoEConfig(quantization={"bits": 4, "group": 64}).quantization == {"bits": 4, "group": 64}
+    for bad in ({"bits": 4, "group": None}, {"bits": 8, "group": 32}, {"bits": 3, "group": None}, {"bits": 8},
+                {"bits": True, "group": None}, "int8"):
+        with pytest.raises(ConfigError, match="config field 'quantization'"):
+            MoEConfig(quantization=bad)
+
+
+# ---- the modules --------------------------------------------------------------------------------
+def _dequantized_float_model(model: Transformer, quantized: Transformer) -> Transformer:
+    """The float model whose weights are the quantized model's, dequantized: the reference it must equal."""
+    ref = copy.deepcopy(model)
+    for (parent, name), (qparent, _) in zip(ref.quantizable(), quantized.quantizable()):
+        m, q = getattr(parent, name), getattr(qparent, name)
+        with torch.no_grad():
+            if isinstance(m, Experts):
+                for w in ("w1", "w2", "w3"):
+                    getattr(m, w).copy_(dequantize(getattr(q, f"{w}_qweight"), getattr(q, f"{w}_scale"), q.spec))
+            elif name == "output" and ref.cfg.tie_embeddings:  # the tied head: its own weight, once quantized
+                head = torch.nn.Linear(q.in_features, q.out_features, bias=False)
+                head.weight.copy_(q.dequantized(torch.float32))
+                setattr(parent, name, head)
+            else:
+                m.weight.copy_(q.dequantized(torch.float32))
+    return ref
+
+
+@pytest.mark.parametrize("router", ["softmax", "xmoe", "vq"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_model_equals_the_float_model_on_its_dequantized_weights(router, fmt):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router=router, moe_layers=[1])).eval()  # a dense FFN layer too
+    quantized = copy.deepcopy(model)
+    quantize_model_(quantized, QuantSpec.parse(fmt))
+    assert quantized.cfg.quantization == QuantSpec.parse(fmt).as_dict()
+    kinds = {type(getattr(p, n)) for p, n in quantized.quantizable()}
+    assert kinds == {QuantLinear, QuantExperts}
+    assert type(quantized.layers[1].ffn.router.gate if router != "xmoe" else quantized.layers[1].ffn.router.proj) \
+        is torch.nn.Linear  # routers stay in full precision
+    ids = torch.randint(0, 259, (2, 24))
+    with torch.inference_mode():
+        got = quantized(ids).logits
+        want = _dequantized_float_model(model, quantized)(ids).logits
+        float_logits = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - float_logits).abs().max() > 1e-4  # and it is not the float model
+
+
+def test_scales_survive_dtype_casts_bit_for_bit():
+    torch.manual_seed(0)
+    for fmt in ("int8", "int4"):
+        model = Transformer(preset("tiny"))
+        quantize_model_(model, QuantSpec.parse(fmt))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.to(torch.bfloat16).half().float()
+        for k, v in model.state_dict().items():
+            if k.endswith(("scale", "qweight")):
+                assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+        assert model.tok_embeddings.weight.dtype == torch.float32
+
+
+def test_quantizing_twice_is_refused():
+    model = Transformer(preset("tiny"))
+    quantize_model_(model, QuantSpec.parse("int8"))
+    with pytest.raises(QuantError, match=r"already quantized \(int8\)"):
+        quantize_model_(model, QuantSpec.parse("int4"))
+
+
+def test_a_group_that_does_not_divide_a_width_names_the_weight():
+    model = Transformer(preset("tiny"))  # d_model 64
+    with pytest.raises(QuantError, match=r"layers\.0\.attention\.wq \[64, 64\]: group size 128 does not divide"):
+        quantize_model_(model, QuantSpec(4, 128))
+    assert model.cfg.quantization is None and type(model.layers[0].attention.wq) is torch.nn.Linear  # untouched
+
+
+# ---- checkpoints and the engine -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def float_ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="xmoe"))
+    return save_checkpoint(tmp_path_factory.mktemp("quant") / "tiny", model.cfg, model.state_dict())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_checkpoint_round_trips_bit_for_bit(float_ckpt, tmp_path, fmt):
+    out = tmp_path / fmt
+    p = subprocess.run([sys.executable, "-m", "moeserve.cli", "quantize", str(float_ckpt), "--bits", fmt[3:], "--out",
+                        str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    engine = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize=fmt)
+    loaded = load_checkpoint(out)
+    assert loaded.config.quantization == QuantSpec.parse(fmt).as_dict()
+    state = engine.model.state_dict()
+    assert set(loaded.state_dict) == set(state)
+    for k, t in loaded.state_dict.items():
+        assert t.dtype == state[k].dtype and torch.equal(t, state[k]), k
+    # bf16 activations: the scales still load as stored
+    bf16 = Engine.load(out, dtype="bfloat16", device="cpu")
+    assert bf16.model.layers[0].attention.wq.scale.dtype == (torch.float32 if fmt == "int8" else torch.float16)
+    # the parameters counted are the float model's
+    shapes = {k: tuple(t.shape) for k, t in loaded.state_dict.items()}
+    float_shapes = {k: tuple(t.shape) for k, t in load_checkpoint(float_ckpt).state_dict.items()}
+    assert parameter_counts(loaded.config, shapes)["experts"] == parameter_counts(loaded.config, float_shapes)["experts"]
+
+
+def test_a_tampered_quantized_checkpoint_is_refused(float_ckpt, tmp_path):
+    model = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int4").model
+    out = save_checkpoint(tmp_path / "q", model.cfg, model.state_dict())
+    data = bytearray((out / WEIGHTS_FILE).read_bytes())
+    data[-5] ^= 1
+    (out / WEIGHTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        Engine.load(out, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_generation_and_scoring_on_a_quantized_model(float_ckpt, fmt):
+    """Continuous batching (rows of any lengths, n) and scoring run on quantized weights, and give the float
+    engine's numbers on the dequantized weights."""
+    engine = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize=fmt)
+    ref_model = _dequantized_float_model(load_model(float_ckpt)[0], engine.model)
+    ref = Engine.from_model(ref_model, engine.tokenizer)
+    prompts = ["def f(x):", "import os\nimport sys\n", "class A"]
+    params = SamplingParams(12, ignore_eos=True)
+    got, want = engine.complete(prompts, params), ref.complete(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    scores, ref_scores = engine.score(prompts), ref.score(prompts)
+    for a, b in zip(scores, ref_scores):
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-4)
+
+
+def test_quantize_refusals(float_ckpt, tmp_path):
+    with pytest.raises(QuantError, match="format 'int3'"):
+        Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int3")
+    with pytest.raises(EngineError, match="an ONNX export runs as it was exported"):
+        load_engine(tmp_path / "m.onnx", quantize="int8")
+    cli = [sys.executable, "-m", "moeserve.cli"]
+    for args, message in (
+        (["quantize", str(float_ckpt), "--bits", "3", "--out", str(tmp_path / "x")], "invalid choice: 3"),
+        (["quantize", str(float_ckpt), "--bits", "4", "--group-size", "40", "--out", str(tmp_path / "x")],
+         "group size 40: expected a multiple of 32"),
+        (["quantize", str(float_ckpt), "--bits", "8", "--group-size", "32", "--out", str(tmp_path / "x")],
+         "--group-size is int4's"),
+        (["generate", str(float_ckpt), "--quantize", "int2"], "invalid choice: 'int2'"),
+    ):
+        p = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
+    assert not (tmp_path / "x").exists()
+    once = tmp_path / "once"
+    assert subprocess.run([*cli, "quantize", str(float_ckpt), "--bits", "8", "--out", str(once)],
+                          capture_output=True, timeout=120).returncode == 0
+    p = subprocess.run([*cli, "quantize", str(once), "--bits", "4", "--out", str(tmp_path / "twice")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "is already quantized (int8)" in p.stderr
+    p = subprocess.run([*cli, "generate", str(once), "--quantize", "int8", "--max-tokens", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "already quantized (int8)" in p.stderr
+
+
+def test_score_with_quantize_records_it_and_a_resume_must_match(float_ckpt, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "text": f"line {i} of text"}) + "\n" for i in range(5)))
+    out = tmp_path / "out.jsonl"
+    cli = [sys.executable, "-m", "moeserve.cli", "score", str(float_ckpt), "--input", str(inp), "--output", str(out),
+           "--quiet", "--chunk-size", "2"]
+    p = subprocess.run([*cli, "--quantize", "int4"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    engine = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int4")
+    want = engine.score([f"line {i} of text" for i in range(5)])
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["logprob"] for g in got] == pytest.approx([w.logprob for w in want], rel=1e-6)
+    # what a resume must match names the quantization, so a run resumed with other weights is refused
+    from moeserve.scoring import ModelFacts, ScoreConfig, _differences, _identity, scan_input
+
+    cfg, info = ScoreConfig(inp, out), scan_input(inp)
+    int4 = _identity(cfg, info, ModelFacts.of(engine))
+    int8 = _identity(cfg, info, ModelFacts.of(Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int8")))
+    assert int4["settings"]["quantization"] == {"bits": 4, "group": 32}
+    assert _differences(int4, int8) == ["quantization: {'bits': 4, 'group': 32} in the run, {'bits': 8, 'group': None} now"]
