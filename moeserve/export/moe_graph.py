@@ -24,6 +24,7 @@ from moeserve.config import MoEConfig
 from moeserve.export.graph import FLOAT, MS_DOMAIN, Graph
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.moe import MoELayer
+from moeserve.runtime.quant import QuantExperts, QuantLinear, unpack_int4
 from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
 
 
@@ -38,6 +39,56 @@ class LayerForm:
 
 def np32(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().numpy()
+
+
+# ---- quantized weights (runtime/quant.py) ----------------------------------------------------------
+NBITS_BLOCK = 32  # MatMulNBits' block along K: int4's group where it is 32, and int8's per-row scale repeated
+
+
+def float_weight(m: torch.nn.Module) -> np.ndarray:
+    """A linear map's weight [out, in] as float32; a quantized one dequantized (the graph then holds it in float)."""
+    return np32(m.dequantized(torch.float32)) if isinstance(m, QuantLinear) else np32(m.weight)
+
+
+def expert_arrays(experts) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A layer's stacked w1, w2, w3 (None for gelu) as float32, quantized ones dequantized."""
+    if isinstance(experts, QuantExperts):
+        return tuple(None if w is None else np32(w) for w in (
+            torch.stack([experts.weight(n, e, torch.float32) for e in range(experts.n_experts)])
+            if n != "w3" or experts.has_w3 else None for n in ("w1", "w2", "w3")))
+    return np32(experts.w1), np32(experts.w2), None if experts.w3 is None else np32(experts.w3)
+
+
+def nbits_arrays(m: QuantLinear) -> tuple[np.ndarray, np.ndarray, int]:
+    """(B [N, K/32, 32*bits/8] uint8, scales [N, K/32] float32, bits) for ONNX Runtime's MatMulNBits, whose 4-bit
+    blocks hold elements 2i and 2i+1 in byte i's low and high nibbles, and whose default zero point is 2^(bits-1):
+    int4's (u - 8) * scale as it is, int8's q * scale as u = q + 128."""
+    N, K = m.out_features, m.in_features
+    if m.spec.bits == 8:
+        u = (m.qweight.to(torch.int16) + 128).to(torch.uint8)  # [N, K]
+        scales = m.scale.float()[:, None].expand(N, K // NBITS_BLOCK)
+        return u.reshape(N, K // NBITS_BLOCK, NBITS_BLOCK).numpy(), np.ascontiguousarray(scales.numpy()), 8
+    u = unpack_int4(m.qweight)  # [N, K] in 0..15
+    packed = (u[:, 0::2] | (u[:, 1::2] << 4)).reshape(N, K // NBITS_BLOCK, NBITS_BLOCK // 2)
+    scales = m.scale.float().repeat_interleave(m.spec.group // NBITS_BLOCK, dim=1)  # a group of 64 is 2 blocks
+    return packed.numpy(), np.ascontiguousarray(scales.numpy()), 4
+
+
+def linear(g: Graph, x: str, m: torch.nn.Module, hint: str, nbits: bool = False) -> str:
+    """x @ W^T of a linear module (nn.Linear, the tied head, QuantLinear). A quantized one with `nbits` is ONNX
+    Runtime's MatMulNBits on its own bytes (no float copy), else its weight dequantized into a float MatMul."""
+    if nbits and isinstance(m, QuantLinear) and m.in_features % NBITS_BLOCK == 0:
+        b, scales, bits = nbits_arrays(m)
+        return g.op("MatMulNBits", x, g.weight(b, f"{hint}.qweight"), g.weight(scales, f"{hint}.scales"),
+                    domain=MS_DOMAIN, K=m.in_features, N=m.out_features, bits=bits, block_size=NBITS_BLOCK, hint=hint)
+    return g.linear(x, float_weight(m), hint)
+
+
+def dequantized_names(model: torch.nn.Module, nbits: bool) -> list[str]:
+    """The quantized modules a graph holds as float weights: every one but the linear maps MatMulNBits runs."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, QuantExperts) or (isinstance(m, QuantLinear) and not (
+                nbits and m.in_features % NBITS_BLOCK == 0 and name.endswith(("wq", "wk", "wv", "wo", "output"))))]
 
 
 # ---- expert computations ---------------------------------------------------------------------------
@@ -61,12 +112,12 @@ def dense_ffn(g: Graph, x: str, w1_FD: np.ndarray, w2_DF: np.ndarray, w3_FD: np.
 
 def all_experts(g: Graph, x_TD: str, gates_TE: str, experts: Experts, hint: str) -> str:
     """y = sum_e G[t, e] f_e(x_t) = [G_1 h_1, ..., G_E h_E] @ [W2_1; ...; W2_E]: two GEMMs, no transposes."""
-    w1, w2 = np32(experts.w1), np32(experts.w2)
+    w1, w2, w3 = expert_arrays(experts)
     E, F, D = w1.shape
-    if experts.w3 is None:
+    if w3 is None:
         h = activation(g, g.linear(x_TD, w1.reshape(E * F, D), f"{hint}.w1"), "gelu")
     else:
-        w13 = np.concatenate([w1.reshape(E * F, D), np32(experts.w3).reshape(E * F, D)])
+        w13 = np.concatenate([w1.reshape(E * F, D), w3.reshape(E * F, D)])
         h = activation(g, g.linear(x_TD, w13, f"{hint}.w13"), "swiglu", E * F)
     gated = g.op("Mul", g.reshape(h, [-1, E, F]), g.unsqueeze(gates_TE, [-1]))
     w2_all = w2.transpose(1, 0, 2).reshape(D, E * F)  # [D, E*F]: expert e's columns at e*F..
@@ -81,10 +132,10 @@ def dense_gates(g: Graph, ids_TK: str, gates_TK: str, n_experts: int) -> str:
 
 def moe_op(g: Graph, x_TD: str, logits_TE: str, experts: Experts, k: int, normalize: bool, hint: str) -> str:
     """ONNX Runtime's MoE operator: softmax(logits) over all E, top-k, gates renormalised if asked."""
-    w1, w2 = np32(experts.w1), np32(experts.w2)
+    w1, w2, w3 = expert_arrays(experts)
     E, F, D = w1.shape
     fc1 = np.empty((E, 2 * F, D), np.float32)  # interleaved SwiGLU: row 2i = gate i, row 2i + 1 = up i
-    fc1[:, 0::2], fc1[:, 1::2] = w1, np32(experts.w3)
+    fc1[:, 0::2], fc1[:, 1::2] = w1, w3
     return g.op("MoE", x_TD, logits_TE, g.weight(fc1, f"{hint}.fc1"), "", g.weight(w2, f"{hint}.fc2"),
                 domain=MS_DOMAIN, k=k, activation_type="swiglu", swiglu_fusion=1,
                 normalize_routing_weights=int(normalize), hint=hint)

@@ -108,6 +108,9 @@ class ExportReport:
             lines.append(f"  {layer['layer']:>5}  {layer['form']:<18} {layer['top1_agreement']:.4f}")
         for layer in self.fallbacks:
             lines.append(f"  fallback, layer {layer['layer']}: {layer['fallback']}")
+        if self.extra.get("dequantized"):
+            lines.append(f"  quantized weights written as float32 (dequantized; no {self.mode} form for them): "
+                         + ", ".join(self.extra["dequantized"]))
         return "\n".join(lines)
 
 
@@ -124,6 +127,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     import torch
 
     from moeserve.export.graph import OPSET
+    from moeserve.export.moe_graph import dequantized_names
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
     from moeserve.runtime.backends.calibration import DispatchPlan
@@ -169,6 +173,8 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
             file_bytes=tmp.stat().st_size + (data.stat().st_size if external else 0), opset=OPSET,
             onnx_version=onnx.__version__, onnxruntime_version=ort.__version__, provider="CPUExecutionProvider",
             seconds=time.perf_counter() - start)
+        if cfg.quantization is not None:
+            report.extra["dequantized"] = dequantized_names(model, mode != "portable")
         if passed:
             publish(tmp, out)
     finally:

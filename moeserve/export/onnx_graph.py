@@ -19,7 +19,7 @@ import torch
 from moeserve.config import MoEConfig
 from moeserve.export import MODES
 from moeserve.export.graph import FLOAT, INT64, Graph
-from moeserve.export.moe_graph import LayerForm, dense_ffn, moe_layer, np32
+from moeserve.export.moe_graph import LayerForm, dense_ffn, float_weight, linear, moe_layer, np32
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoELayer
 
@@ -52,7 +52,7 @@ def rope(g: Graph, x: str, cos: str, sin: str, head_dim: int) -> str:
 
 
 def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias: str, hint: str,
-              past: tuple[str, str] | None = None) -> tuple[str, tuple[str, str] | None]:
+              past: tuple[str, str] | None = None, nbits: bool = False) -> tuple[str, tuple[str, str] | None]:
     """Multi-head or grouped-query attention over [B, S, D]; bias [B, 1, S, L] (0 or -inf) holds the mask.
     Grouped queries are laid out [B, G, H/G, S, Dh] so one broadcasting MatMul meets their kv head.
     With `past` (keys and values [B, G, P, Dh] of earlier positions) the new ones are appended and
@@ -61,7 +61,7 @@ def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias:
     H, G, Dh = a.n_heads, a.n_kv_heads, a.head_dim
 
     def heads(w, n: int, name: str) -> str:
-        y = g.reshape(g.linear(x, np32(w.weight), f"{hint}.{name}"), [0, 0, n, Dh])
+        y = g.reshape(linear(g, x, w, f"{hint}.{name}", nbits), [0, 0, n, Dh])
         return g.op("Transpose", y, perm=[0, 2, 1, 3])  # [B, n, S, Dh]
 
     q = rope(g, heads(a.wq, H, "wq"), cos, sin, Dh)
@@ -81,7 +81,7 @@ def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias:
     if G != H:
         o = g.reshape(o, [0, H, -1, Dh])
     o = g.reshape(g.op("Transpose", o, perm=[0, 2, 1, 3]), [0, 0, H * Dh])
-    return g.linear(o, np32(a.wo.weight), f"{hint}.wo"), present
+    return linear(g, o, a.wo, f"{hint}.wo", nbits), present
 
 
 def mask_bias(g: Graph, cfg: MoEConfig, q_pos: str, k_pos: str, attention_mask: str) -> str:
@@ -109,6 +109,7 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
     if mode not in MODES:
         raise ValueError(f"unknown export mode {mode!r}; expected one of: {', '.join(MODES)}")
     cfg = model.cfg
+    nbits = mode != "portable"  # ONNX Runtime's graphs: quantized linear maps as its MatMulNBits
     if kv_cache and cfg.task != "lm":
         raise ValueError(f"a KV-cache graph decodes a language model; this model's task is {cfg.task!r}")
     g = Graph("moeserve")
@@ -138,7 +139,7 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
     for b, block in enumerate(model.layers):
         hint = f"layers.{b}"
         h, present = attention(g, norm(g, x, block.attention_norm, f"{hint}.attention_norm"), block, cfg,
-                               cos, sin, bias, f"{hint}.attention", pasts[b])
+                               cos, sin, bias, f"{hint}.attention", pasts[b], nbits)
         presents.append(present)
         x = g.op("Add", x, h)
         h = norm(g, x, block.ffn_norm, f"{hint}.ffn_norm")
@@ -150,7 +151,7 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
             forms.append(form)
         else:
             f = block.ffn
-            y = dense_ffn(g, h, np32(f.w1.weight), np32(f.w2.weight), None if f.w3 is None else np32(f.w3.weight),
+            y = dense_ffn(g, h, float_weight(f.w1), float_weight(f.w2), None if f.w3 is None else float_weight(f.w3),
                           f"{hint}.ffn")
         x = g.op("Add", x, y)
     x = norm(g, x, model.norm, "norm")
@@ -164,8 +165,7 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
         g.output(logits, "logits", FLOAT, ["batch", cfg.n_classes])
         g.output(g.op("Softmax", logits, axis=-1), "probs", FLOAT, ["batch", cfg.n_classes])
     else:
-        head = model.tok_embeddings.weight if cfg.tie_embeddings else model.output.weight
-        g.output(g.linear(x, np32(head), "output.weight"), "logits", FLOAT, ["batch", "seq", cfg.vocab_size])
+        g.output(linear(g, x, model.output, "output.weight", nbits), "logits", FLOAT, ["batch", "seq", cfg.vocab_size])
     for n, (value, form) in enumerate(zip(expert_outputs, forms)):
         g.output(value, expert_output_name(n), INT64, ["batch", "seq", cfg.experts_per_token])
     if kv_cache:

@@ -443,3 +443,29 @@ def test_export_onnx_writes_model_and_report(zoo, tmp_path, name, mode, form):
     assert meta["moeserve.mode"] == mode
     # The file on disk is the model whose parity was checked: run it against the torch model here too.
     assert max_diff(session_of(written), zoo.engine(name), zoo.cases(name)[-2:]) <= TOL
+
+
+# ---- quantized weights --------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["xmoe", "gqa-window-dense"])
+def test_quantized_checkpoints_export_with_parity(zoo, tmp_path, name, fmt):
+    """ONNX Runtime's graphs run the quantized linear maps as MatMulNBits on their own bytes; what has no such form
+    (the experts; everything in portable mode, which stays inside TensorRT's set) is written dequantized, and the
+    report names it. Parity is against the quantized torch model."""
+    from moeserve.runtime.quant import QuantSpec, quantize_model_
+
+    model = copy.deepcopy(zoo.model(name))
+    quantize_model_(model, QuantSpec.parse(fmt))
+    ckpt = write_checkpoint(tmp_path / "ckpt", model)
+    fused = export_onnx(ckpt, tmp_path / "fused.onnx", "fused")
+    assert fused.passed and fused.outputs["logits"]["max_abs_diff"] <= TOL
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "fused.onnx")).graph.node]
+    L = model.cfg.n_layers
+    assert ops.count("MatMulNBits") == 4 * L + 1  # q, k, v, o of every layer and the head
+    dense = [f"layers.{b}.ffn.w{i}" for b in range(L) if b not in model.cfg.moe_layer_ids for i in (1, 2, 3)]
+    moe = [f"layers.{b}.ffn.experts" for b in model.cfg.moe_layer_ids]
+    assert sorted(fused.extra["dequantized"]) == sorted(dense + moe)
+    assert "quantized weights written as float32" in fused.summary()
+    portable = export_onnx(ckpt, tmp_path / "portable.onnx", "portable")
+    assert portable.passed and "MatMulNBits" not in [n.op_type for n in onnx.load(str(tmp_path / "portable.onnx")).graph.node]
+    assert len(portable.extra["dequantized"]) == 4 * L + len(dense) + len(moe) + 1
