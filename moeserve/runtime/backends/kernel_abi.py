@@ -15,7 +15,7 @@ from torch import Tensor
 
 from moeserve.errors import MoeServeError
 
-ABI = 1  # the MOESERVE_KERNEL_ABI the bindings here, in cpu_kernel.py and in kernel_decode.py are written for
+ABI = 2  # the MOESERVE_KERNEL_ABI the bindings here, in cpu_kernel.py and in kernel_decode.py are written for
 DTYPES = (torch.float32, torch.bfloat16)
 
 
