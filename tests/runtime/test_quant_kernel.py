@@ -38,7 +38,7 @@ def assert_matches(y: torch.Tensor, want: torch.Tensor) -> None:
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9, 64])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 64])
 @pytest.mark.parametrize("fmt", list(SPECS))
 def test_linear_q_equals_the_reference_of_its_arithmetic(fmt, n, dtype):
     spec = SPECS[fmt]
@@ -193,3 +193,117 @@ def test_refusals_are_named():
         KernelQuantExperts.of(qe).moe(torch.randn(2, 32), torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2))
     with pytest.raises(KernelError, match=r"w2 \[E, D, F\] of one E, D and F"):
         KernelQuantExperts(QuantSpec(8), (qe.w1_q, qe.w1_scale), (qe.w2_q[:, :16], qe.w2_scale[:, :16]))
+
+
+# ---- the whole decode step on quantized weights ---------------------------------------------------------------------
+def _step_model(spec: QuantSpec, dtype: torch.dtype, quant_head: bool, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    nL, D, H, G, Dh, E, K, F_, V, P = 2, 64, 4, 2, 16, 4, 2, 96, 50, 16
+    mk = lambda *shape, scale=None: (torch.randn(*shape, generator=g) * (scale or shape[-1] ** -0.5))  # noqa: E731
+    layers = []
+    for _ in range(nL):
+        ly = {"n1": (1 + mk(D, scale=0.1)).to(dtype), "n2": (1 + mk(D, scale=0.1)).to(dtype),
+              "gate": mk(E, D).to(dtype)}
+        for name, shape in (("wq", (H * Dh, D)), ("wk", (G * Dh, D)), ("wv", (G * Dh, D)), ("wo", (D, H * Dh)),
+                            ("w1", (E, F_, D)), ("w3", (E, F_, D)), ("w2", (E, D, F_))):
+            ly[name] = quantize(mk(*shape), spec)
+        layers.append(ly)
+    head = mk(V, D)
+    return dict(nL=nL, D=D, H=H, G=G, Dh=Dh, E=E, K=K, F=F_, V=V, P=P, spec=spec, dtype=dtype, layers=layers,
+                norm=(1 + mk(D, scale=0.1)).to(dtype), head=quantize(head, spec) if quant_head else head.to(dtype),
+                emb=mk(V, D, scale=1.0).to(dtype), cos=mk(P, Dh, scale=1.0).to(dtype), sin=mk(P, Dh, scale=1.0).to(dtype))
+
+
+def _kernel_step(m: dict):
+    from moeserve.runtime.backends.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
+
+    parts = []
+    for ly in m["layers"]:
+        att = DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ("wq", "wk", "wv", "wo")),
+                              m["H"], m["G"], m["spec"], tuple(ly[n][1] for n in ("wq", "wk", "wv", "wo")))
+        parts.append((att, KernelRouter(ly["gate"], m["K"], "softmax"),
+                      KernelQuantExperts(m["spec"], ly["w1"], ly["w2"], ly["w3"])))
+    quant_head = isinstance(m["head"], tuple)
+    head = m["head"][0] if quant_head else m["head"]
+    return KernelDecodeStep(parts, (m["norm"], 1e-5), head, m["emb"], (m["cos"], m["sin"]),
+                            head_quant=(m["head"][1], m["spec"]) if quant_head else None)
+
+
+def _reference_step(m: dict, tokens, slots, pos, kc: list, vc: list):
+    """The step composed in torch from the same quantized weights: F.rms_norm, reference_linear_q, apply_rope, the
+    cache write, attention (kernel_checks' SDPA reference), a softmax router's top-k, reference_moe_q."""
+    import torch.nn.functional as F
+
+    from moeserve.runtime.backends.kernel_checks import attention_reference
+    from moeserve.runtime.model import apply_rope
+
+    dt, B, spec = m["dtype"], tokens.shape[0], m["spec"]
+    rms = lambda x, w, eps: F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(dt)  # noqa: E731
+    x = m["emb"][tokens]
+    cs, sn = m["cos"][pos][:, None], m["sin"][pos][:, None]
+    all_ids = []
+    for ly, k, v in zip(m["layers"], kc, vc):
+        xn = rms(x, ly["n1"], 1e-5)
+        q, kn, vn = (reference_linear_q(xn, *ly[n], spec) for n in ("wq", "wk", "wv"))
+        q = apply_rope(q.view(B, m["H"], m["Dh"]), cs, sn)
+        kn = apply_rope(kn.view(B, m["G"], m["Dh"]), cs, sn)
+        k[slots, :, pos], v[slots, :, pos] = kn, vn.view(B, m["G"], m["Dh"])
+        att = attention_reference(q, k, v, slots, torch.zeros_like(pos), pos + 1, m["Dh"] ** -0.5).to(dt)
+        h = x + reference_linear_q(att.reshape(B, -1), *ly["wo"], spec)
+        hn = rms(h, ly["n2"], 1e-6)
+        probs = (hn.float() @ ly["gate"].float().T).softmax(-1)
+        gates, ids = probs.topk(m["K"], dim=-1)
+        all_ids.append(ids)
+        x = h + reference_moe_q(hn, ids, gates.to(dt), {n: ly[n] for n in ("w1", "w2", "w3")}, spec)
+    xn = rms(x, m["norm"], 1e-5)
+    head = m["head"]
+    logits = reference_linear_q(xn, *head, spec) if isinstance(head, tuple) else (xn.float() @ head.float().T).to(dt)
+    return logits, torch.stack(all_ids)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+def test_a_decode_step_on_quantized_weights_equals_its_torch_composition(fmt, B, dtype):
+    """Logits, expert choices and the caches written, against the step composed in torch from the same quantized
+    weights (quantized head too for int8; a float head beside int4 layers). Within float32 rounding but for an
+    activation rounded to the neighbouring int8 step (see test_quantized_experts_equal_the_reference); in bf16
+    within a few bf16 roundings carried through two layers."""
+    m = _step_model(SPECS[fmt], dtype, quant_head=fmt == "int8", seed=B)
+    step = _kernel_step(m)
+    S = 4
+    g = torch.Generator().manual_seed(1)
+    kc = [(torch.randn(S, m["G"], m["P"], m["Dh"], generator=g)).to(dtype) for _ in range(m["nL"])]
+    vc = [(torch.randn(S, m["G"], m["P"], m["Dh"], generator=g)).to(dtype) for _ in range(m["nL"])]
+    tokens, slots, pos = torch.tensor([3, 7, 11][:B]), torch.tensor([1, 0, 3][:B]), torch.tensor([5, 2, 9][:B])
+    rk, rv = [t.clone() for t in kc], [t.clone() for t in vc]
+    logits, ids, gates, counts = step(tokens, slots, pos, kc, vc, m["Dh"] ** -0.5)
+    want, want_ids = _reference_step(m, tokens, slots, pos, rk, rv)
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    tol = 3e-3 if dtype == torch.float32 else 5e-2
+    scale = want.float().abs().max().item()
+    assert (logits.float() - want.float()).abs().max() <= tol * scale
+    for got, ref in ((kc, rk), (vc, rv)):
+        for a, b in zip(got, ref):
+            assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+    assert torch.equal(counts.sum(-1), torch.full((m["nL"],), B * m["K"]))
+
+
+@requires_kernel
+def test_a_decode_step_refuses_mixed_formats():
+    from moeserve.runtime.backends.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
+
+    m = _step_model(QuantSpec(8), torch.float32, quant_head=False)
+    ly = m["layers"][0]
+    att = DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ("wq", "wk", "wv", "wo")),
+                          m["H"], m["G"], QuantSpec(8), tuple(ly[n][1] for n in ("wq", "wk", "wv", "wo")))
+    w4 = {n: quantize(torch.randn(m["E"], *((m["F"], m["D"]) if n != "w2" else (m["D"], m["F"]))), QuantSpec(4, 32))
+          for n in ("w1", "w2", "w3")}
+    experts = KernelQuantExperts(QuantSpec(4, 32), w4["w1"], w4["w2"], w4["w3"])
+    with pytest.raises(KernelError, match="one format a layer"):
+        KernelDecodeStep([(att, KernelRouter(ly["gate"], m["K"]), experts)], (m["norm"], 1e-5), m["head"], m["emb"],
+                         (m["cos"], m["sin"]))
+    with pytest.raises(KernelError, match="quantized weights need their four scales"):
+        DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ("wq", "wk", "wv", "wo")),
+                        m["H"], m["G"], QuantSpec(8))

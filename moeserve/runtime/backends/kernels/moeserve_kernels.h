@@ -84,13 +84,21 @@ struct router {
 int route_tokens(const float *x, long n, long D, const struct router *r, long *ids, float *gates, int threads);
 int route_tokens_bf16(const bf16 *x, long n, long D, const struct router *r, long *ids, bf16 *gates, int threads);
 
-/* step.c: a whole decode step. Every weight in the float32 or bf16 of the call. */
+/* step.c: a whole decode step. Every float weight in the float32 or bf16 of the call; the linear maps' weights may be
+   quantized instead (fmt), the norms', routers' and the tables' not. */
 struct layer {
     const void *n1, *wq, *wk, *wv, *wo, *n2; /* the two norms' weights, attention's [out, in] weights */
     float eps1, eps2;
     struct router router;
     const void *w1, *w3, *w2; /* the stacked experts, expert e at w + e * s (moe_ffn's) */
     long s1, s3, s2;
+    /* fmt QUANT_INT8 or QUANT_INT4 (int4's group in group): wq .. wo and w1, w3, w2 are quantized (linear_q's and
+       moe_ffn_q's layouts; s1, s3, s2 in bytes) and these are their scales, expert e's at c + e * t elements.
+       QUANT_FLOAT (0, as a struct filled only up to here is): the float weights above, these unused. */
+    const void *cq, *ck, *cv, *co, *c1, *c3, *c2;
+    long t1, t3, t2;
+    int fmt;
+    long group;
 };
 
 struct model {
@@ -100,6 +108,9 @@ struct model {
     float eps;
     const void *emb, *cos, *sin; /* the token embeddings [n_emb, D], the RoPE tables [n_pos, Dh] */
     long n_emb, n_pos, window;
+    const void *head_scale; /* head_fmt QUANT_INT8 or QUANT_INT4: head is quantized, these its scales and group */
+    int head_fmt;
+    long head_group;
 };
 
 int decode_step(const struct model *m, const long *tokens, const long *slots, const long *pos, long B,
