@@ -51,10 +51,14 @@ def test_a_type_the_parser_does_not_know_is_an_error(proto):
 def test_the_shipped_header_declares_every_op_the_python_calls():
     header = parse_header(cpu_kernel.HEADER.read_text())
     assert header.abi == kernel_abi.ABI
-    ops = {"linear_nt", "experts_ffn", "moe_ffn", "rms_norm", "attend_decode", "route_tokens", "decode_step"}
+    ops = {"linear_nt", "experts_ffn", "moe_ffn", "rms_norm", "attend_decode", "route_tokens", "decode_step",
+           "linear_q", "moe_ffn_q"}
     assert set(header.functions) == {"moeserve_kernel_abi", "bf16_native", *ops, *(f"{op}_bf16" for op in ops)}
     assert header.functions["linear_nt"] == (None, [ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_long] * 3
                                              + [ctypes.c_int])
+    assert header.functions["linear_q_bf16"] == (ctypes.c_int, [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2
+                                                 + [ctypes.c_int, ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
+                                                 + [ctypes.c_int])
     assert header.functions["route_tokens_bf16"] == (ctypes.c_int, [ctypes.c_void_p] + [ctypes.c_long] * 2
                                                      + [ctypes.c_void_p] * 3 + [ctypes.c_int])
     assert [name for name, _ in header.structs["router"]] == ["w", "emb", "P", "E", "K", "tau", "gate", "renormalize"]

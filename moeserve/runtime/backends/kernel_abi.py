@@ -15,7 +15,7 @@ from torch import Tensor
 
 from moeserve.errors import MoeServeError
 
-ABI = 1  # the MOESERVE_KERNEL_ABI the bindings here, in cpu_kernel.py and in kernel_decode.py are written for
+ABI = 2  # the MOESERVE_KERNEL_ABI the bindings here, in cpu_kernel.py and in kernel_decode.py are written for
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -177,14 +177,18 @@ def router_args(w_PD: Tensor, top_k: int, gate: str = "softmax", renormalize: bo
 class _Layer(ctypes.Structure):  # struct layer
     _fields_ = [*((n, ctypes.c_void_p) for n in ("n1", "wq", "wk", "wv", "wo", "n2")), ("eps1", ctypes.c_float),
                 ("eps2", ctypes.c_float), ("router", _Router),
-                *((n, ctypes.c_void_p) for n in ("w1", "w3", "w2")), *((n, ctypes.c_long) for n in ("s1", "s3", "s2"))]
+                *((n, ctypes.c_void_p) for n in ("w1", "w3", "w2")), *((n, ctypes.c_long) for n in ("s1", "s3", "s2")),
+                # ABI 2: quantized weights (fmt 0: none; a _Layer filled up to s2 is a float layer)
+                *((n, ctypes.c_void_p) for n in ("cq", "ck", "cv", "co", "c1", "c3", "c2")),
+                *((n, ctypes.c_long) for n in ("t1", "t3", "t2")), ("fmt", ctypes.c_int), ("group", ctypes.c_long)]
 
 
 class _Model(ctypes.Structure):  # struct model
     _fields_ = [*((n, ctypes.c_long) for n in ("L", "D", "H", "G", "Dh", "F", "V")), ("layers", ctypes.POINTER(_Layer)),
                 ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("eps", ctypes.c_float),
                 *((n, ctypes.c_void_p) for n in ("emb", "cos", "sin")),
-                *((n, ctypes.c_long) for n in ("n_emb", "n_pos", "window"))]
+                *((n, ctypes.c_long) for n in ("n_emb", "n_pos", "window")),
+                ("head_scale", ctypes.c_void_p), ("head_fmt", ctypes.c_int), ("head_group", ctypes.c_long)]
 
 
 STRUCTS = {"router": _Router, "layer": _Layer, "model": _Model}  # the header's structs, by name

@@ -4,7 +4,8 @@ A library that builds can still be wrong on this machine: a compiler that miscom
 $MOESERVE_KERNEL_CFLAGS that change what a sum means, or a header and a C file that drifted apart in what an
 argument is. None of it fails loudly: the model would give other tokens. So each op runs once on a tiny problem,
 in float32 and bfloat16, against torch (linear_nt: F.linear; rms_norm: F.rms_norm; attend_decode: SDPA; moe_ffn:
-experts.moe_reference; route_tokens: routing.py's routers), and decode_step against its parts called one by one
+experts.moe_reference; route_tokens: routing.py's routers; linear_q and moe_ffn_q: quant_kernel's references of
+their exact arithmetic), and decode_step against its parts called one by one
 (bit for bit: it is those calls). The first that disagrees is named, and the library is not used.
 
 The calls go to the library directly (cpu_kernel's wrappers would ask for the library being checked). The data
@@ -34,10 +35,11 @@ def _error(got: Tensor, want: Tensor) -> float:
     return ((got.float() - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
 
 
-def _expect(got: Tensor, want: Tensor, dtype: torch.dtype, reference: str) -> None:
+def _expect(got: Tensor, want: Tensor, dtype: torch.dtype, reference: str, tolerance: float | None = None) -> None:
+    tol = TOLERANCE[dtype] if tolerance is None else tolerance
     err = _error(got, want)
-    if not err <= TOLERANCE[dtype]:  # NaN included
-        raise Disagrees(f"{reference} (error {err:.3g}, tolerance {TOLERANCE[dtype]:g})")
+    if not err <= tol:  # NaN included
+        raise Disagrees(f"{reference} (error {err:.3g}, tolerance {tol:g})")
 
 
 def _p(t: Tensor | None) -> int | None:
@@ -158,6 +160,56 @@ def check_moe_ffn(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> N
                 f"experts.moe_reference ({'gelu' if up is None else 'swiglu'})")
 
 
+def _quantized(g: torch.Generator, *shape: int, bits: int):
+    from moeserve.runtime.quant import QuantSpec, quantize
+
+    spec = QuantSpec(bits, None if bits == 8 else 32)
+    return spec, quantize(_data(g, *shape, scale=0.25), spec)
+
+
+def check_linear_q(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> None:
+    """int8 and int4 weights, 3 rows (one pass) and 11 (the blocked path), against quant_kernel's reference of the
+    same arithmetic (the activations quantized as the C code does)."""
+    from moeserve.runtime.backends.quant_kernel import FMT, reference_linear_q
+
+    for bits in (8, 4):
+        spec, (qw, sc) = _quantized(g, 13, 64, bits=bits)
+        x = _data(g, 11, 64).to(dtype)
+        for n in (3, 11):
+            y = torch.empty(n, 13, dtype=dtype)
+            if _fn(lib, "linear_q", dtype)(x.data_ptr(), 64, qw.data_ptr(), sc.data_ptr(), FMT[bits], spec.group or 0,
+                                           y.data_ptr(), 13, n, 13, 64, THREADS):
+                raise Disagrees(f"reference_linear_q: it refused int{bits}")
+            _expect(y, reference_linear_q(x[:n], qw, sc, spec), dtype, f"reference_linear_q (int{bits}, {n} rows)")
+
+
+def check_moe_ffn_q(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> None:
+    """Quantized swiglu and gelu experts against reference_moe_q. The tolerance in float32 admits one activation
+    rounded to the neighbouring int8 step (a float32 difference at a half step), which would be 1e-3 here."""
+    from moeserve.runtime.backends.quant_kernel import FMT, reference_moe_q
+
+    T, D, E, K, F_ = 5, 32, 4, 2, 64
+    x = _data(g, T, D).to(dtype)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=-1).indices.contiguous()
+    gates = torch.rand(T, K, generator=g).to(dtype)
+    for bits in (8, 4):
+        spec, w1 = _quantized(g, E, F_, D, bits=bits)
+        w3, w2 = _quantized(g, E, F_, D, bits=bits)[1], _quantized(g, E, D, F_, bits=bits)[1]
+        for up in (w3, None):
+            ws = {"w1": w1, "w2": w2, "w3": up}
+            out = torch.empty_like(x)
+            a = [w1, up, w2]
+            if _fn(lib, "moe_ffn_q", dtype)(
+                    x.data_ptr(), ids.data_ptr(), gates.data_ptr(), T, K, FMT[bits], spec.group or 0,
+                    *(None if w is None else w[0].data_ptr() for w in a), *(None if w is None else w[1].data_ptr() for w in a),
+                    *(0 if w is None else w[0].stride(0) for w in a), *(0 if w is None else w[1].stride(0) for w in a),
+                    out.data_ptr(), E, D, F_, THREADS):
+                raise Disagrees(f"reference_moe_q: it refused int{bits}")
+            _expect(out, reference_moe_q(x, ids, gates, ws, spec), dtype,
+                    f"reference_moe_q (int{bits}, {'gelu' if up is None else 'swiglu'})",
+                    1e-3 if dtype == torch.float32 else None)
+
+
 def _routers(D: int, E: int, K: int) -> dict[str, torch.nn.Module]:
     from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
 
@@ -248,7 +300,7 @@ def check_decode_step(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) 
 
 
 CHECKS = {"linear_nt": check_linear, "rms_norm": check_rms_norm, "attend_decode": check_attend_decode,
-          "moe_ffn": check_moe_ffn, "route_tokens": check_route_tokens, "decode_step": check_decode_step}
+          "moe_ffn": check_moe_ffn, "linear_q": check_linear_q, "moe_ffn_q": check_moe_ffn_q, "route_tokens": check_route_tokens, "decode_step": check_decode_step}
 
 
 def self_check(lib: ctypes.CDLL) -> str | None:

@@ -20,6 +20,8 @@ from torch import Tensor
 
 from moeserve.runtime.backends.cpu_kernel import KernelExperts, _check_rows, _library, unavailable_reason
 from moeserve.runtime.backends.kernel_abi import KernelError, _check_weights, _Layer, _Model, router_args
+from moeserve.runtime.backends.quant_kernel import FMT, KernelQuantExperts, check_weight
+from moeserve.runtime.quant import QuantSpec
 
 def _lib() -> ctypes.CDLL:
     why = unavailable_reason()
@@ -32,20 +34,34 @@ def _lib() -> ctypes.CDLL:
 class DecodeAttention:
     """A decode layer's attention half as the whole step takes it: the two norms' (weight, eps) around it and wq,
     wk, wv, wo as nn.Linear holds them, checked here once. h = x + attention(RMSNorm(x)), and RMSNorm(h) the MoE
-    half's input, computed by step.c inside KernelDecodeStep (not an op of its own)."""
+    half's input, computed by step.c inside KernelDecodeStep (not an op of its own).
+
+    Quantized (spec given): weights are the quantized wq, wk, wv, wo (quant.quantize's, [out, in] or [out, in/2])
+    and scales theirs; the norms stay in the step's float dtype."""
 
     norms: tuple[tuple[Tensor, float], tuple[Tensor, float]]
     weights: tuple[Tensor, Tensor, Tensor, Tensor]
     n_heads: int
     n_kv_heads: int
+    spec: QuantSpec | None = None
+    scales: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def __post_init__(self) -> None:
         (n1, _), (n2, _) = self.norms
         wq, wk, wv, wo = self.weights
         D, H, G = n1.shape[0], self.n_heads, self.n_kv_heads
         Dh = wq.shape[0] // H
-        want = {"attention norm": (n1, (D,)), "FFN norm": (n2, (D,)), "wq": (wq, (H * Dh, D)),
-                "wk": (wk, (G * Dh, D)), "wv": (wv, (G * Dh, D)), "wo": (wo, (D, H * Dh))}
+        shapes = {"wq": (H * Dh, D), "wk": (G * Dh, D), "wv": (G * Dh, D), "wo": (D, H * Dh)}
+        want = {"attention norm": (n1, (D,)), "FFN norm": (n2, (D,))}
+        if self.spec is None:
+            want |= {name: (w, shapes[name]) for name, w in zip(shapes, self.weights)}
+        else:
+            if self.scales is None or len(self.scales) != 4:
+                raise KernelError("decode attention: quantized weights need their four scales")
+            for (name, shape), w, sc in zip(shapes.items(), self.weights, self.scales):
+                if check_weight(f"decode attention's {name}", w, sc, self.spec) != shape:
+                    raise KernelError(f"decode attention: {name} must be {list(shape)} (as a float weight), not "
+                                      f"{list(w.shape)} {self.spec.name}")
         _check_weights("decode attention", n1.dtype, want)
         if H % G or Dh % 2:
             raise KernelError(f"decode attention: {H} query heads over {G} kv heads of {Dh} (the kv heads must divide "
@@ -100,8 +116,12 @@ class KernelDecodeStep:
     parts are all on the kernel (CpuKernelBackend). The rows come as token ids, slots and positions
     and nothing else: whatever torch did around the call ran on caches the step had just flushed."""
 
-    def __init__(self, layers: list[tuple[DecodeAttention, KernelRouter, KernelExperts]], norm: tuple[Tensor, float],
-                 head_VD: Tensor, embedding_ND: Tensor, rope: tuple[Tensor, Tensor], window: int | None = None):
+    def __init__(self, layers: list[tuple[DecodeAttention, KernelRouter, KernelExperts | KernelQuantExperts]],
+                 norm: tuple[Tensor, float], head_VD: Tensor, embedding_ND: Tensor, rope: tuple[Tensor, Tensor],
+                 window: int | None = None, head_quant: tuple[Tensor, QuantSpec] | None = None):
+        """Quantized weights: a layer's DecodeAttention with a spec and KernelQuantExperts of the same spec
+        (both quantized or neither, per layer); head_quant = (scale, spec): head_VD is then the quantized head
+        (quant.quantize's). The norms, routers, embedding and RoPE tables stay in the step's float dtype."""
         self.lib = _lib()
         first = layers[0][0]
         dtype, D, F_ = first.dtype, first.D, layers[0][2].F
@@ -110,26 +130,46 @@ class KernelDecodeStep:
         self.E, self.K = layers[0][1].E, layers[0][1].K
         V, N, P = head_VD.shape[0], embedding_ND.shape[0], rope[0].shape[0]
         cos, sin = (t.to(dtype).contiguous() for t in rope)  # the rows it looks up, in the model's dtype
-        _check_weights("decode step", dtype, {"norm": (norm[0], (D,)), "head": (head_VD, (V, D)),
-                                              "embedding": (embedding_ND, (N, D)), "rope cos": (cos, (P, self.Dh)),
-                                              "rope sin": (sin, (P, self.Dh))})
+        tables = {"norm": (norm[0], (D,)), "embedding": (embedding_ND, (N, D)), "rope cos": (cos, (P, self.Dh)),
+                  "rope sin": (sin, (P, self.Dh))}
+        if head_quant is None:
+            tables["head"] = (head_VD, (V, D))
+            head_q = (None, 0, 0)
+        else:
+            if check_weight("decode step's head", head_VD, head_quant[0], head_quant[1]) != (V, D):
+                raise KernelError(f"decode step: a quantized head of [{V}, {D}], not {list(head_VD.shape)}")
+            head_q = (head_quant[0].data_ptr(), FMT[head_quant[1].bits], head_quant[1].group or 0)
+        _check_weights("decode step", dtype, tables)
         structs = []
         for i, (a, router, experts) in enumerate(layers):
+            quantized = isinstance(experts, KernelQuantExperts)
             same = (a.dtype, a.D, a.n_heads, a.n_kv_heads, a.Dh, router.dtype, router.D, router.E, router.K,
-                    experts.dtype, experts.D, experts.E, experts.F)
+                    dtype if quantized else experts.dtype, experts.D, experts.E, experts.F)
             if same != (dtype, D, self.H, self.G, self.Dh, dtype, D, self.E, self.K, dtype, D, self.E, F_):
                 raise KernelError(f"decode step: layer {i}'s parts are not of the first layer's sizes and dtype")
+            if quantized != (a.spec is not None) or quantized and experts.spec != a.spec:
+                raise KernelError(f"decode step: layer {i}'s attention is {a.spec.name if a.spec else 'float'} and "
+                                  f"its experts {experts.spec.name if quantized else 'float'}: one format a layer")
             (n1, eps1), (n2, eps2) = a.norms
             wq, wk, wv, wo = a.weights
-            w1, w3, w2, s1, s3, s2 = experts.pointers
+            if quantized:
+                fmt, group, w1, w3, w2, c1, c3, c2, s1, s3, s2, t1, t3, t2 = experts.pointers
+                if (self.H * self.Dh) % 32:
+                    raise KernelError(f"decode step: quantized attention needs H * Dh a multiple of 32, not "
+                                      f"{self.H * self.Dh}")
+                cq, ck, cv, co = (t.data_ptr() for t in a.scales)
+                extra = (cq, ck, cv, co, c1, c3, c2, t1, t3, t2, fmt, group)
+            else:
+                w1, w3, w2, s1, s3, s2 = experts.pointers
+                extra = ()
             structs.append(_Layer(n1.data_ptr(), wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
-                                  n2.data_ptr(), eps1, eps2, router.args, w1, w3, w2, s1, s3, s2))
+                                  n2.data_ptr(), eps1, eps2, router.args, w1, w3, w2, s1, s3, s2, *extra))
         self._layers = (_Layer * len(structs))(*structs)
         # the weights' storage does not move while this holds them
-        self._held = (layers, norm[0], head_VD, embedding_ND, cos, sin)
+        self._held = (layers, norm[0], head_VD, embedding_ND, cos, sin, head_quant)
         self.args = _Model(len(structs), D, self.H, self.G, self.Dh, F_, V, self._layers, norm[0].data_ptr(),
                            head_VD.data_ptr(), norm[1], embedding_ND.data_ptr(), cos.data_ptr(), sin.data_ptr(), N, P,
-                           window or 0)
+                           window or 0, *head_q)
         self.V = V
         self._fn = self.lib.decode_step if dtype == torch.float32 else self.lib.decode_step_bf16
         self._caches: tuple[list[Tensor], list[Tensor], ctypes.Array, ctypes.Array] | None = None
@@ -154,6 +194,8 @@ class KernelDecodeStep:
             raise ValueError(f"decode step: tokens {tokens_B.tolist()} at positions {positions_B.tolist()} of slots "
                              f"{slots_B.tolist()}: expected tokens below {self.args.n_emb}, slots below "
                              f"{k_cache[0].shape[0]} and positions below {min(k_cache[0].shape[2], self.args.n_pos)}")
+        if status == -4:
+            raise KernelError("decode step: a quantized weight's format does not suit its widths")
         if status:
             raise MemoryError(f"decode step: no memory for the scratch of {B} rows")
         return logits, ids, gates, counts

@@ -70,4 +70,27 @@ INTERNAL void attend_decode_bf16_rows(const bf16 *q, const bf16 *kn, const bf16 
                                       bf16 *k, bf16 *v, bf16 *y, const long *slots, const long *lo, const long *hi,
                                       long B, long H, long G, long Dh, long max_len, float scale);
 
+/* quant.c: activations quantized per 32-element block (its comment has the arithmetic): n rows of I at q + j I,
+   their scales at d + j I/32, int4's correction lanes at c + j I/32. qx_bytes(n, I) bytes hold them (qx_at lays
+   them out); quantize_rows(_b) fills thread t of T's rows (a barrier must follow before share_q reads them). */
+typedef signed char i8;
+typedef int i32x8 __attribute__((vector_size(32)));
+struct qx {
+    i32x8 *c;
+    float *d;
+    i8 *q;
+    long I;
+};
+INTERNAL long qx_bytes(long n, long I);
+INTERNAL struct qx qx_at(void *mem, long n, long I);
+INTERNAL void quantize_rows(const float *x, long ldx, long n, struct qx *p, int t, int T);
+INTERNAL void quantize_rows_b(const bf16 *x, long ldx, long n, struct qx *p, int t, int T);
+/* 1 where fmt (QUANT_INT8 or QUANT_INT4) and group suit a width I (a multiple of 32; int4's group a multiple of 32
+   dividing I) */
+INTERNAL int quant_format_ok(int fmt, long group, long I);
+/* thread t of T's share of x (prepared) @ w^T -> float32 yf, or bf16 yb where yb is not NULL (row stride ldy):
+   w int8 [O, I] with float32 scale [O], or int4 uint8 [O, I/2] with float16 scale [O, I/group]. */
+INTERNAL void share_q(const struct qx *x, long n, const void *w, const void *scale, int fmt, long group, float *yf,
+                      bf16 *yb, long ldy, long O, int t, int T);
+
 #endif

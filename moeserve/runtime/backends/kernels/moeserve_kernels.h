@@ -11,7 +11,7 @@
 #ifndef MOESERVE_KERNELS_H
 #define MOESERVE_KERNELS_H
 
-#define MOESERVE_KERNEL_ABI 1 /* raise on any change to a prototype or struct below */
+#define MOESERVE_KERNEL_ABI 2 /* raise on any change to a prototype or struct below */
 
 typedef unsigned short bf16;
 
@@ -24,6 +24,19 @@ void linear_nt(const float *x, long ldx, const float *w, long ldw, float *y, lon
 void linear_nt_bf16(const bf16 *x, long ldx, const bf16 *w, long ldw, bf16 *y, long ldy, long n, long O, long I,
                     int threads);
 
+/* quant.c: y [n, O] = x [n, I] w^T on a quantized weight (runtime/quant.py's formats): fmt QUANT_INT8, w int8
+   [O, I] and scale float32 [O]; or QUANT_INT4, w uint8 [O, I/2] (nibbles) and scale float16 [O, I/group] (group a
+   multiple of 32 dividing I). I a multiple of 32. The activations are quantized to int8 per 32-element block
+   (quant.c's comment has the arithmetic); y in x's dtype. Returns 0; -2 without memory; -4 (nothing written) for a
+   format, group or width it does not take. */
+#define QUANT_FLOAT 0
+#define QUANT_INT8 1
+#define QUANT_INT4 2
+int linear_q(const float *x, long ldx, const void *w, const void *scale, int fmt, long group, float *y, long ldy,
+             long n, long O, long I, int threads);
+int linear_q_bf16(const bf16 *x, long ldx, const void *w, const void *scale, int fmt, long group, bf16 *y, long ldy,
+                  long n, long O, long I, int threads);
+
 /* experts.c: a MoE layer's experts. experts_ffn: rows sorted by expert, counts[e] for expert e; moe_ffn: routed
    tokens (ids, gates [n_tok, K]), returning -1 for an id outside [0, E), -2 without memory. */
 void experts_ffn(const float *x, const long *counts, const float *w1, const float *w3, const float *w2, long s1,
@@ -35,6 +48,16 @@ int moe_ffn(const float *x, const long *ids, const float *gates, long n_tok, lon
 int moe_ffn_bf16(const bf16 *x, const long *ids, const bf16 *gates, long n_tok, long K, const bf16 *w1,
                  const bf16 *w3, const bf16 *w2, long s1, long s3, long s2, bf16 *out, long E, long D, long F,
                  int threads);
+/* moe_ffn on quantized stacked experts (linear_q's fmt and group): expert e's weights at w + e * s bytes, its
+   scales at c + e * t elements (float32 for int8, float16 for int4); w3 and c3 NULL for gelu. D and F multiples of
+   32 (and of an int4 group). Returns moe_ffn's codes, and -4 for a format or group the widths do not take. */
+int moe_ffn_q(const float *x, const long *ids, const float *gates, long n_tok, long K, int fmt, long group,
+              const void *w1, const void *w3, const void *w2, const void *c1, const void *c3, const void *c2, long s1,
+              long s3, long s2, long t1, long t3, long t2, float *out, long E, long D, long F, int threads);
+int moe_ffn_q_bf16(const bf16 *x, const long *ids, const bf16 *gates, long n_tok, long K, int fmt, long group,
+                   const void *w1, const void *w3, const void *w2, const void *c1, const void *c3, const void *c2,
+                   long s1, long s3, long s2, long t1, long t3, long t2, bf16 *out, long E, long D, long F,
+                   int threads);
 
 /* norm.c: RMSNorm of n rows of D. */
 void rms_norm(const float *x, const float *w, float *y, long n, long D, float eps);
@@ -61,13 +84,21 @@ struct router {
 int route_tokens(const float *x, long n, long D, const struct router *r, long *ids, float *gates, int threads);
 int route_tokens_bf16(const bf16 *x, long n, long D, const struct router *r, long *ids, bf16 *gates, int threads);
 
-/* step.c: a whole decode step. Every weight in the float32 or bf16 of the call. */
+/* step.c: a whole decode step. Every float weight in the float32 or bf16 of the call; the linear maps' weights may be
+   quantized instead (fmt), the norms', routers' and the tables' not. */
 struct layer {
     const void *n1, *wq, *wk, *wv, *wo, *n2; /* the two norms' weights, attention's [out, in] weights */
     float eps1, eps2;
     struct router router;
     const void *w1, *w3, *w2; /* the stacked experts, expert e at w + e * s (moe_ffn's) */
     long s1, s3, s2;
+    /* fmt QUANT_INT8 or QUANT_INT4 (int4's group in group): wq .. wo and w1, w3, w2 are quantized (linear_q's and
+       moe_ffn_q's layouts; s1, s3, s2 in bytes) and these are their scales, expert e's at c + e * t elements.
+       QUANT_FLOAT (0, as a struct filled only up to here is): the float weights above, these unused. */
+    const void *cq, *ck, *cv, *co, *c1, *c3, *c2;
+    long t1, t3, t2;
+    int fmt;
+    long group;
 };
 
 struct model {
@@ -77,6 +108,9 @@ struct model {
     float eps;
     const void *emb, *cos, *sin; /* the token embeddings [n_emb, D], the RoPE tables [n_pos, Dh] */
     long n_emb, n_pos, window;
+    const void *head_scale; /* head_fmt QUANT_INT8 or QUANT_INT4: head is quantized, these its scales and group */
+    int head_fmt;
+    long head_group;
 };
 
 int decode_step(const struct model *m, const long *tokens, const long *slots, const long *pos, long B,

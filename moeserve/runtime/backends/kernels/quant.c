@@ -1,0 +1,294 @@
+/* linear_q: y = x w^T on quantized weights (runtime/quant.py's int8 and int4 formats), x float32 or bf16.
+
+   How the products are taken was decided by measurement (issue 39): (a) the weights widened to float32 in registers
+   and multiplied with the float activations by FMAs, or (b) the activations quantized to int8 per 32-element block
+   (llama.cpp's Q8_0 x Q8_0: integer dot products, VNNI's vpdpbusd where the CPU has it, maddubs + madd on plain
+   AVX2) and each block's integer sum scaled in float32. GB/s of weight streamed (scales included), 2 threads,
+   weights rotated over 192 MB (beyond L3), lower quartile of 400 calls (another job shared the machine), AMD EPYC
+   Zen 4, 2 cores, memory read ~35 GB/s; draft kernels of both methods, one weight row at a time:
+
+                            AVX512 build (VNNI)                         AVX2 build (-mno-avx512f)
+     shape       n   f32  bf16 | int8 a  int8 b | int4 a  int4 b     f32  bf16 | int8 a  int8 b | int4 a  int4 b
+     2816x1024   1  29.4  31.7 |  16.7    32.6  |   8.6    17.0     38.7  39.0 |  16.6    41.8  |   8.5    16.8
+                 2  24.5  31.0 |  15.6    34.1  |   8.1    14.7     27.5  28.1 |  15.6    35.5  |   8.2    14.5
+                 4  20.3  21.7 |  13.8    28.4  |   7.6     9.3     20.2  18.5 |  13.7    22.8  |   7.6     9.1
+                 8  14.6  23.0 |   6.4    15.5  |   3.9     5.9     13.5   5.6 |   6.2    12.0  |   3.6     5.3
+     1024x2816   1  33.7  34.3 |  15.2    32.8  |   8.3    17.7     33.3  29.3 |  15.3    33.0  |   8.3    17.7
+                 8  17.5  16.0 |   6.4    15.8  |   3.8     6.0     17.8   5.7 |   6.4    12.1  |   3.7     5.3
+     32000x1024  1  30.7  32.9 |  16.9    34.2  |   8.5    17.1     31.0  34.9 |  16.8    33.8  |   8.6    17.1
+                 8  15.6  22.5 |   6.5    15.4  |   3.9     5.8     15.8   5.6 |   6.3    12.2  |   3.7     5.3
+
+   In weights per second at one row: bf16 ~16 G/s, int8 (b) ~33 G/s (2.1x), int4 (b) ~30 G/s (1.9x; 17 GB/s of
+   4.5-bit weights). Widening (a) is compute-bound at half of (b) for int8 and a quarter for int4: its
+   conversions and one FMA per 8 weights and row cost more than memory delivers. So (b) for both formats. int4
+   does not yet reach memory speed (its unpacking and per-block scaling are the limit): that is where further
+   work should go (two blocks per 512-bit step, two weight rows per pass for n >= 2).
+
+   The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
+     - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
+       division) and q = round-half-even(x / d) (float32 division, |q| <= 127), q = 0 where d = 0;
+     - per block and weight row the integer sum s = sum q * v, v the weight's integer (int8: q_w; int4: u - 8),
+       exact in int32;
+     - int8: y = scale[o] * sum_b d_b s_b;  int4: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
+       (8 lanes of partial sums, added left to right at the end), rounded once to bf16 for a bf16 x.
+   Only the float32 order of the last step differs from a torch reference, so the two agree to float rounding.
+   Each row of x has its own accumulators, in the same order whatever n, the thread count or the block is: a row's
+   result does not depend on which other rows share the call (batch invariance, as gemm.c). */
+#include "common.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+typedef unsigned char u8;
+
+/* IEEE half -> float, exactly (the int4 scales). */
+static inline float half_float(unsigned short h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const unsigned s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union { unsigned u; float f; } c;
+    if (e == 0) {
+        c.f = (float)m * 5.9604644775390625e-8f; /* subnormal or zero: m 2^-24, exact */
+        c.u |= s;
+    } else {
+        c.u = s | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    }
+    return c.f;
+#endif
+}
+
+static inline float lanes8(v8 acc) { /* left to right, as finish() */
+    float s = 0.0f;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    return s;
+}
+
+/* ---- the activations, quantized ----------------------------------------------------------------------------- */
+
+long qx_bytes(long n, long I) { return n * (I + I / 32 * (long)(sizeof(float) + sizeof(i32x8))) + 64; }
+
+struct qx qx_at(void *mem, long n, long I) {
+    const long nb = I / 32;
+    char *p = (char *)(((unsigned long)mem + 31) & ~31ul); /* the correction lanes first: 32-byte aligned */
+    struct qx r = {.c = (i32x8 *)p, .I = I};
+    r.d = (float *)(p + n * nb * sizeof(i32x8));
+    r.q = (i8 *)(r.d + n * nb);
+    return r;
+}
+
+/* One row of 32 * nb floats: q, d per block (see the top), and c: per block the 8 lanes -8 * (q[4k] + ... +
+   q[4k + 3]), the start of int4's lane sums, so that sum (u - 8) q comes out of the unsigned u directly. */
+static void quantize_floats(const float *x, long nb, i8 *q, float *d, i32x8 *c) {
+    for (long b = 0; b < nb; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++) {
+            const float a = fabsf(xb[k]);
+            amax = a > amax ? a : amax;
+        }
+        const float dd = amax / 127.0f;
+        const v8 dv = {dd, dd, dd, dd, dd, dd, dd, dd};
+        d[b] = dd;
+        i32x8 cl = {0};
+        for (int k = 0; k < 32; k += 8) {
+            v8 r = {0};
+            if (dd > 0) {
+                r = *(const v8 *)(xb + k) / dv; /* a true division, as torch's */
+#if defined(__AVX__)
+                r = (v8)_mm256_round_ps((__m256)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* half to even */
+#else
+                for (int l = 0; l < 8; l++) r[l] = nearbyintf(r[l]);
+#endif
+            }
+            const i32x8 v = __builtin_convertvector(r, i32x8);
+            for (int l = 0; l < 8; l++) {
+                q[b * 32 + k + l] = (i8)v[l];
+                cl[(k + l) / 4] -= 8 * v[l];
+            }
+        }
+        c[b] = cl;
+    }
+}
+
+void quantize_rows(const float *x, long ldx, long n, struct qx *p, int t, int T) {
+    const long nb = p->I / 32;
+    for (long j = t; j < n; j += T) quantize_floats(x + j * ldx, nb, p->q + j * p->I, p->d + j * nb, p->c + j * nb);
+}
+
+void quantize_rows_b(const bf16 *x, long ldx, long n, struct qx *p, int t, int T) {
+    const long nb = p->I / 32;
+    float buf[32];
+    for (long j = t; j < n; j += T)
+        for (long b = 0; b < nb; b++) {
+            for (int k = 0; k < 32; k++) buf[k] = bf16_float(x[j * ldx + b * 32 + k]);
+            quantize_floats(buf, 1, p->q + j * p->I + b * 32, p->d + j * nb + b, p->c + j * nb + b);
+        }
+}
+
+/* ---- one block's integer dot products ------------------------------------------------------------------------ */
+
+/* 8 lanes, lane k = acc[k] + sum over elements 4k .. 4k + 3 of u * q (u unsigned bytes, q signed, |u q| < 2^14:
+   maddubs's int16 pairs cannot saturate). */
+#if defined(__AVX2__)
+typedef __m256i b32;
+static inline b32 load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline i32x8 dot_u8i8(i32x8 acc, b32 u, b32 q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i32x8)_mm256_dpbusd_epi32((__m256i)acc, u, q);
+#elif defined(__AVXVNNI__)
+    return (i32x8)_mm256_dpbusd_avx_epi32((__m256i)acc, u, q);
+#else
+    return (i32x8)_mm256_add_epi32((__m256i)acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)));
+#endif
+}
+/* int8 weights w: |w| times q with w's sign (the sign trick: maddubs and vpdpbusd take one unsigned side) */
+static inline i32x8 dot_i8(b32 w, b32 aw, b32 q) { return dot_u8i8((i32x8){0}, aw, _mm256_sign_epi8(q, w)); }
+static inline b32 abs8(b32 w) { return _mm256_abs_epi8(w); }
+/* 16 bytes of int4 nibbles -> 32 unsigned bytes in element order (low nibbles 0..15, high 16..31) */
+static inline b32 unpack4(const u8 *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+static inline v8 to_float(i32x8 l) { return (v8)_mm256_cvtepi32_ps((__m256i)l); }
+#else /* the same lanes in plain C */
+typedef struct { signed char b[32]; } b32;
+static inline b32 load32(const void *p) { b32 r; memcpy(&r, p, 32); return r; }
+static inline i32x8 dot_u8i8(i32x8 acc, b32 u, b32 q) {
+    for (int k = 0; k < 32; k++) acc[k / 4] += (u8)u.b[k] * q.b[k];
+    return acc;
+}
+static inline i32x8 dot_i8(b32 w, b32 aw, b32 q) {
+    i32x8 acc = {0};
+    (void)aw;
+    for (int k = 0; k < 32; k++) acc[k / 4] += w.b[k] * q.b[k];
+    return acc;
+}
+static inline b32 abs8(b32 w) { return w; }
+static inline b32 unpack4(const u8 *p) {
+    b32 r;
+    for (int k = 0; k < 16; k++) r.b[k] = p[k] & 15, r.b[k + 16] = p[k] >> 4;
+    return r;
+}
+static inline v8 to_float(i32x8 l) { return __builtin_convertvector(l, v8); }
+#endif
+
+static inline v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
+
+static inline void store(float *yf, bf16 *yb, long at, float s) {
+    if (yb) yb[at] = float_bf16(s); else yf[at] = s;
+}
+
+/* Rows [o0, o1) of w against N rows of x (x's row j at q + j I, its scales at d + j nb), one weight row at a time:
+   it streams in order, which the hardware prefetches best; the next row is prefetched too. */
+#define ROWS_Q8(N)                                                                                     \
+    static void q8_##N(const struct qx *x, long j0, const i8 *w, long ldw, const float *sc, float *yf, bf16 *yb, \
+                       long ldy, long o0, long o1) {                                                   \
+        const long I = x->I, nb = I / 32;                                                              \
+        const i8 *q = x->q + j0 * I;                                                                   \
+        const float *d = x->d + j0 * nb;                                                               \
+        for (long o = o0; o < o1; o++) {                                                               \
+            const i8 *wr = w + o * ldw;                                                                \
+            v8 acc[N];                                                                                 \
+            for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
+            for (long b = 0; b < nb; b++) {                                                            \
+                if (b % 2 == 0) __builtin_prefetch(wr + ldw + b * 32);                                 \
+                const b32 wv = load32(wr + b * 32), aw = abs8(wv);                                     \
+                for (int j = 0; j < N; j++) {                                                          \
+                    const i32x8 l = dot_i8(wv, aw, load32(q + j * I + b * 32));                        \
+                    acc[j] = fma8(to_float(l), splat(d[j * nb + b]), acc[j]);                          \
+                }                                                                                      \
+            }                                                                                          \
+            for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]) * sc[o]);            \
+        }                                                                                              \
+    }
+
+#define ROWS_Q4(N)                                                                                     \
+    static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
+                       float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
+        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32;                                    \
+        const i8 *q = x->q + j0 * I;                                                                   \
+        const float *d = x->d + j0 * nb;                                                               \
+        const i32x8 *c = x->c + j0 * nb;                                                               \
+        for (long o = o0; o < o1; o++) {                                                               \
+            const u8 *wr = w + o * ldw;                                                                \
+            const unsigned short *sr = sc + o * ng;                                                    \
+            v8 acc[N];                                                                                 \
+            for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
+            for (long g = 0, b = 0; g < ng; g++) {                                                     \
+                const float s = half_float(sr[g]);                                                     \
+                for (long b1 = b + per; b < b1; b++) {                                                 \
+                    if (b % 4 == 0) __builtin_prefetch(wr + ldw + b * 16);                             \
+                    const b32 u = unpack4(wr + b * 16);                                                \
+                    for (int j = 0; j < N; j++) {                                                      \
+                        const i32x8 l = dot_u8i8(c[j * nb + b], u, load32(q + j * I + b * 32));        \
+                        acc[j] = fma8(to_float(l), splat(d[j * nb + b] * s), acc[j]);                  \
+                    }                                                                                  \
+                }                                                                                      \
+            }                                                                                          \
+            for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]));                    \
+        }                                                                                              \
+    }
+
+ROWS_Q8(1) ROWS_Q8(2) ROWS_Q8(3) ROWS_Q8(4) ROWS_Q8(5) ROWS_Q8(6) ROWS_Q8(7) ROWS_Q8(8)
+ROWS_Q4(1) ROWS_Q4(2) ROWS_Q4(3) ROWS_Q4(4) ROWS_Q4(5) ROWS_Q4(6) ROWS_Q4(7) ROWS_Q4(8)
+
+typedef void (*q8_fn)(const struct qx *, long, const i8 *, long, const float *, float *, bf16 *, long, long, long);
+typedef void (*q4_fn)(const struct qx *, long, const u8 *, long, const unsigned short *, long, float *, bf16 *, long,
+                      long, long);
+static const q8_fn Q8_FOR[9] = {0, q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8};
+static const q4_fn Q4_FOR[9] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8};
+
+enum { QBLOCK = 32 }; /* past 8 rows: 32 weight rows (<= 32 KB of int8) stay in cache while x goes 8 rows at a time */
+
+int quant_format_ok(int fmt, long group, long I) {
+    if (I % 32) return 0;
+    if (fmt == QUANT_INT8) return 1;
+    return fmt == QUANT_INT4 && group >= 32 && group % 32 == 0 && I % group == 0;
+}
+
+void share_q(const struct qx *x, long n, const void *w, const void *scale, int fmt, long group, float *yf, bf16 *yb,
+             long ldy, long O, int t, int T) {
+    long o0, o1;
+    if (!thread_rows(O, t, T, &o0, &o1) || n == 0) return;
+    const long I = x->I, step = n <= 8 ? o1 - o0 : QBLOCK;
+    for (long b0 = o0; b0 < o1; b0 += step) {
+        const long b1 = b0 + step < o1 ? b0 + step : o1;
+        for (long j0 = 0; j0 < n; j0 += 8) {
+            const long m = n - j0 < 8 ? n - j0 : 8;
+            float *f = yf ? yf + j0 * ldy : 0;
+            bf16 *h = yb ? yb + j0 * ldy : 0;
+            if (fmt == QUANT_INT8)
+                Q8_FOR[m](x, j0, (const i8 *)w, I, (const float *)scale, f, h, ldy, b0, b1);
+            else
+                Q4_FOR[m](x, j0, (const u8 *)w, I / 2, (const unsigned short *)scale, group, f, h, ldy, b0, b1);
+        }
+    }
+}
+
+/* The public calls: x quantized by the threads (a row each in turn), then each thread's share of w's rows. */
+#define LINEAR_Q(NAME, T, QUANTIZE)                                                                    \
+    int NAME(const T *x, long ldx, const void *w, const void *scale, int fmt, long group, T *y, long ldy, long n, \
+             long O, long I, int threads) {                                                            \
+        if (!quant_format_ok(fmt, group, I)) return -4;                                                \
+        void *mem = malloc(qx_bytes(n, I));                                                            \
+        if (!mem) return -2;                                                                           \
+        struct qx p = qx_at(mem, n, I);                                                                \
+        _Pragma("omp parallel num_threads(threads)")                                                   \
+        {                                                                                              \
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();                            \
+            QUANTIZE(x, ldx, n, &p, t, nt);                                                            \
+            _Pragma("omp barrier")                                                                     \
+            share_q(&p, n, w, scale, fmt, group, OUT_F_##T(y), OUT_B_##T(y), ldy, O, t, nt);           \
+        }                                                                                              \
+        free(mem);                                                                                     \
+        return 0;                                                                                      \
+    }
+#define OUT_F_float(y) (y)
+#define OUT_B_float(y) ((bf16 *)0)
+#define OUT_F_bf16(y) ((float *)0)
+#define OUT_B_bf16(y) (y)
+
+LINEAR_Q(linear_q, float, quantize_rows)
+LINEAR_Q(linear_q_bf16, bf16, quantize_rows_b)
