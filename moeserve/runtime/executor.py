@@ -70,7 +70,7 @@ class Executor:
             self.model = model.eval()
             w = model.tok_embeddings.weight
             if plan is None and is_quantized(model):
-                plan = quantized_plan(w.device, w.dtype)
+                plan = quantized_plan(model.cfg, w.device, w.dtype)
             elif plan is None:
                 plan = plan_for(ExpertShape.of(model.cfg) if model.moe_layers else None, w.device, w.dtype, calibration)
             model = backend_for(self.model, plan, self._compiled(compile), self._fallback)

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from moeserve.checkpoint import CheckpointError, WEIGHTS_FILE, load_checkpoint, parameter_counts, save_checkpoint
 from moeserve.config import ConfigError, MoEConfig, preset
+from moeserve.runtime.backends import cpu_kernel
+from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams, load_engine
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.loading import load_model
@@ -169,6 +171,9 @@ def test_a_group_that_does_not_divide_a_width_names_the_weight():
 
 
 # ---- checkpoints and the engine -----------------------------------------------------------------
+PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A"]
+
+
 @pytest.fixture(scope="module")
 def float_ckpt(tmp_path_factory):
     torch.manual_seed(0)
@@ -210,18 +215,36 @@ def test_a_tampered_quantized_checkpoint_is_refused(float_ckpt, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_generation_and_scoring_on_a_quantized_model(float_ckpt, fmt):
-    """Continuous batching (rows of any lengths, n) and scoring run on quantized weights, and give the float
-    engine's numbers on the dequantized weights."""
-    engine = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize=fmt)
+    """On torch's kernels (QuantLinear's own forward: weight-only), a quantized model gives the float engine's tokens
+    and scores on the dequantized weights; continuous batching (rows of any lengths) runs on it."""
+    engine = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize=fmt, plan=DispatchPlan())
+    assert engine.runner.name == "eager"
     ref_model = _dequantized_float_model(load_model(float_ckpt)[0], engine.model)
-    ref = Engine.from_model(ref_model, engine.tokenizer)
-    prompts = ["def f(x):", "import os\nimport sys\n", "class A"]
+    ref = Engine.from_model(ref_model, engine.tokenizer, plan=DispatchPlan())
     params = SamplingParams(12, ignore_eos=True)
-    got, want = engine.complete(prompts, params), ref.complete(prompts, params)
+    got, want = engine.complete(PROMPTS, params), ref.complete(PROMPTS, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    scores, ref_scores = engine.score(prompts), ref.score(prompts)
-    for a, b in zip(scores, ref_scores):
+    for a, b in zip(engine.score(PROMPTS), ref.score(PROMPTS)):
         assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_c_kernel_runs_quantized_models_batch_invariant(float_ckpt, fmt):
+    """Where the C kernel builds, a quantized model runs on its integer GEMMs (activations quantized per 32-block,
+    as llama.cpp does), a decode step in one call: each prompt's tokens are those it gets alone, and its scores are
+    the weight-only reference's within the activations' rounding."""
+    engine = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize=fmt)
+    if cpu_kernel.unavailable_reason() is not None:
+        assert engine.runner.name == "eager" and "dequantized by torch" in engine.plan.reason
+        pytest.skip(f"the C kernel is not available: {cpu_kernel.unavailable_reason()}")
+    assert engine.runner.name == "cpu-kernel" and engine.runner.step is not None
+    params = SamplingParams(12, ignore_eos=True)
+    together = [c.token_ids for c in engine.complete(PROMPTS, params)]
+    assert together == [engine.complete([p], params)[0].token_ids for p in PROMPTS]
+    eager = Engine.load(float_ckpt, dtype="float32", device="cpu", quantize=fmt, plan=DispatchPlan())
+    for a, b in zip(engine.score(PROMPTS), eager.score(PROMPTS)):
+        assert a.logprob == pytest.approx(b.logprob, rel=2e-3)
+        assert a.logprob != b.logprob  # the activations' quantization shows
 
 
 def test_quantize_refusals(float_ckpt, tmp_path):

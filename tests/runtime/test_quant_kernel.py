@@ -126,7 +126,7 @@ def _experts(E: int, D: int, F: int, act: str, spec: QuantSpec, g: torch.Generat
 
 
 def _weights(qe: QuantExperts) -> dict:
-    return {n: (getattr(qe, f"{n}_q"), getattr(qe, f"{n}_scale")) if n != "w3" or qe.has_w3 else None
+    return {n: (getattr(qe, f"{n}_qweight"), getattr(qe, f"{n}_scale")) if n != "w3" or qe.has_w3 else None
             for n in ("w1", "w2", "w3")}
 
 
@@ -192,7 +192,7 @@ def test_refusals_are_named():
     with pytest.raises(KernelError, match="expert ids outside"):
         KernelQuantExperts.of(qe).moe(torch.randn(2, 32), torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2))
     with pytest.raises(KernelError, match=r"w2 \[E, D, F\] of one E, D and F"):
-        KernelQuantExperts(QuantSpec(8), (qe.w1_q, qe.w1_scale), (qe.w2_q[:, :16], qe.w2_scale[:, :16]))
+        KernelQuantExperts(QuantSpec(8), (qe.w1_qweight, qe.w1_scale), (qe.w2_qweight[:, :16], qe.w2_scale[:, :16]))
 
 
 # ---- the whole decode step on quantized weights ---------------------------------------------------------------------

@@ -142,13 +142,20 @@ def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "
     return DispatchPlan(pack, pack, cuda, 1, "default", reason, decode_grouped=cuda and dtype == torch.bfloat16)
 
 
-def quantized_plan(device: torch.device | str, dtype: torch.dtype) -> DispatchPlan:
-    """A quantized model's plan, not measured: its weights have one form per backend (runtime/quant.py's modules,
-    laid out by the backend), so there is nothing to time; RMSNorm and decode attention go on the C kernel where it
-    runs this dtype."""
-    on_kernel = torch.device(device).type == "cpu" and cpu_kernel.unavailable_for(dtype) is None
-    return DispatchPlan(False, False, False, 0, "quantized", "quantized weights: not calibrated",
-                        kernel_norms=on_kernel)
+def quantized_plan(cfg: MoEConfig, device: torch.device | str, dtype: torch.dtype) -> DispatchPlan:
+    """A quantized model's plan, not measured: its weights have one fast form, the C kernel's integer GEMMs on a CPU
+    (quant_kernel.py), at every row count; torch dequantizing them (QuantLinear's own forward) where the kernel does
+    not run or its widths are not multiples of 32."""
+    if torch.device(device).type != "cpu":
+        return DispatchPlan(False, False, False, 0, "quantized", "quantized weights on a GPU: dequantized by torch")
+    why = cpu_kernel.unavailable_for(dtype)
+    widths = [cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.head_dim]
+    if why is None and any(w % 32 for w in widths):
+        why = f"the kernel's quantized GEMMs take widths that are multiples of 32, not {widths}"
+    if why is not None:
+        return DispatchPlan(False, False, False, 0, "quantized", f"quantized weights dequantized by torch: {why}")
+    return DispatchPlan(False, False, False, 0, "quantized", "quantized weights on the C kernel's integer GEMMs",
+                        kernel_experts=True, kernel_dense=True, kernel_norms=True)
 
 
 @dataclass(frozen=True)

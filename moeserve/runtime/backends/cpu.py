@@ -24,9 +24,11 @@ from moeserve.runtime.backends.eager import EagerBackend, is_linear
 from moeserve.runtime.backends.experts import FusedExperts
 from moeserve.runtime.backends.layout import Laid
 from moeserve.runtime.backends.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
+from moeserve.runtime.backends.quant_kernel import KernelQuantExperts, linear_q
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import Attention, ModelOutput, apply_rope
 from moeserve.runtime.moe import MoEAux, MoELayer
+from moeserve.runtime.quant import QuantExperts, QuantLinear
 from moeserve.runtime.routing import Routing, SigmoidRouter, SoftmaxRouter, XMoERouter
 
 
@@ -41,6 +43,26 @@ class KernelLinear(Laid, nn.Linear):
         if self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]:
             return torch.nn.functional.linear(x, self.weight)
         return cpu_kernel.linear(x, self.weight)
+
+
+class KernelQuantLinear(Laid, QuantLinear):
+    """A quantized linear map on the kernel's integer GEMM (quant_kernel.linear_q) at every row count: its activations
+    are quantized per 32-element block, so a row's numbers must not depend on how many rows share its call (a
+    dequantized float GEMM past some count would give a prompt other numbers than its decode steps)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear_q(x, self.qweight, self.scale, self.spec)
+
+
+class KernelQuantMoE(Laid, QuantExperts):
+    """A layer's quantized experts in one kernel call (KernelQuantExperts), dispatch included."""
+
+    kernel: KernelQuantExperts
+
+    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        if keep_TK is not None:  # a capacity limit drops assignments: the reference's dispatch
+            return super().forward(x_TD, expert_ids_TK, gates_TK, keep_TK)
+        return self.kernel.moe(x_TD, expert_ids_TK, gates_TK)
 
 
 class KernelRMSNorm(Laid, nn.RMSNorm):
@@ -105,7 +127,8 @@ def kernel_router(router: nn.Module) -> KernelRouter | None:
 
 def lay_out_router(layer: MoELayer) -> None:
     """The router of a layer whose experts are on the kernel, on the kernel too (no capacity limit, not VQ)."""
-    if isinstance(layer.experts, FusedExperts) and layer.quantizer is None and layer.cfg.capacity_factor is None:
+    if (isinstance(layer.experts, (FusedExperts, KernelQuantMoE)) and layer.quantizer is None
+            and layer.cfg.capacity_factor is None):
         kernel = kernel_router(layer.router)
         if kernel is not None:
             layer.router = KernelRouted.of(layer.router, kernel=kernel)
@@ -122,6 +145,8 @@ class CpuKernelBackend(EagerBackend):
                                          f"available here: {cpu_kernel.unavailable_reason()}")
         super().lay_out(plan)
         for layer in self.model.moe_layers:
+            if plan.kernel_experts and type(layer.experts) is QuantExperts:
+                layer.experts = KernelQuantMoE.of(layer.experts, kernel=KernelQuantExperts.of(layer.experts))
             lay_out_router(layer)
         self.step = self._step(plan)
 
@@ -134,6 +159,8 @@ class CpuKernelBackend(EagerBackend):
     def form(self, m: nn.Module, plan: DispatchPlan) -> nn.Module | None:
         if plan.kernel_dense and is_linear(m):
             return KernelLinear.of(m, weight=m.weight, max_rows=plan.dense_kernel_max_tokens)
+        if plan.kernel_dense and type(m) is QuantLinear:
+            return KernelQuantLinear.of(m)
         if plan.kernel_norms and type(m) is nn.RMSNorm and m.weight is not None:
             return KernelRMSNorm.of(m)
         if plan.kernel_norms and type(m) is Attention and m.causal:
@@ -152,14 +179,24 @@ class CpuKernelBackend(EagerBackend):
             if (not isinstance(ffn, MoELayer) or not isinstance(ffn.router, KernelRouted)
                     or not all(isinstance(n, KernelRMSNorm) for n in norms) or not isinstance(a, KernelAttention)):
                 return None  # a dense FFN, a VQ layer, a capacity limit, LayerNorm: the ops one by one
-            attention = DecodeAttention(((norms[0].weight, norms[0].epsilon), (norms[1].weight, norms[1].epsilon)),
-                                        (a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight), a.n_heads, a.n_kv_heads)
-            parts.append((attention, ffn.router.kernel, ffn.experts.w.fused))
-        norm = model.norm
-        if not isinstance(norm, KernelRMSNorm) or not isinstance(model.output, KernelLinear):
+            n = ((norms[0].weight, norms[0].epsilon), (norms[1].weight, norms[1].epsilon))
+            linears = (a.wq, a.wk, a.wv, a.wo)
+            if isinstance(ffn.experts, KernelQuantMoE) and all(isinstance(m, KernelQuantLinear) for m in linears):
+                attention = DecodeAttention(n, tuple(m.qweight for m in linears), a.n_heads, a.n_kv_heads,
+                                            ffn.experts.spec, tuple(m.scale for m in linears))
+                parts.append((attention, ffn.router.kernel, ffn.experts.kernel))
+            elif isinstance(ffn.experts, FusedExperts) and all(isinstance(m, KernelLinear) for m in linears):
+                attention = DecodeAttention(n, tuple(m.weight for m in linears), a.n_heads, a.n_kv_heads)
+                parts.append((attention, ffn.router.kernel, ffn.experts.w.fused))
+            else:
+                return None
+        norm, head = model.norm, model.output
+        if not isinstance(norm, KernelRMSNorm) or not isinstance(head, (KernelLinear, KernelQuantLinear)):
             return None
-        return KernelDecodeStep(parts, (norm.weight, norm.epsilon), model.output.weight, model.tok_embeddings.weight,
-                                (model.rope_cos, model.rope_sin), self.cfg.sliding_window)
+        quantized = isinstance(head, KernelQuantLinear)
+        return KernelDecodeStep(parts, (norm.weight, norm.epsilon), head.qweight if quantized else head.weight,
+                                model.tok_embeddings.weight, (model.rope_cos, model.rope_sin), self.cfg.sliding_window,
+                                head_quant=(head.scale, head.spec) if quantized else None)
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
         """One token a row on the whole-step call, from the host's numbers: the rows are checked here and the C call

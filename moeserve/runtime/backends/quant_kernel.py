@@ -185,7 +185,7 @@ class KernelQuantExperts:
     @classmethod
     def of(cls, experts) -> "KernelQuantExperts":
         """From a quant.QuantExperts module."""
-        w = lambda n: (getattr(experts, f"{n}_q"), getattr(experts, f"{n}_scale"))  # noqa: E731
+        w = lambda n: (getattr(experts, f"{n}_qweight"), getattr(experts, f"{n}_scale"))  # noqa: E731
         return cls(experts.spec, w("w1"), w("w2"), w("w3") if experts.has_w3 else None)
 
     def moe(self, x_TD: Tensor, ids_TK: Tensor, gates_TK: Tensor) -> Tensor:
