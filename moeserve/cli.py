@@ -166,6 +166,10 @@ def _hash_ahead(path: Path) -> None:
 
 
 def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
+    from moeserve.checkpoint import read_config
+
+    if args.quantize or (path.is_dir() and read_config(path).quantization is not None):
+        raise ValueError("--ray: the expert shards hold float weights; serve a quantized model without --ray")
     try:
         from moeserve.serve import ray_app
     except ImportError as e:

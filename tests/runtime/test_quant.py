@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moeserve.checkpoint import CheckpointError, WEIGHTS_FILE, load_checkpoint, parameter_counts, save_checkpoint
 from moeserve.config import ConfigError, MoEConfig, preset
@@ -260,6 +259,7 @@ def test_quantize_refusals(float_ckpt, tmp_path):
         (["quantize", str(float_ckpt), "--bits", "8", "--group-size", "32", "--out", str(tmp_path / "x")],
          "--group-size is int4's"),
         (["generate", str(float_ckpt), "--quantize", "int2"], "invalid choice: 'int2'"),
+        (["serve", str(float_ckpt), "--ray", "--quantize", "int8"], "the expert shards hold float weights"),
     ):
         p = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
