@@ -94,7 +94,7 @@ class _TypedLayer(ctypes.Structure):  # struct layer with eps2 a double
 @requires_kernel
 @pytest.mark.parametrize("name,cls,field", [
     ("router", _SwappedRouter, "field 5 is gate: c_int, the header's is tau: float"),
-    ("model", _ShortModel, "field 16 is nothing, the header's is window: long"),
+    ("model", _ShortModel, "field 19 is nothing, the header's is head_group: long"),
     ("layer", _TypedLayer, "field 7 is eps2: c_double, the header's is eps2: float"),
 ])
 def test_a_structure_that_is_not_its_struct_is_refused(name, cls, field, reload, monkeypatch):
