@@ -104,8 +104,9 @@ print(all(ok), len(ok))
 
 @requires_kernel
 def test_both_sides_of_the_build(tmp_path):
-    """-march=native on this CPU (vpdpbusd where it has AVX512-VNNI), and the AVX2 side (maddubs + madd) built with
-    -mno-avx512f: each against the reference in a fresh process and cache."""
+    """-march=native on this CPU (vpdpbusd where it has AVX512-VNNI), the AVX2 side (maddubs + madd) built with
+    -mno-avx512f, and the plain-C side built with -mno-avx2: each against the reference in a fresh process and
+    cache."""
     if "avx2" not in cpu_flags():
         pytest.skip("the vector paths need AVX2")
     native = _probe({"MOESERVE_CACHE": str(tmp_path / "native")}, BOTH_SIDES)
@@ -113,6 +114,8 @@ def test_both_sides_of_the_build(tmp_path):
     if "avx512f" in cpu_flags():
         avx2 = _probe({"MOESERVE_CACHE": str(tmp_path / "avx2"), cpu_kernel.CFLAGS_ENV: "-mno-avx512f"}, BOTH_SIDES)
         assert avx2 == "None\nTrue 36"
+    plain = _probe({"MOESERVE_CACHE": str(tmp_path / "plain"), cpu_kernel.CFLAGS_ENV: "-mno-avx2"}, BOTH_SIDES)
+    assert plain == "None\nTrue 36"  # the plain-C lanes (no AVX2) of the same arithmetic
 
 
 def _experts(E: int, D: int, F: int, act: str, spec: QuantSpec, g: torch.Generator) -> QuantExperts:

@@ -3,10 +3,12 @@
    How the products are taken was decided by measurement (issue 39): (a) the weights widened to float32 in registers
    and multiplied with the float activations by FMAs, or (b) the activations quantized to int8 per 32-element block
    (llama.cpp's Q8_0 x Q8_0: integer dot products, VNNI's vpdpbusd where the CPU has it, maddubs + madd on plain
-   AVX2) and each block's integer sum scaled in float32. GB/s of weight streamed (scales included), 2 threads,
-   weights rotated over 192 MB (beyond L3), lower quartile of 400 calls (another job shared the machine), AMD EPYC
-   Zen 4, 2 cores, memory read ~35 GB/s; draft kernels of both methods, one weight row at a time:
+   AVX2) and each block's integer sum scaled in float32. Measured on AMD EPYC Zen 4 (2 cores, memory ~35 GB/s),
+   with another job busy on one core throughout: GB/s of weight streamed (scales included), weights rotated over
+   192 MB (beyond L3), lower quartile of 400 calls; x float32.
 
+   First, draft kernels of both methods, 2 threads, one block a step (the 2-thread figures are the calls the other
+   job did not preempt):
                             AVX512 build (VNNI)                         AVX2 build (-mno-avx512f)
      shape       n   f32  bf16 | int8 a  int8 b | int4 a  int4 b     f32  bf16 | int8 a  int8 b | int4 a  int4 b
      2816x1024   1  29.4  31.7 |  16.7    32.6  |   8.6    17.0     38.7  39.0 |  16.6    41.8  |   8.5    16.8
@@ -17,12 +19,26 @@
                  8  17.5  16.0 |   6.4    15.8  |   3.8     6.0     17.8   5.7 |   6.4    12.1  |   3.7     5.3
      32000x1024  1  30.7  32.9 |  16.9    34.2  |   8.5    17.1     31.0  34.9 |  16.8    33.8  |   8.6    17.1
                  8  15.6  22.5 |   6.5    15.4  |   3.9     5.8     15.8   5.6 |   6.3    12.2  |   3.7     5.3
+   Widening (a) is compute-bound at half of (b) for int8 and at a quarter to a half for int4 (conversions, and an
+   FMA per 8 weights and row). So (b) for both formats.
 
-   In weights per second at one row: bf16 ~16 G/s, int8 (b) ~33 G/s (2.1x), int4 (b) ~30 G/s (1.9x; 17 GB/s of
-   4.5-bit weights). Widening (a) is compute-bound at half of (b) for int8 and a quarter for int4: its
-   conversions and one FMA per 8 weights and row cost more than memory delivers. So (b) for both formats. int4
-   does not yet reach memory speed (its unpacking and per-block scaling are the limit): that is where further
-   work should go (two blocks per 512-bit step, two weight rows per pass for n >= 2).
+   Then the kernels below (blocks in pairs, see ROWS_Q8), through linear_q (quantizing x included), ONE thread (the
+   other core was the other job's: 2-thread timings were unusable), "x" = weights a second over bf16's:
+                       AVX512 build (VNNI)                              AVX2 build (maddubs)
+     shape       n   f32  bf16  int8  int4 | x int8  x int4      f32  bf16  int8  int4 | x int8  x int4
+     2816x1024   1  24.4  24.4  23.6  14.2 |  1.93    2.06      21.8  20.0  23.3  12.8 |  2.33    2.27
+                 2  16.7  22.6  19.3  10.2 |  1.71    1.61      14.7  14.3  17.9   8.8 |  2.51    2.20
+                 4  10.9  10.8  14.0   6.2 |  2.59    2.05      10.8   9.4  11.0   5.2 |  2.33    1.96
+                 8   8.0  11.3   7.5   3.4 |  1.32    1.08       7.8   2.9   5.8   2.8 |  4.04    3.50
+     1024x2816   1  21.9  24.7  23.2  15.3 |  1.88    2.21      22.3  17.3  20.3  13.5 |  2.34    2.77
+                 8   8.5   7.9   7.1   3.1 |  1.80    1.41       8.5   2.9   5.4   2.7 |  3.80    3.40
+     32000x1024  1  21.0  25.0  24.1  14.3 |  1.92    2.03      21.6  19.5  23.5  12.7 |  2.41    2.33
+                 8   9.1  12.6   7.5   3.5 |  1.19    0.98       9.3   2.8   5.8   2.8 |  4.11    3.57
+   (2 threads, AVX512, the calls not preempted: 2816x1024 at 2 rows bf16 31.8, int8 32.4, int4 18.9 GB/s.)
+   int8 streams at bf16's bytes a second (memory's pace: ~1.9x the weights); int4 is still compute-bound at
+   ~2x bf16's weights, short of the ~3x memory would allow: the next step there is two blocks per 512-bit step
+   and two weight rows per pass at n >= 2 (the nibble unpacking and per-block scaling are the limit). Past 4 rows
+   AVX512-BF16's one-instruction dot products catch up with int4.
 
    The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
      - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
@@ -30,7 +46,8 @@
      - per block and weight row the integer sum s = sum q * v, v the weight's integer (int8: q_w; int4: u - 8),
        exact in int32;
      - int8: y = scale[o] * sum_b d_b s_b;  int4: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
-       (8 lanes of partial sums, added left to right at the end), rounded once to bf16 for a bf16 x.
+       (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end),
+       rounded once to bf16 for a bf16 x.
    Only the float32 order of the last step differs from a torch reference, so the two agree to float rounding.
    Each row of x has its own accumulators, in the same order whatever n, the thread count or the block is: a row's
    result does not depend on which other rows share the call (batch invariance, as gemm.c). */
@@ -181,7 +198,11 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
 }
 
 /* Rows [o0, o1) of w against N rows of x (x's row j at q + j I, its scales at d + j nb), one weight row at a time:
-   it streams in order, which the hardware prefetches best; the next row is prefetched too. */
+   it streams in order, which the hardware prefetches best; the next row is prefetched too. Blocks go in pairs, each
+   pair's two scaled sums added together before they join the row's accumulator (t = s0 l0 + s1 l1; acc += t): one
+   dependent add a pair rather than an FMA a block, whose latency had kept one row of int4 at the speed of bf16.
+   An odd last block joins by an FMA. The same per row whatever N, so a row's result does not depend on N. */
+#define PAIR(acc, l0, s0, l1, s1) (acc) = (acc) + fma8(to_float(l1), splat(s1), to_float(l0) * splat(s0))
 #define ROWS_Q8(N)                                                                                     \
     static void q8_##N(const struct qx *x, long j0, const i8 *w, long ldw, const float *sc, float *yf, bf16 *yb, \
                        long ldy, long o0, long o1) {                                                   \
@@ -192,13 +213,20 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
             const i8 *wr = w + o * ldw;                                                                \
             v8 acc[N];                                                                                 \
             for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
-            for (long b = 0; b < nb; b++) {                                                            \
-                if (b % 2 == 0) __builtin_prefetch(wr + ldw + b * 32);                                 \
-                const b32 wv = load32(wr + b * 32), aw = abs8(wv);                                     \
+            long b = 0;                                                                                \
+            for (; b + 1 < nb; b += 2) {                                                               \
+                __builtin_prefetch(wr + ldw + b * 32);                                                 \
+                const b32 w0 = load32(wr + b * 32), a0 = abs8(w0), w1 = load32(wr + b * 32 + 32), a1 = abs8(w1); \
                 for (int j = 0; j < N; j++) {                                                          \
-                    const i32x8 l = dot_i8(wv, aw, load32(q + j * I + b * 32));                        \
-                    acc[j] = fma8(to_float(l), splat(d[j * nb + b]), acc[j]);                          \
+                    const i32x8 l0 = dot_i8(w0, a0, load32(q + j * I + b * 32));                       \
+                    const i32x8 l1 = dot_i8(w1, a1, load32(q + j * I + b * 32 + 32));                  \
+                    PAIR(acc[j], l0, d[j * nb + b], l1, d[j * nb + b + 1]);                            \
                 }                                                                                      \
+            }                                                                                          \
+            if (b < nb) {                                                                              \
+                const b32 w0 = load32(wr + b * 32), a0 = abs8(w0);                                     \
+                for (int j = 0; j < N; j++)                                                            \
+                    acc[j] = fma8(to_float(dot_i8(w0, a0, load32(q + j * I + b * 32))), splat(d[j * nb + b]), acc[j]); \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]) * sc[o]);            \
         }                                                                                              \
@@ -216,16 +244,24 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
             const unsigned short *sr = sc + o * ng;                                                    \
             v8 acc[N];                                                                                 \
             for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
-            for (long g = 0, b = 0; g < ng; g++) {                                                     \
-                const float s = half_float(sr[g]);                                                     \
-                for (long b1 = b + per; b < b1; b++) {                                                 \
-                    if (b % 4 == 0) __builtin_prefetch(wr + ldw + b * 16);                             \
-                    const b32 u = unpack4(wr + b * 16);                                                \
-                    for (int j = 0; j < N; j++) {                                                      \
-                        const i32x8 l = dot_u8i8(c[j * nb + b], u, load32(q + j * I + b * 32));        \
-                        acc[j] = fma8(to_float(l), splat(d[j * nb + b] * s), acc[j]);                  \
-                    }                                                                                  \
+            long b = 0;                                                                                \
+            for (; b + 1 < nb; b += 2) {                                                               \
+                if (b % 4 == 0) __builtin_prefetch(wr + ldw + b * 16);                                 \
+                const float s0 = half_float(sr[per == 1 ? b : b / per]);                               \
+                const float s1 = half_float(sr[per == 1 ? b + 1 : (b + 1) / per]);                     \
+                const b32 u0 = unpack4(wr + b * 16), u1 = unpack4(wr + b * 16 + 16);                   \
+                for (int j = 0; j < N; j++) {                                                          \
+                    const i32x8 l0 = dot_u8i8(c[j * nb + b], u0, load32(q + j * I + b * 32));          \
+                    const i32x8 l1 = dot_u8i8(c[j * nb + b + 1], u1, load32(q + j * I + b * 32 + 32)); \
+                    PAIR(acc[j], l0, d[j * nb + b] * s0, l1, d[j * nb + b + 1] * s1);                  \
                 }                                                                                      \
+            }                                                                                          \
+            if (b < nb) {                                                                              \
+                const float s0 = half_float(sr[b / per]);                                              \
+                const b32 u0 = unpack4(wr + b * 16);                                                   \
+                for (int j = 0; j < N; j++)                                                            \
+                    acc[j] = fma8(to_float(dot_u8i8(c[j * nb + b], u0, load32(q + j * I + b * 32))),    \
+                                  splat(d[j * nb + b] * s0), acc[j]);                                  \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]));                    \
         }                                                                                              \
