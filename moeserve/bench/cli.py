@@ -117,6 +117,11 @@ def add_bench(sub, calibrate_help: str) -> None:
                     "(default: 512)")
     bq.add_argument("--new-tokens", type=int, default=64, metavar="N", help="decode tokens timed (default: 64)")
     bq.add_argument("--repeats", type=int, default=3, metavar="R", help="timed decodes, median (default: 3)")
+    bq.add_argument("--gguf", nargs="+", metavar="FORMAT=FILE", help="the same weights as GGUF for llama.cpp: "
+                    "float=F32.gguf int8=Q8_0.gguf int4=Q4_0.gguf (convert_hf_to_gguf.py, llama-quantize)")
+    bq.add_argument("--llama-perplexity", metavar="PATH", help="llama.cpp's perplexity tool: its --kl-divergence "
+                    "for Q8_0 and Q4_0 against the F32 GGUF on the same text")
+    bq.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: batch-1 decode of each GGUF")
     _report_files(bq)
     bq.set_defaults(func=_main("moeserve.bench.quant"))
     bo = bsub.add_parser("onnx", help="forward latency: torch eager fp32 vs each ONNX export on ONNX Runtime",

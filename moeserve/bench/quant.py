@@ -11,12 +11,20 @@ next-token distributions move, how often its likeliest token stays the same, and
 
 The text is the default corpus's validation documents (training/data.py's split: never trained on), cut into
 records of about --tokens tokens of the model's own tokenizer.
+
+Beside it, where given, llama.cpp on the same weights converted to GGUF (a Mixtral): `llama-perplexity
+--kl-divergence` against the F32 GGUF's logits on the same text (its own tokens, 512-token windows) for Q8_0 and
+Q4_0, and `llama-bench`'s batch-1 decode (tg) tokens/s for each.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,7 +118,8 @@ def measure_format(engine: Engine, records: list[tuple[list[int], int]], base: l
 
 
 def bench_quant(checkpoint: Path, formats: list[str], group: int | None, dtype: str, n_records: int, tokens: int,
-                new_tokens: int, repeats: int, progress=print) -> dict:
+                new_tokens: int, repeats: int, progress=print, llama_perplexity: str | None = None,
+                llama_bench: str | None = None, gguf: dict[str, Path] | None = None) -> dict:
     progress(f"{dtype}: loading the unquantized model ...")
     base = Engine.load(checkpoint, dtype=dtype, device="cpu")
     if base.cfg.task != "lm" or base.tokenizer is None:
@@ -133,9 +142,59 @@ def bench_quant(checkpoint: Path, formats: list[str], group: int | None, dtype: 
         row["decode_speedup"] = round(row["decode_tokens_per_s"] / ref_row["decode_tokens_per_s"], 3)
         rows.append(row)
         del engine
-    return {"checkpoint": str(checkpoint), "dtype": dtype, "records": len(records),
-            "tokens": sum(len(r) - 1 for r, _ in records), "new_tokens": new_tokens,
-            "threads": torch.get_num_threads(), "machine": machine(), "results": rows}
+    report = {"checkpoint": str(checkpoint), "dtype": dtype, "records": len(records),
+              "tokens": sum(len(r) - 1 for r, _ in records), "new_tokens": new_tokens,
+              "threads": torch.get_num_threads(), "machine": machine(), "results": rows}
+    if gguf:
+        report["llama"] = llama_rows(llama_perplexity, llama_bench, gguf, "".join(texts), new_tokens,
+                                     torch.get_num_threads(), progress)
+    return report
+
+
+LLAMA_FORMATS = {"float": "F32", "int8": "Q8_0", "int4": "Q4_0"}  # our format -> the llama.cpp type it is compared with
+
+
+def parse_kl(log: str) -> dict:
+    """llama-perplexity --kl-divergence's mean KLD and "Same top p" (percent) from its log."""
+    kl = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", log)
+    top = re.search(r"Same top p:\s+([0-9.]+)", log)
+    if kl is None or top is None:
+        raise BenchError("llama-perplexity printed no 'Mean KLD' / 'Same top p' lines")
+    return {"mean_kl": float(kl.group(1)), "top1_agreement": round(float(top.group(1)) / 100, 5)}
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+    return proc
+
+
+def llama_rows(perplexity: str | None, bench: str | None, gguf: dict[str, Path], text: str, new_tokens: int,
+               threads: int, progress=print) -> dict[str, dict]:
+    """Per format given a GGUF ({"float": F32, "int8": Q8_0, "int4": Q4_0}): llama.cpp's KL against the F32 one
+    and its decode tokens/s."""
+    out: dict[str, dict] = {fmt: {"gguf": str(path)} for fmt, path in gguf.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if perplexity and "float" in gguf:
+            text_file, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
+            text_file.write_text(text)
+            progress("llama.cpp: the F32 GGUF's logits ...")
+            _run([perplexity, "-m", str(gguf["float"]), "-f", str(text_file), "-c", "512", "-b", "2048", "-t",
+                  str(threads), "--kl-divergence-base", str(base)])
+            for fmt in ("int8", "int4"):
+                if fmt in gguf:
+                    progress(f"llama.cpp: {LLAMA_FORMATS[fmt]} KL divergence ...")
+                    proc = _run([perplexity, "-m", str(gguf[fmt]), "-t", str(threads), "--kl-divergence-base",
+                                 str(base), "--kl-divergence"])
+                    out[fmt] |= parse_kl(proc.stdout + proc.stderr)
+        if bench:
+            for fmt, path in gguf.items():
+                progress(f"llama.cpp: {LLAMA_FORMATS[fmt]} decode ...")
+                rows = json.loads(_run([bench, "-m", str(path), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
+                                        "-r", "3", "-o", "json"]).stdout)
+                out[fmt]["decode_tokens_per_s"] = round(rows[0]["avg_ts"], 2)
+    return out
 
 
 def markdown(report: dict) -> str:
@@ -151,7 +210,29 @@ def markdown(report: dict) -> str:
                      f"{r.get('top1_agreement', '-')} | {r['weight_bytes_per_token'] / 1e6:.2f} | "
                      f"{r['decode_tokens_per_s']} | {r.get('decode_speedup', '-')}{'x' if 'decode_speedup' in r else ''} | "
                      f"{r['backend']} |")
+    if report.get("llama"):
+        ours = {r["format"].split(" ")[0]: r for r in report["results"]}
+        lines += ["", "llama.cpp on the same weights (GGUF; KL against the F32 GGUF's logits on the same text, its own "
+                  "tokens):", "", "| llama.cpp type | mean KL (nats) | top-1 agreement | decode tokens/s | moeserve "
+                  "decode / llama.cpp |", "| --- | ---: | ---: | ---: | ---: |"]
+        for fmt, r in report["llama"].items():
+            tps = r.get("decode_tokens_per_s")
+            ratio = f"{ours[fmt]['decode_tokens_per_s'] / tps:.2f}x" if tps and fmt in ours else "-"
+            lines.append(f"| {LLAMA_FORMATS[fmt]} | {r.get('mean_kl', '-')} | {r.get('top1_agreement', '-')} | "
+                         f"{tps or '-'} | {ratio} |")
     return "\n".join(lines)
+
+
+def _gguf(values: list[str]) -> dict[str, Path]:
+    out = {}
+    for v in values:
+        fmt, sep, file = v.partition("=")
+        if not sep or fmt not in LLAMA_FORMATS or not file:
+            raise BenchError(f"--gguf {v!r}: expected FORMAT=FILE with FORMAT one of {', '.join(LLAMA_FORMATS)}")
+        if not Path(file).is_file():
+            raise BenchError(f"--gguf {v!r}: no such file")
+        out[fmt] = Path(file)
+    return out
 
 
 def plot(report: dict, path: Path) -> None:
@@ -172,7 +253,11 @@ def main(args) -> int:
             from moeserve.training.default_model import default_model_path
 
             checkpoint = default_model_path(progress=True)
+        gguf = _gguf(args.gguf or [])
+        if args.llama_perplexity and "float" not in gguf:
+            raise BenchError("--llama-perplexity compares with the F32 GGUF's logits: give --gguf float=F32.gguf")
         return bench_quant(checkpoint, args.formats, args.group_size, args.dtype, args.records, args.tokens,
-                           args.new_tokens, args.repeats, progress=progress)
+                           args.new_tokens, args.repeats, progress=progress, llama_perplexity=args.llama_perplexity,
+                           llama_bench=args.llama_bench, gguf=gguf)
 
     return 2 if run_bench(args, "quant", measure) is None else 0

@@ -56,3 +56,23 @@ def test_a_quantized_checkpoint_is_refused(checkpoint, tmp_path):
                            str(out)], capture_output=True, timeout=120).returncode == 0
     with pytest.raises(BenchError, match=r"already quantized \(int8\): give the unquantized checkpoint"):
         bench_quant(out, ["int4"], None, "float32", 1, 40, 2, 1, progress=lambda msg: None)
+
+
+KL_LOG = """Mean    KLD:   0.028133 ±   0.000280
+Maximum KLD:   0.074031
+RMS Δp    :  0.001 ± 0.000 %
+Same top p: 60.196 ± 1.533 %
+"""  # llama.cpp 0c1e570's llama-perplexity --kl-divergence, as it printed on this project's 644M Mixtral (Q4_0)
+
+
+def test_llama_kl_divergence_is_parsed_and_refusals():
+    from moeserve.bench.quant import _gguf, parse_kl
+
+    assert parse_kl(KL_LOG) == {"mean_kl": 0.028133, "top1_agreement": 0.60196}
+    with pytest.raises(BenchError, match="no 'Mean KLD'"):
+        parse_kl("Final estimate: PPL = 13.1\n")
+    with pytest.raises(BenchError, match="expected FORMAT=FILE with FORMAT one of float, int8, int4"):
+        _gguf(["q4.gguf"])
+    p = subprocess.run([sys.executable, "-m", "moeserve.cli", "bench", "quant", "--llama-perplexity", "x"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "give --gguf float=F32.gguf" in p.stderr
