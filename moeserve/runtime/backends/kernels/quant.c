@@ -84,64 +84,127 @@ static inline float lanes8(v8 acc) { /* left to right, as finish() */
 
 /* ---- the activations, quantized ----------------------------------------------------------------------------- */
 
-long qx_bytes(long n, long I) { return n * (I + I / 32 * (long)(sizeof(float) + sizeof(i32x8))) + 64; }
+/* Q4X: AVX512 with VNNI (and F16C): int4 takes four blocks a step (see q4x below), from its own copy q4 of the
+   activations' integers, laid out as those steps read them, and correction lanes c per four blocks. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define Q4X 1
+#else
+#define Q4X 0
+#endif
+
+static inline long blocks_stored(long I) { return (I / 32 + 3) / 4 * 4; }
+
+long qx_bytes(long n, long I) {
+    const long nbs = blocks_stored(I);
+    return n * (I + nbs * (long)(sizeof(float) + sizeof(i32x8) + (Q4X ? 32 : 0))) + 128;
+}
 
 struct qx qx_at(void *mem, long n, long I) {
-    const long nb = I / 32;
-    char *p = (char *)(((unsigned long)mem + 31) & ~31ul); /* the correction lanes first: 32-byte aligned */
-    struct qx r = {.c = (i32x8 *)p, .I = I};
-    r.d = (float *)(p + n * nb * sizeof(i32x8));
-    r.q = (i8 *)(r.d + n * nb);
+    const long nbs = blocks_stored(I);
+    char *p = (char *)(((unsigned long)mem + 63) & ~63ul); /* the correction lanes first: 64-byte aligned */
+    struct qx r = {.c = (i32x8 *)p, .I = I, .nbs = nbs};
+    p += n * nbs * sizeof(i32x8);
+    r.q4 = Q4X ? (i8 *)p : 0;
+    p += Q4X ? n * nbs * 32 : 0;
+    r.d = (float *)p;
+    r.q = (i8 *)(r.d + n * nbs);
     return r;
 }
 
-/* One row of 32 * nb floats: q, d per block (see the top), and c: per block the 8 lanes -8 * (q[4k] + ... +
-   q[4k + 3]), the start of int4's lane sums, so that sum (u - 8) q comes out of the unsigned u directly. */
-static void quantize_floats(const float *x, long nb, i8 *q, float *d, i32x8 *c) {
-    for (long b = 0; b < nb; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int k = 0; k < 32; k++) {
-            const float a = fabsf(xb[k]);
-            amax = a > amax ? a : amax;
-        }
-        const float dd = amax / 127.0f;
-        const v8 dv = {dd, dd, dd, dd, dd, dd, dd, dd};
-        d[b] = dd;
-        i32x8 cl = {0};
-        for (int k = 0; k < 32; k += 8) {
-            v8 r = {0};
-            if (dd > 0) {
-                r = *(const v8 *)(xb + k) / dv; /* a true division, as torch's */
+struct qx qx_rows(const struct qx *p, long r0) {
+    struct qx r = *p;
+    r.c += r0 * p->nbs, r.d += r0 * p->nbs, r.q += r0 * p->I;
+    if (r.q4) r.q4 += r0 * p->nbs * 32;
+    return r;
+}
+
+/* One block b of a row (32 floats at xb): q and d (see the top), and int4's correction lanes, so that
+   sum (u - 8) q comes out of the unsigned u directly. Without Q4X, c[b] is 8 lanes, lane k -8 (q[4k] + .. +
+   q[4k + 3]). With Q4X, per four blocks b = 4g + k (k < 4) one 16-lane c and 128 bytes of q4: lane 4i + k of the
+   first 64 bytes holds q[4i .. 4i + 3] of block 4g + k, of the second q[16 + 4i .. 16 + 4i + 3], and c's lane
+   4i + k is -8 times the sum of both. */
+static void quantize_block(const float *xb, long b, i8 *q, float *d, i32x8 *c, i8 *q4) {
+    float amax = 0.0f;
+    for (int k = 0; k < 32; k++) {
+        const float a = fabsf(xb[k]);
+        amax = a > amax ? a : amax;
+    }
+    const float dd = amax / 127.0f;
+    const v8 dv = {dd, dd, dd, dd, dd, dd, dd, dd};
+    d[b] = dd;
+    i8 *qb = q + b * 32;
+    int s4[8] = {0}; /* sums of four */
+    for (int k = 0; k < 32; k += 8) {
+        v8 r = {0};
+        if (dd > 0) {
+            r = *(const v8 *)(xb + k) / dv; /* a true division, as torch's */
 #if defined(__AVX__)
-                r = (v8)_mm256_round_ps((__m256)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* half to even */
+            r = (v8)_mm256_round_ps((__m256)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* half to even */
 #else
-                for (int l = 0; l < 8; l++) r[l] = nearbyintf(r[l]);
+            for (int l = 0; l < 8; l++) r[l] = nearbyintf(r[l]);
 #endif
-            }
-            const i32x8 v = __builtin_convertvector(r, i32x8);
-            for (int l = 0; l < 8; l++) {
-                q[b * 32 + k + l] = (i8)v[l];
-                cl[(k + l) / 4] -= 8 * v[l];
-            }
         }
-        c[b] = cl;
+        const i32x8 v = __builtin_convertvector(r, i32x8);
+        for (int l = 0; l < 8; l++) {
+            qb[k + l] = (i8)v[l];
+            s4[(k + l) / 4] += v[l];
+        }
+    }
+#if Q4X
+    const long g = b / 4, k = b % 4;
+    int *cl = (int *)c + g * 16;
+    i8 *lo = q4 + g * 128, *hi = lo + 64;
+    for (int i = 0; i < 4; i++) {
+        cl[4 * i + k] = -8 * (s4[i] + s4[4 + i]);
+        memcpy(lo + (4 * i + k) * 4, qb + 4 * i, 4);
+        memcpy(hi + (4 * i + k) * 4, qb + 16 + 4 * i, 4);
+    }
+#else
+    (void)q4;
+    i32x8 cl;
+    for (int l = 0; l < 8; l++) cl[l] = -8 * s4[l];
+    c[b] = cl;
+#endif
+}
+
+/* the blocks past a row's last, up to nbs: zeros (they add nothing) */
+static void pad_row(long nb, long nbs, float *d, i32x8 *c, i8 *q4) {
+    for (long b = nb; b < nbs; b++) {
+        d[b] = 0.0f;
+#if Q4X
+        const long g = b / 4, k = b % 4;
+        for (int i = 0; i < 4; i++) {
+            ((int *)c)[g * 16 + 4 * i + k] = 0;
+            memset(q4 + g * 128 + (4 * i + k) * 4, 0, 4);
+            memset(q4 + g * 128 + 64 + (4 * i + k) * 4, 0, 4);
+        }
+#else
+        (void)q4;
+        c[b] = (i32x8){0};
+#endif
     }
 }
 
+#define ROW_PTRS(j) p->q + (j) * p->I, p->d + (j) * nbs, p->c + (j) * nbs, Q4X ? p->q4 + (j) * nbs * 32 : 0
+
 void quantize_rows(const float *x, long ldx, long n, struct qx *p, int t, int T) {
-    const long nb = p->I / 32;
-    for (long j = t; j < n; j += T) quantize_floats(x + j * ldx, nb, p->q + j * p->I, p->d + j * nb, p->c + j * nb);
+    const long nb = p->I / 32, nbs = p->nbs;
+    for (long j = t; j < n; j += T) {
+        for (long b = 0; b < nb; b++) quantize_block(x + j * ldx + b * 32, b, ROW_PTRS(j));
+        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, Q4X ? p->q4 + j * nbs * 32 : 0);
+    }
 }
 
 void quantize_rows_b(const bf16 *x, long ldx, long n, struct qx *p, int t, int T) {
-    const long nb = p->I / 32;
-    float buf[32];
-    for (long j = t; j < n; j += T)
+    const long nb = p->I / 32, nbs = p->nbs;
+    float buf[32] __attribute__((aligned(32)));
+    for (long j = t; j < n; j += T) {
         for (long b = 0; b < nb; b++) {
             for (int k = 0; k < 32; k++) buf[k] = bf16_float(x[j * ldx + b * 32 + k]);
-            quantize_floats(buf, 1, p->q + j * p->I + b * 32, p->d + j * nb + b, p->c + j * nb + b);
+            quantize_block(buf, b, ROW_PTRS(j));
         }
+        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, Q4X ? p->q4 + j * nbs * 32 : 0);
+    }
 }
 
 /* ---- one block's integer dot products ------------------------------------------------------------------------ */
@@ -206,9 +269,9 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
 #define ROWS_Q8(N)                                                                                     \
     static void q8_##N(const struct qx *x, long j0, const i8 *w, long ldw, const float *sc, float *yf, bf16 *yb, \
                        long ldy, long o0, long o1) {                                                   \
-        const long I = x->I, nb = I / 32;                                                              \
+        const long I = x->I, nb = I / 32, nbs = x->nbs;                                                \
         const i8 *q = x->q + j0 * I;                                                                   \
-        const float *d = x->d + j0 * nb;                                                               \
+        const float *d = x->d + j0 * nbs;                                                              \
         for (long o = o0; o < o1; o++) {                                                               \
             const i8 *wr = w + o * ldw;                                                                \
             v8 acc[N];                                                                                 \
@@ -220,25 +283,26 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
                 for (int j = 0; j < N; j++) {                                                          \
                     const i32x8 l0 = dot_i8(w0, a0, load32(q + j * I + b * 32));                       \
                     const i32x8 l1 = dot_i8(w1, a1, load32(q + j * I + b * 32 + 32));                  \
-                    PAIR(acc[j], l0, d[j * nb + b], l1, d[j * nb + b + 1]);                            \
+                    PAIR(acc[j], l0, d[j * nbs + b], l1, d[j * nbs + b + 1]);                            \
                 }                                                                                      \
             }                                                                                          \
             if (b < nb) {                                                                              \
                 const b32 w0 = load32(wr + b * 32), a0 = abs8(w0);                                     \
                 for (int j = 0; j < N; j++)                                                            \
-                    acc[j] = fma8(to_float(dot_i8(w0, a0, load32(q + j * I + b * 32))), splat(d[j * nb + b]), acc[j]); \
+                    acc[j] = fma8(to_float(dot_i8(w0, a0, load32(q + j * I + b * 32))), splat(d[j * nbs + b]), acc[j]); \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]) * sc[o]);            \
         }                                                                                              \
     }
 
+#if !Q4X
 #define ROWS_Q4(N)                                                                                     \
     static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
                        float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
-        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32;                                    \
+        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs;                                    \
         const i8 *q = x->q + j0 * I;                                                                   \
-        const float *d = x->d + j0 * nb;                                                               \
-        const i32x8 *c = x->c + j0 * nb;                                                               \
+        const float *d = x->d + j0 * nbs;                                                               \
+        const i32x8 *c = x->c + j0 * nbs;                                                               \
         for (long o = o0; o < o1; o++) {                                                               \
             const u8 *wr = w + o * ldw;                                                                \
             const unsigned short *sr = sc + o * ng;                                                    \
@@ -251,21 +315,81 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
                 const float s1 = half_float(sr[per == 1 ? b + 1 : (b + 1) / per]);                     \
                 const b32 u0 = unpack4(wr + b * 16), u1 = unpack4(wr + b * 16 + 16);                   \
                 for (int j = 0; j < N; j++) {                                                          \
-                    const i32x8 l0 = dot_u8i8(c[j * nb + b], u0, load32(q + j * I + b * 32));          \
-                    const i32x8 l1 = dot_u8i8(c[j * nb + b + 1], u1, load32(q + j * I + b * 32 + 32)); \
-                    PAIR(acc[j], l0, d[j * nb + b] * s0, l1, d[j * nb + b + 1] * s1);                  \
+                    const i32x8 l0 = dot_u8i8(c[j * nbs + b], u0, load32(q + j * I + b * 32));          \
+                    const i32x8 l1 = dot_u8i8(c[j * nbs + b + 1], u1, load32(q + j * I + b * 32 + 32)); \
+                    PAIR(acc[j], l0, d[j * nbs + b] * s0, l1, d[j * nbs + b + 1] * s1);                  \
                 }                                                                                      \
             }                                                                                          \
             if (b < nb) {                                                                              \
                 const float s0 = half_float(sr[b / per]);                                              \
                 const b32 u0 = unpack4(wr + b * 16);                                                   \
                 for (int j = 0; j < N; j++)                                                            \
-                    acc[j] = fma8(to_float(dot_u8i8(c[j * nb + b], u0, load32(q + j * I + b * 32))),    \
-                                  splat(d[j * nb + b] * s0), acc[j]);                                  \
+                    acc[j] = fma8(to_float(dot_u8i8(c[j * nbs + b], u0, load32(q + j * I + b * 32))),    \
+                                  splat(d[j * nbs + b] * s0), acc[j]);                                  \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]));                    \
         }                                                                                              \
     }
+
+#else
+/* Q4X: four blocks a step (64 bytes of nibbles, block 4g + k's 16 bytes at 16 k). Their dwords transposed by one
+   permute, so that dword 4i + k holds bytes 4i .. 4i + 3 of block k (low nibbles: elements 4i .. 4i + 3; high
+   nibbles: 16 + 4i .. 16 + 4i + 3), the low and the high nibbles go through two vpdpbusd into the same 16 lanes,
+   starting from the correction c: lane 4i + k = the exact sum over eight of block 4g + k's elements of (u - 8) q.
+   Then per lane, in float32: acc += float(lane) * (d_b scale_b), the four scales and four d's broadcast to every
+   128-bit lane. At the row's end its 16 lanes are added (_mm512_reduce_add_ps's fixed tree). Blocks past the row's
+   end (nbs > nb) have q = c = 0 and scale 0 (masked loads: nothing past the row is read). The same for every x row
+   whatever N, so a row's result does not depend on N. */
+#define ROWS_Q4(N)                                                                                     \
+    static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
+                       float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
+        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs, full = nb / 4, ng4 = nbs / 4; \
+        const i8 *q = x->q4 + j0 * nbs * 32;                                                           \
+        const float *d = x->d + j0 * nbs;                                                              \
+        const __m512i *c = (const __m512i *)(x->c + j0 * nbs);                                         \
+        const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  \
+        const __m512i m15 = _mm512_set1_epi8(15);                                                      \
+        unsigned short hbuf[per == 1 ? 1 : nbs];                                                       \
+        for (long o = o0; o < o1; o++) {                                                               \
+            const u8 *wr = w + o * ldw;                                                                \
+            const unsigned short *hs = sc + o * ng;                                                    \
+            if (per > 1) {                                                                             \
+                for (long b = 0; b < nb; b++) hbuf[b] = hs[b / per];                                   \
+                for (long b = nb; b < nbs; b++) hbuf[b] = 0;                                           \
+                hs = hbuf;                                                                             \
+            }                                                                                          \
+            __m512 acc[N];                                                                             \
+            for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();                                  \
+            for (long g = 0; g < ng4; g++) {                                                           \
+                const long b = 4 * g;                                                                  \
+                __m512i nib;                                                                           \
+                __m128i h4;                                                                            \
+                _mm_prefetch((const char *)(wr + ldw + g * 64), _MM_HINT_T0);                          \
+                if (g < full || per > 1) {                                                             \
+                    h4 = _mm_loadl_epi64((const __m128i *)(hs + b));                                   \
+                } else {                                                                               \
+                    h4 = _mm_maskz_loadu_epi16((__mmask8)((1u << (nb - b)) - 1), hs + b);              \
+                }                                                                                      \
+                if (g < full) {                                                                        \
+                    nib = _mm512_loadu_si512(wr + g * 64);                                             \
+                } else {                                                                               \
+                    nib = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * (nb - b))) - 1), wr + g * 64); \
+                }                                                                                      \
+                const __m512 s4 = _mm512_cvtph_ps(_mm256_broadcastq_epi64(h4));                        \
+                const __m512i t = _mm512_permutexvar_epi32(perm, nib);                                 \
+                const __m512i lo = _mm512_and_si512(t, m15), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m15); \
+                for (int j = 0; j < N; j++) {                                                          \
+                    const i8 *qj = q + j * nbs * 32 + g * 128;                                         \
+                    __m512i l = _mm512_dpbusd_epi32(_mm512_load_si512(c + j * nbs / 2 + g), lo, _mm512_load_si512(qj)); \
+                    l = _mm512_dpbusd_epi32(l, hi, _mm512_load_si512(qj + 64));                        \
+                    const __m512 sd = _mm512_mul_ps(s4, _mm512_broadcast_f32x4(_mm_loadu_ps(d + j * nbs + b))); \
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), sd, acc[j]);                        \
+                }                                                                                      \
+            }                                                                                          \
+            for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, _mm512_reduce_add_ps(acc[j]));      \
+        }                                                                                              \
+    }
+#endif
 
 ROWS_Q8(1) ROWS_Q8(2) ROWS_Q8(3) ROWS_Q8(4) ROWS_Q8(5) ROWS_Q8(6) ROWS_Q8(7) ROWS_Q8(8)
 ROWS_Q4(1) ROWS_Q4(2) ROWS_Q4(3) ROWS_Q4(4) ROWS_Q4(5) ROWS_Q4(6) ROWS_Q4(7) ROWS_Q4(8)
