@@ -124,6 +124,32 @@ struct qx qx_rows(const struct qx *p, long r0) {
    first 64 bytes holds q[4i .. 4i + 3] of block 4g + k, of the second q[16 + 4i .. 16 + 4i + 3], and c's lane
    4i + k is -8 times the sum of both. */
 static void quantize_block(const float *xb, long b, i8 *q, float *d, i32x8 *c, i8 *q4) {
+#if Q4X
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float dd = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.0f;
+    d[b] = dd;
+    __m512i v0 = _mm512_setzero_si512(), v1 = v0;
+    if (dd > 0) {
+        const __m512 dv = _mm512_set1_ps(dd); /* true divisions, as torch's; rounded half to even */
+        v0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x0, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x1, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const __m128i b0 = _mm512_cvtepi32_epi8(v0), b1 = _mm512_cvtepi32_epi8(v1);
+    _mm_storeu_si128((__m128i *)(q + b * 32), b0);
+    _mm_storeu_si128((__m128i *)(q + b * 32 + 16), b1);
+    int s[16];
+    _mm512_storeu_si512(s, _mm512_add_epi32(v0, v1)); /* q[m] + q[16 + m] */
+    const long g = b / 4, k = b % 4;
+    int *cl = (int *)c + g * 16, w0[4], w1[4];
+    _mm_storeu_si128((__m128i *)w0, b0);
+    _mm_storeu_si128((__m128i *)w1, b1);
+    i8 *lo = q4 + g * 128;
+    for (int i = 0; i < 4; i++) {
+        cl[4 * i + k] = -8 * (s[4 * i] + s[4 * i + 1] + s[4 * i + 2] + s[4 * i + 3]);
+        memcpy(lo + (4 * i + k) * 4, w0 + i, 4);
+        memcpy(lo + 64 + (4 * i + k) * 4, w1 + i, 4);
+    }
+#else
     float amax = 0.0f;
     for (int k = 0; k < 32; k++) {
         const float a = fabsf(xb[k]);
@@ -150,16 +176,6 @@ static void quantize_block(const float *xb, long b, i8 *q, float *d, i32x8 *c, i
             s4[(k + l) / 4] += v[l];
         }
     }
-#if Q4X
-    const long g = b / 4, k = b % 4;
-    int *cl = (int *)c + g * 16;
-    i8 *lo = q4 + g * 128, *hi = lo + 64;
-    for (int i = 0; i < 4; i++) {
-        cl[4 * i + k] = -8 * (s4[i] + s4[4 + i]);
-        memcpy(lo + (4 * i + k) * 4, qb + 4 * i, 4);
-        memcpy(hi + (4 * i + k) * 4, qb + 16 + 4 * i, 4);
-    }
-#else
     (void)q4;
     i32x8 cl;
     for (int l = 0; l < 8; l++) cl[l] = -8 * s4[l];
