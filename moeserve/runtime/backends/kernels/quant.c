@@ -348,6 +348,12 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
     }
 
 #else
+#ifndef Q4_SPF
+#define Q4_SPF 512 /* the scales: bytes ahead of the current, one line every 32 blocks */
+#endif
+#ifndef Q4_PF
+#define Q4_PF 4096 /* bytes ahead: a few rows (one row, 512 bytes at I = 1024, was measured too near) */
+#endif
 /* Q4X: four blocks a step (64 bytes of nibbles, block 4g + k's 16 bytes at 16 k). Their dwords transposed by one
    permute, so that dword 4i + k holds bytes 4i .. 4i + 3 of block k (low nibbles: elements 4i .. 4i + 3; high
    nibbles: 16 + 4i .. 16 + 4i + 3), the low and the high nibbles go through two vpdpbusd into the same 16 lanes,
@@ -380,7 +386,8 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
                 const long b = 4 * g;                                                                  \
                 __m512i nib;                                                                           \
                 __m128i h4;                                                                            \
-                _mm_prefetch((const char *)(wr + ldw + g * 64), _MM_HINT_T0);                          \
+                _mm_prefetch((const char *)(wr + Q4_PF + g * 64), _MM_HINT_T0);\
+                if (Q4_SPF && g % 8 == 0) _mm_prefetch((const char *)(hs + b) + Q4_SPF, _MM_HINT_T0);                          \
                 if (g < full || per > 1) {                                                             \
                     h4 = _mm_loadl_epi64((const __m128i *)(hs + b));                                   \
                 } else {                                                                               \
