@@ -281,6 +281,9 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
    pair's two scaled sums added together before they join the row's accumulator (t = s0 l0 + s1 l1; acc += t): one
    dependent add a pair rather than an FMA a block, whose latency had kept one row of int4 at the speed of bf16.
    An odd last block joins by an FMA. The same per row whatever N, so a row's result does not depend on N. */
+#ifndef Q8_PF /* bytes ahead: 4 KB where the rows are few (memory-bound), a row where they are many (measured) */
+#define Q8_PF(N) ((N) <= 2 ? 4096 : ldw)
+#endif
 #define PAIR(acc, l0, s0, l1, s1) (acc) = (acc) + fma8(to_float(l1), splat(s1), to_float(l0) * splat(s0))
 #define ROWS_Q8(N)                                                                                     \
     static void q8_##N(const struct qx *x, long j0, const i8 *w, long ldw, const float *sc, float *yf, bf16 *yb, \
@@ -294,7 +297,7 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
             for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
             long b = 0;                                                                                \
             for (; b + 1 < nb; b += 2) {                                                               \
-                __builtin_prefetch(wr + ldw + b * 32);                                                 \
+                __builtin_prefetch(wr + Q8_PF(N) + b * 32);                                                 \
                 const b32 w0 = load32(wr + b * 32), a0 = abs8(w0), w1 = load32(wr + b * 32 + 32), a1 = abs8(w1); \
                 for (int j = 0; j < N; j++) {                                                          \
                     const i32x8 l0 = dot_i8(w0, a0, load32(q + j * I + b * 32));                       \
