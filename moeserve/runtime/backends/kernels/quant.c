@@ -351,6 +351,15 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
     }
 
 #else
+/* each byte's high nibble: one GF(2) affine map (bits 4..7 to 0..3) where the CPU has GFNI, else a shift and a mask */
+static inline __m512i high_nibbles(__m512i t, __m512i m15) {
+#if defined(__GFNI__)
+    (void)m15;
+    return _mm512_gf2p8affine_epi64_epi8(t, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(t, 4), m15);
+#endif
+}
 #ifndef Q4_SPF
 #define Q4_SPF 512 /* the scales: bytes ahead of the current, one line every 32 blocks */
 #endif
@@ -403,7 +412,7 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
                 }                                                                                      \
                 const __m512 s4 = _mm512_cvtph_ps(_mm256_broadcastq_epi64(h4));                        \
                 const __m512i t = _mm512_permutexvar_epi32(perm, nib);                                 \
-                const __m512i lo = _mm512_and_si512(t, m15), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m15); \
+                const __m512i lo = _mm512_and_si512(t, m15), hi = high_nibbles(t, m15);                     \
                 for (int j = 0; j < N; j++) {                                                          \
                     const i8 *qj = q + j * nbs * 32 + g * 128;                                         \
                     __m512i l = _mm512_dpbusd_epi32(_mm512_load_si512(c + j * nbs / 2 + g), lo, _mm512_load_si512(qj)); \
