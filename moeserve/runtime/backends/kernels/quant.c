@@ -35,10 +35,34 @@
      32000x1024  1  21.0  25.0  24.1  14.3 |  1.92    2.03      21.6  19.5  23.5  12.7 |  2.41    2.33
                  8   9.1  12.6   7.5   3.5 |  1.19    0.98       9.3   2.8   5.8   2.8 |  4.11    3.57
    (2 threads, AVX512, the calls not preempted: 2816x1024 at 2 rows bf16 31.8, int8 32.4, int4 18.9 GB/s.)
-   int8 streams at bf16's bytes a second (memory's pace: ~1.9x the weights); int4 is still compute-bound at
-   ~2x bf16's weights, short of the ~3x memory would allow: the next step there is two blocks per 512-bit step
-   and two weight rows per pass at n >= 2 (the nibble unpacking and per-block scaling are the limit). Past 4 rows
-   AVX512-BF16's one-instruction dot products catch up with int4.
+   int8 streamed at bf16's bytes a second (memory's pace: ~1.9x the weights); int4 was compute-bound at ~2x.
+
+   Then int4 on AVX512 (Q4X below: four blocks a 512-bit step, one permute, two vpdpbusd into 16 lanes, one FMA;
+   GF2P8AFFINEQB for the high nibbles) and prefetching 4 KB ahead (int4; int8 at 1-2 rows). The same
+   benchmark before (e00002d) and after, in one sitting, no other job running, but on a shared VM whose memory
+   bandwidth wandered between runs (bf16's own figures moved by up to 45%): GB/s through quant_kernel.linear_q from
+   Python (its per-call overhead included, which weighs on the small shapes), "x" = weights a second over bf16's:
+                      2 threads, AVX512 build                        1 thread, AVX512 build
+                  before              after                    before              after
+     shape    n  bf16 int8 int4    bf16 int8 int4 |x int4     bf16 int8 int4    bf16 int8 int4 |x int4
+     2816x1024 1 30.5 27.9 20.9    31.2 35.8 27.7 | 3.16      24.5 21.1 12.2    24.0 23.2 19.4 | 2.86
+               2 30.4 27.4 16.5    32.2 31.3 22.8 | 2.52      24.0 17.9  9.2    22.6 19.5 14.9 | 2.35
+               4 25.9 22.2 10.8    27.9 21.9 17.4 | 2.21      14.7 12.4  5.7    15.5 12.7 10.6 | 2.42
+               8 23.4 13.3  6.3    24.3 12.6  9.5 | 1.39      13.5  7.0  3.3    13.4  7.1  6.0 | 1.58
+     1024x2816 1 30.8 28.0 22.3    38.9 34.7 23.4 | 2.14      21.6 22.6 13.4    21.7 23.6 15.8 | 2.59
+               2 28.4 28.0 17.4    31.4 32.4 17.7 | 2.00      17.6 20.0  9.6    17.2 20.5 14.8 | 3.06
+               8 15.3 12.6  5.5    14.8 11.9  8.3 | 1.99       8.1  7.0  3.0     8.0  7.1  5.0 | 2.22
+     32000x1024 1 32.1 34.3 26.4   47.4 48.2 43.0 | 3.23      26.1 23.6 13.8    23.3 24.7 21.2 | 3.23
+               2 32.7 32.3 19.7    45.9 41.4 34.0 | 2.64      25.3 19.4 10.0    22.9 20.5 15.3 | 2.38
+               8 26.1 14.6  6.7    23.3 14.4 12.3 | 1.88      13.8  7.3  3.3    14.2  7.2  6.0 | 1.50
+   The AVX2 build's kernels are unchanged (its int4 the same within noise: 2816x1024, 1 row, 19.3 -> 19.0 GB/s at
+   2 threads, 11.1 -> 11.0 at 1). Called from C (no Python), int4 at 1 row reached 30-34 GB/s on 2 threads and
+   ~20 on 1 (~27 with the weights in cache: one thread is now about as fast as its share of memory needs).
+   End to end (644M Mixtral, batch 1, 2 threads, three interleaved rounds of dec.py, tokens/s): int4 187-199
+   before, 239-266 after; int8 142-184 before, 154-197 after; bf16 74-100; llama.cpp Q4_0 (llama-bench tg64)
+   221-245 in the same rounds. int4 at 1 row on 1024x2816 (I = 2816) still lags the I = 1024 shapes at 2 threads.
+   From 4 rows on, int4 is compute-bound (per row and four blocks: 2 vpdpbusd, a conversion, a multiply and an
+   FMA), at ~1.4-2x bf16's weights a second.
 
    The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
      - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
@@ -46,8 +70,9 @@
      - per block and weight row the integer sum s = sum q * v, v the weight's integer (int8: q_w; int4: u - 8),
        exact in int32;
      - int8: y = scale[o] * sum_b d_b s_b;  int4: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
-       (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end),
-       rounded once to bf16 for a bf16 x.
+       (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end; Q4X's
+       int4: 16 lanes, each an exact int32 part of one block's s_b times that block's d_b scale_b, added by
+       _mm512_reduce_add_ps at the end), rounded once to bf16 for a bf16 x.
    Only the float32 order of the last step differs from a torch reference, so the two agree to float rounding.
    Each row of x has its own accumulators, in the same order whatever n, the thread count or the block is: a row's
    result does not depend on which other rows share the call (batch invariance, as gemm.c). */
