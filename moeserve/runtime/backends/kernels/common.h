@@ -71,16 +71,19 @@ INTERNAL void attend_decode_bf16_rows(const bf16 *q, const bf16 *kn, const bf16 
                                       long B, long H, long G, long Dh, long max_len, float scale);
 
 /* quant.c: activations quantized per 32-element block (its comment has the arithmetic): n rows of I at q + j I,
-   their scales at d + j I/32, int4's correction lanes at c + j I/32. qx_bytes(n, I) bytes hold them (qx_at lays
-   them out); quantize_rows(_b) fills thread t of T's rows (a barrier must follow before share_q reads them). */
+   their scales at d + j nbs (nbs: the blocks rounded up to a multiple of 4, the extra ones 0), int4's correction
+   lanes at c + j nbs, and where the build has AVX512 the int4 kernel's copy of q at q4 + j 32 nbs (see quant.c).
+   qx_bytes(n, I) bytes hold them (qx_at lays them out, qx_rows(p, r) is rows r.. of p); quantize_rows(_b) fills
+   thread t of T's rows (a barrier must follow before share_q reads them). */
 typedef signed char i8;
 typedef int i32x8 __attribute__((vector_size(32)));
 struct qx {
     i32x8 *c;
     float *d;
-    i8 *q;
-    long I;
+    i8 *q, *q4;
+    long I, nbs;
 };
+INTERNAL struct qx qx_rows(const struct qx *p, long r0);
 INTERNAL long qx_bytes(long n, long I);
 INTERNAL struct qx qx_at(void *mem, long n, long I);
 INTERNAL void quantize_rows(const float *x, long ldx, long n, struct qx *p, int t, int T);

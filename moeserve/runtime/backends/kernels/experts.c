@@ -164,13 +164,6 @@ static const void *q_scale(const void *scale, int fmt, long e, long ss) {
                              : (const void *)((const unsigned short *)scale + e * ss);
 }
 
-/* rows [r0, r0 + ...) of prepared activations */
-static struct qx qx_rows(const struct qx *p, long r0) {
-    const long nb = p->I / 32;
-    struct qx r = {p->c + r0 * nb, p->d + r0 * nb, p->q + r0 * p->I, p->I};
-    return r;
-}
-
 /* experts_ffn on quantized weights: the routed rows xs (sorted by expert, float32, or bf16 where xb) quantized
    once, every expert's first GEMMs, each thread's columns activated (rounded to bf16 in hb first for a bf16 call,
    as experts_ffn_bf16 does), the activations quantized, every expert's second GEMM into y (float32, or bf16 yb).

@@ -35,10 +35,34 @@
      32000x1024  1  21.0  25.0  24.1  14.3 |  1.92    2.03      21.6  19.5  23.5  12.7 |  2.41    2.33
                  8   9.1  12.6   7.5   3.5 |  1.19    0.98       9.3   2.8   5.8   2.8 |  4.11    3.57
    (2 threads, AVX512, the calls not preempted: 2816x1024 at 2 rows bf16 31.8, int8 32.4, int4 18.9 GB/s.)
-   int8 streams at bf16's bytes a second (memory's pace: ~1.9x the weights); int4 is still compute-bound at
-   ~2x bf16's weights, short of the ~3x memory would allow: the next step there is two blocks per 512-bit step
-   and two weight rows per pass at n >= 2 (the nibble unpacking and per-block scaling are the limit). Past 4 rows
-   AVX512-BF16's one-instruction dot products catch up with int4.
+   int8 streamed at bf16's bytes a second (memory's pace: ~1.9x the weights); int4 was compute-bound at ~2x.
+
+   Then int4 on AVX512 (Q4X below: four blocks a 512-bit step, one permute, two vpdpbusd into 16 lanes, one FMA;
+   GF2P8AFFINEQB for the high nibbles) and prefetching 4 KB ahead (int4; int8 at 1-2 rows). The same
+   benchmark before (e00002d) and after, in one sitting, no other job running, but on a shared VM whose memory
+   bandwidth wandered between runs (bf16's own figures moved by up to 45%): GB/s through quant_kernel.linear_q from
+   Python (its per-call overhead included, which weighs on the small shapes), "x" = weights a second over bf16's:
+                      2 threads, AVX512 build                        1 thread, AVX512 build
+                  before              after                    before              after
+     shape    n  bf16 int8 int4    bf16 int8 int4 |x int4     bf16 int8 int4    bf16 int8 int4 |x int4
+     2816x1024 1 30.5 27.9 20.9    31.2 35.8 27.7 | 3.16      24.5 21.1 12.2    24.0 23.2 19.4 | 2.86
+               2 30.4 27.4 16.5    32.2 31.3 22.8 | 2.52      24.0 17.9  9.2    22.6 19.5 14.9 | 2.35
+               4 25.9 22.2 10.8    27.9 21.9 17.4 | 2.21      14.7 12.4  5.7    15.5 12.7 10.6 | 2.42
+               8 23.4 13.3  6.3    24.3 12.6  9.5 | 1.39      13.5  7.0  3.3    13.4  7.1  6.0 | 1.58
+     1024x2816 1 30.8 28.0 22.3    38.9 34.7 23.4 | 2.14      21.6 22.6 13.4    21.7 23.6 15.8 | 2.59
+               2 28.4 28.0 17.4    31.4 32.4 17.7 | 2.00      17.6 20.0  9.6    17.2 20.5 14.8 | 3.06
+               8 15.3 12.6  5.5    14.8 11.9  8.3 | 1.99       8.1  7.0  3.0     8.0  7.1  5.0 | 2.22
+     32000x1024 1 32.1 34.3 26.4   47.4 48.2 43.0 | 3.23      26.1 23.6 13.8    23.3 24.7 21.2 | 3.23
+               2 32.7 32.3 19.7    45.9 41.4 34.0 | 2.64      25.3 19.4 10.0    22.9 20.5 15.3 | 2.38
+               8 26.1 14.6  6.7    23.3 14.4 12.3 | 1.88      13.8  7.3  3.3    14.2  7.2  6.0 | 1.50
+   The AVX2 build's kernels are unchanged (its int4 the same within noise: 2816x1024, 1 row, 19.3 -> 19.0 GB/s at
+   2 threads, 11.1 -> 11.0 at 1). Called from C (no Python), int4 at 1 row reached 30-34 GB/s on 2 threads and
+   ~20 on 1 (~27 with the weights in cache: one thread is now about as fast as its share of memory needs).
+   End to end (644M Mixtral, batch 1, 2 threads, three interleaved rounds of dec.py, tokens/s): int4 187-199
+   before, 239-266 after; int8 142-184 before, 154-197 after; bf16 74-100; llama.cpp Q4_0 (llama-bench tg64)
+   221-245 in the same rounds. int4 at 1 row on 1024x2816 (I = 2816) still lags the I = 1024 shapes at 2 threads.
+   From 4 rows on, int4 is compute-bound (per row and four blocks: 2 vpdpbusd, a conversion, a multiply and an
+   FMA), at ~1.4-2x bf16's weights a second.
 
    The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
      - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
@@ -46,8 +70,9 @@
      - per block and weight row the integer sum s = sum q * v, v the weight's integer (int8: q_w; int4: u - 8),
        exact in int32;
      - int8: y = scale[o] * sum_b d_b s_b;  int4: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
-       (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end),
-       rounded once to bf16 for a bf16 x.
+       (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end; Q4X's
+       int4: 16 lanes, each an exact int32 part of one block's s_b times that block's d_b scale_b, added by
+       _mm512_reduce_add_ps at the end), rounded once to bf16 for a bf16 x.
    Only the float32 order of the last step differs from a torch reference, so the two agree to float rounding.
    Each row of x has its own accumulators, in the same order whatever n, the thread count or the block is: a row's
    result does not depend on which other rows share the call (batch invariance, as gemm.c). */
@@ -84,64 +109,143 @@ static inline float lanes8(v8 acc) { /* left to right, as finish() */
 
 /* ---- the activations, quantized ----------------------------------------------------------------------------- */
 
-long qx_bytes(long n, long I) { return n * (I + I / 32 * (long)(sizeof(float) + sizeof(i32x8))) + 64; }
+/* Q4X: AVX512 with VNNI (and F16C): int4 takes four blocks a step (see q4x below), from its own copy q4 of the
+   activations' integers, laid out as those steps read them, and correction lanes c per four blocks. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define Q4X 1
+#else
+#define Q4X 0
+#endif
+
+static inline long blocks_stored(long I) { return (I / 32 + 3) / 4 * 4; }
+
+long qx_bytes(long n, long I) {
+    const long nbs = blocks_stored(I);
+    return n * (I + nbs * (long)(sizeof(float) + sizeof(i32x8) + (Q4X ? 32 : 0))) + 128;
+}
 
 struct qx qx_at(void *mem, long n, long I) {
-    const long nb = I / 32;
-    char *p = (char *)(((unsigned long)mem + 31) & ~31ul); /* the correction lanes first: 32-byte aligned */
-    struct qx r = {.c = (i32x8 *)p, .I = I};
-    r.d = (float *)(p + n * nb * sizeof(i32x8));
-    r.q = (i8 *)(r.d + n * nb);
+    const long nbs = blocks_stored(I);
+    char *p = (char *)(((unsigned long)mem + 63) & ~63ul); /* the correction lanes first: 64-byte aligned */
+    struct qx r = {.c = (i32x8 *)p, .I = I, .nbs = nbs};
+    p += n * nbs * sizeof(i32x8);
+    r.q4 = Q4X ? (i8 *)p : 0;
+    p += Q4X ? n * nbs * 32 : 0;
+    r.d = (float *)p;
+    r.q = (i8 *)(r.d + n * nbs);
     return r;
 }
 
-/* One row of 32 * nb floats: q, d per block (see the top), and c: per block the 8 lanes -8 * (q[4k] + ... +
-   q[4k + 3]), the start of int4's lane sums, so that sum (u - 8) q comes out of the unsigned u directly. */
-static void quantize_floats(const float *x, long nb, i8 *q, float *d, i32x8 *c) {
-    for (long b = 0; b < nb; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int k = 0; k < 32; k++) {
-            const float a = fabsf(xb[k]);
-            amax = a > amax ? a : amax;
-        }
-        const float dd = amax / 127.0f;
-        const v8 dv = {dd, dd, dd, dd, dd, dd, dd, dd};
-        d[b] = dd;
-        i32x8 cl = {0};
-        for (int k = 0; k < 32; k += 8) {
-            v8 r = {0};
-            if (dd > 0) {
-                r = *(const v8 *)(xb + k) / dv; /* a true division, as torch's */
-#if defined(__AVX__)
-                r = (v8)_mm256_round_ps((__m256)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* half to even */
+struct qx qx_rows(const struct qx *p, long r0) {
+    struct qx r = *p;
+    r.c += r0 * p->nbs, r.d += r0 * p->nbs, r.q += r0 * p->I;
+    if (r.q4) r.q4 += r0 * p->nbs * 32;
+    return r;
+}
+
+/* One block b of a row (32 floats at xb): q and d (see the top), and int4's correction lanes, so that
+   sum (u - 8) q comes out of the unsigned u directly. Without Q4X, c[b] is 8 lanes, lane k -8 (q[4k] + .. +
+   q[4k + 3]). With Q4X, per four blocks b = 4g + k (k < 4) one 16-lane c and 128 bytes of q4: lane 4i + k of the
+   first 64 bytes holds q[4i .. 4i + 3] of block 4g + k, of the second q[16 + 4i .. 16 + 4i + 3], and c's lane
+   4i + k is -8 times the sum of both. */
+static void quantize_block(const float *xb, long b, i8 *q, float *d, i32x8 *c, i8 *q4) {
+#if Q4X
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float dd = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.0f;
+    d[b] = dd;
+    __m512i v0 = _mm512_setzero_si512(), v1 = v0;
+    if (dd > 0) {
+        const __m512 dv = _mm512_set1_ps(dd); /* true divisions, as torch's; rounded half to even */
+        v0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x0, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x1, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const __m128i b0 = _mm512_cvtepi32_epi8(v0), b1 = _mm512_cvtepi32_epi8(v1);
+    _mm_storeu_si128((__m128i *)(q + b * 32), b0);
+    _mm_storeu_si128((__m128i *)(q + b * 32 + 16), b1);
+    int s[16];
+    _mm512_storeu_si512(s, _mm512_add_epi32(v0, v1)); /* q[m] + q[16 + m] */
+    const long g = b / 4, k = b % 4;
+    int *cl = (int *)c + g * 16, w0[4], w1[4];
+    _mm_storeu_si128((__m128i *)w0, b0);
+    _mm_storeu_si128((__m128i *)w1, b1);
+    i8 *lo = q4 + g * 128;
+    for (int i = 0; i < 4; i++) {
+        cl[4 * i + k] = -8 * (s[4 * i] + s[4 * i + 1] + s[4 * i + 2] + s[4 * i + 3]);
+        memcpy(lo + (4 * i + k) * 4, w0 + i, 4);
+        memcpy(lo + 64 + (4 * i + k) * 4, w1 + i, 4);
+    }
 #else
-                for (int l = 0; l < 8; l++) r[l] = nearbyintf(r[l]);
+    float amax = 0.0f;
+    for (int k = 0; k < 32; k++) {
+        const float a = fabsf(xb[k]);
+        amax = a > amax ? a : amax;
+    }
+    const float dd = amax / 127.0f;
+    const v8 dv = {dd, dd, dd, dd, dd, dd, dd, dd};
+    d[b] = dd;
+    i8 *qb = q + b * 32;
+    int s4[8] = {0}; /* sums of four */
+    for (int k = 0; k < 32; k += 8) {
+        v8 r = {0};
+        if (dd > 0) {
+            r = *(const v8 *)(xb + k) / dv; /* a true division, as torch's */
+#if defined(__AVX__)
+            r = (v8)_mm256_round_ps((__m256)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* half to even */
+#else
+            for (int l = 0; l < 8; l++) r[l] = nearbyintf(r[l]);
 #endif
-            }
-            const i32x8 v = __builtin_convertvector(r, i32x8);
-            for (int l = 0; l < 8; l++) {
-                q[b * 32 + k + l] = (i8)v[l];
-                cl[(k + l) / 4] -= 8 * v[l];
-            }
         }
-        c[b] = cl;
+        const i32x8 v = __builtin_convertvector(r, i32x8);
+        for (int l = 0; l < 8; l++) {
+            qb[k + l] = (i8)v[l];
+            s4[(k + l) / 4] += v[l];
+        }
+    }
+    (void)q4;
+    i32x8 cl;
+    for (int l = 0; l < 8; l++) cl[l] = -8 * s4[l];
+    c[b] = cl;
+#endif
+}
+
+/* the blocks past a row's last, up to nbs: zeros (they add nothing) */
+static void pad_row(long nb, long nbs, float *d, i32x8 *c, i8 *q4) {
+    for (long b = nb; b < nbs; b++) {
+        d[b] = 0.0f;
+#if Q4X
+        const long g = b / 4, k = b % 4;
+        for (int i = 0; i < 4; i++) {
+            ((int *)c)[g * 16 + 4 * i + k] = 0;
+            memset(q4 + g * 128 + (4 * i + k) * 4, 0, 4);
+            memset(q4 + g * 128 + 64 + (4 * i + k) * 4, 0, 4);
+        }
+#else
+        (void)q4;
+        c[b] = (i32x8){0};
+#endif
     }
 }
 
+#define ROW_PTRS(j) p->q + (j) * p->I, p->d + (j) * nbs, p->c + (j) * nbs, Q4X ? p->q4 + (j) * nbs * 32 : 0
+
 void quantize_rows(const float *x, long ldx, long n, struct qx *p, int t, int T) {
-    const long nb = p->I / 32;
-    for (long j = t; j < n; j += T) quantize_floats(x + j * ldx, nb, p->q + j * p->I, p->d + j * nb, p->c + j * nb);
+    const long nb = p->I / 32, nbs = p->nbs;
+    for (long j = t; j < n; j += T) {
+        for (long b = 0; b < nb; b++) quantize_block(x + j * ldx + b * 32, b, ROW_PTRS(j));
+        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, Q4X ? p->q4 + j * nbs * 32 : 0);
+    }
 }
 
 void quantize_rows_b(const bf16 *x, long ldx, long n, struct qx *p, int t, int T) {
-    const long nb = p->I / 32;
-    float buf[32];
-    for (long j = t; j < n; j += T)
+    const long nb = p->I / 32, nbs = p->nbs;
+    float buf[32] __attribute__((aligned(32)));
+    for (long j = t; j < n; j += T) {
         for (long b = 0; b < nb; b++) {
             for (int k = 0; k < 32; k++) buf[k] = bf16_float(x[j * ldx + b * 32 + k]);
-            quantize_floats(buf, 1, p->q + j * p->I + b * 32, p->d + j * nb + b, p->c + j * nb + b);
+            quantize_block(buf, b, ROW_PTRS(j));
         }
+        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, Q4X ? p->q4 + j * nbs * 32 : 0);
+    }
 }
 
 /* ---- one block's integer dot products ------------------------------------------------------------------------ */
@@ -202,43 +306,47 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
    pair's two scaled sums added together before they join the row's accumulator (t = s0 l0 + s1 l1; acc += t): one
    dependent add a pair rather than an FMA a block, whose latency had kept one row of int4 at the speed of bf16.
    An odd last block joins by an FMA. The same per row whatever N, so a row's result does not depend on N. */
+#ifndef Q8_PF /* bytes ahead: 4 KB where the rows are few (memory-bound), a row where they are many (measured) */
+#define Q8_PF(N) ((N) <= 2 ? 4096 : ldw)
+#endif
 #define PAIR(acc, l0, s0, l1, s1) (acc) = (acc) + fma8(to_float(l1), splat(s1), to_float(l0) * splat(s0))
 #define ROWS_Q8(N)                                                                                     \
     static void q8_##N(const struct qx *x, long j0, const i8 *w, long ldw, const float *sc, float *yf, bf16 *yb, \
                        long ldy, long o0, long o1) {                                                   \
-        const long I = x->I, nb = I / 32;                                                              \
+        const long I = x->I, nb = I / 32, nbs = x->nbs;                                                \
         const i8 *q = x->q + j0 * I;                                                                   \
-        const float *d = x->d + j0 * nb;                                                               \
+        const float *d = x->d + j0 * nbs;                                                              \
         for (long o = o0; o < o1; o++) {                                                               \
             const i8 *wr = w + o * ldw;                                                                \
             v8 acc[N];                                                                                 \
             for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
             long b = 0;                                                                                \
             for (; b + 1 < nb; b += 2) {                                                               \
-                __builtin_prefetch(wr + ldw + b * 32);                                                 \
+                __builtin_prefetch(wr + Q8_PF(N) + b * 32);                                                 \
                 const b32 w0 = load32(wr + b * 32), a0 = abs8(w0), w1 = load32(wr + b * 32 + 32), a1 = abs8(w1); \
                 for (int j = 0; j < N; j++) {                                                          \
                     const i32x8 l0 = dot_i8(w0, a0, load32(q + j * I + b * 32));                       \
                     const i32x8 l1 = dot_i8(w1, a1, load32(q + j * I + b * 32 + 32));                  \
-                    PAIR(acc[j], l0, d[j * nb + b], l1, d[j * nb + b + 1]);                            \
+                    PAIR(acc[j], l0, d[j * nbs + b], l1, d[j * nbs + b + 1]);                            \
                 }                                                                                      \
             }                                                                                          \
             if (b < nb) {                                                                              \
                 const b32 w0 = load32(wr + b * 32), a0 = abs8(w0);                                     \
                 for (int j = 0; j < N; j++)                                                            \
-                    acc[j] = fma8(to_float(dot_i8(w0, a0, load32(q + j * I + b * 32))), splat(d[j * nb + b]), acc[j]); \
+                    acc[j] = fma8(to_float(dot_i8(w0, a0, load32(q + j * I + b * 32))), splat(d[j * nbs + b]), acc[j]); \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]) * sc[o]);            \
         }                                                                                              \
     }
 
+#if !Q4X
 #define ROWS_Q4(N)                                                                                     \
     static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
                        float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
-        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32;                                    \
+        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs;                                    \
         const i8 *q = x->q + j0 * I;                                                                   \
-        const float *d = x->d + j0 * nb;                                                               \
-        const i32x8 *c = x->c + j0 * nb;                                                               \
+        const float *d = x->d + j0 * nbs;                                                               \
+        const i32x8 *c = x->c + j0 * nbs;                                                               \
         for (long o = o0; o < o1; o++) {                                                               \
             const u8 *wr = w + o * ldw;                                                                \
             const unsigned short *sr = sc + o * ng;                                                    \
@@ -251,21 +359,97 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
                 const float s1 = half_float(sr[per == 1 ? b + 1 : (b + 1) / per]);                     \
                 const b32 u0 = unpack4(wr + b * 16), u1 = unpack4(wr + b * 16 + 16);                   \
                 for (int j = 0; j < N; j++) {                                                          \
-                    const i32x8 l0 = dot_u8i8(c[j * nb + b], u0, load32(q + j * I + b * 32));          \
-                    const i32x8 l1 = dot_u8i8(c[j * nb + b + 1], u1, load32(q + j * I + b * 32 + 32)); \
-                    PAIR(acc[j], l0, d[j * nb + b] * s0, l1, d[j * nb + b + 1] * s1);                  \
+                    const i32x8 l0 = dot_u8i8(c[j * nbs + b], u0, load32(q + j * I + b * 32));          \
+                    const i32x8 l1 = dot_u8i8(c[j * nbs + b + 1], u1, load32(q + j * I + b * 32 + 32)); \
+                    PAIR(acc[j], l0, d[j * nbs + b] * s0, l1, d[j * nbs + b + 1] * s1);                  \
                 }                                                                                      \
             }                                                                                          \
             if (b < nb) {                                                                              \
                 const float s0 = half_float(sr[b / per]);                                              \
                 const b32 u0 = unpack4(wr + b * 16);                                                   \
                 for (int j = 0; j < N; j++)                                                            \
-                    acc[j] = fma8(to_float(dot_u8i8(c[j * nb + b], u0, load32(q + j * I + b * 32))),    \
-                                  splat(d[j * nb + b] * s0), acc[j]);                                  \
+                    acc[j] = fma8(to_float(dot_u8i8(c[j * nbs + b], u0, load32(q + j * I + b * 32))),    \
+                                  splat(d[j * nbs + b] * s0), acc[j]);                                  \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]));                    \
         }                                                                                              \
     }
+
+#else
+/* each byte's high nibble: one GF(2) affine map (bits 4..7 to 0..3) where the CPU has GFNI, else a shift and a mask */
+static inline __m512i high_nibbles(__m512i t, __m512i m15) {
+#if defined(__GFNI__)
+    (void)m15;
+    return _mm512_gf2p8affine_epi64_epi8(t, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(t, 4), m15);
+#endif
+}
+#ifndef Q4_SPF
+#define Q4_SPF 512 /* the scales: bytes ahead of the current, one line every 32 blocks */
+#endif
+#ifndef Q4_PF
+#define Q4_PF 4096 /* bytes ahead: a few rows (one row, 512 bytes at I = 1024, was measured too near) */
+#endif
+/* Q4X: four blocks a step (64 bytes of nibbles, block 4g + k's 16 bytes at 16 k). Their dwords transposed by one
+   permute, so that dword 4i + k holds bytes 4i .. 4i + 3 of block k (low nibbles: elements 4i .. 4i + 3; high
+   nibbles: 16 + 4i .. 16 + 4i + 3), the low and the high nibbles go through two vpdpbusd into the same 16 lanes,
+   starting from the correction c: lane 4i + k = the exact sum over eight of block 4g + k's elements of (u - 8) q.
+   Then per lane, in float32: acc += float(lane) * (d_b scale_b), the four scales and four d's broadcast to every
+   128-bit lane. At the row's end its 16 lanes are added (_mm512_reduce_add_ps's fixed tree). Blocks past the row's
+   end (nbs > nb) have q = c = 0 and scale 0 (masked loads: nothing past the row is read). The same for every x row
+   whatever N, so a row's result does not depend on N. */
+#define ROWS_Q4(N)                                                                                     \
+    static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
+                       float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
+        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs, full = nb / 4, ng4 = nbs / 4; \
+        const i8 *q = x->q4 + j0 * nbs * 32;                                                           \
+        const float *d = x->d + j0 * nbs;                                                              \
+        const __m512i *c = (const __m512i *)(x->c + j0 * nbs);                                         \
+        const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  \
+        const __m512i m15 = _mm512_set1_epi8(15);                                                      \
+        unsigned short hbuf[per == 1 ? 1 : nbs];                                                       \
+        for (long o = o0; o < o1; o++) {                                                               \
+            const u8 *wr = w + o * ldw;                                                                \
+            const unsigned short *hs = sc + o * ng;                                                    \
+            if (per > 1) {                                                                             \
+                for (long b = 0; b < nb; b++) hbuf[b] = hs[b / per];                                   \
+                for (long b = nb; b < nbs; b++) hbuf[b] = 0;                                           \
+                hs = hbuf;                                                                             \
+            }                                                                                          \
+            __m512 acc[N];                                                                             \
+            for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();                                  \
+            for (long g = 0; g < ng4; g++) {                                                           \
+                const long b = 4 * g;                                                                  \
+                __m512i nib;                                                                           \
+                __m128i h4;                                                                            \
+                _mm_prefetch((const char *)(wr + Q4_PF + g * 64), _MM_HINT_T0);\
+                if (Q4_SPF && g % 8 == 0) _mm_prefetch((const char *)(hs + b) + Q4_SPF, _MM_HINT_T0);                          \
+                if (g < full || per > 1) {                                                             \
+                    h4 = _mm_loadl_epi64((const __m128i *)(hs + b));                                   \
+                } else {                                                                               \
+                    h4 = _mm_maskz_loadu_epi16((__mmask8)((1u << (nb - b)) - 1), hs + b);              \
+                }                                                                                      \
+                if (g < full) {                                                                        \
+                    nib = _mm512_loadu_si512(wr + g * 64);                                             \
+                } else {                                                                               \
+                    nib = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * (nb - b))) - 1), wr + g * 64); \
+                }                                                                                      \
+                const __m512 s4 = _mm512_cvtph_ps(_mm256_broadcastq_epi64(h4));                        \
+                const __m512i t = _mm512_permutexvar_epi32(perm, nib);                                 \
+                const __m512i lo = _mm512_and_si512(t, m15), hi = high_nibbles(t, m15);                     \
+                for (int j = 0; j < N; j++) {                                                          \
+                    const i8 *qj = q + j * nbs * 32 + g * 128;                                         \
+                    __m512i l = _mm512_dpbusd_epi32(_mm512_load_si512(c + j * nbs / 2 + g), lo, _mm512_load_si512(qj)); \
+                    l = _mm512_dpbusd_epi32(l, hi, _mm512_load_si512(qj + 64));                        \
+                    const __m512 sd = _mm512_mul_ps(s4, _mm512_broadcast_f32x4(_mm_loadu_ps(d + j * nbs + b))); \
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), sd, acc[j]);                        \
+                }                                                                                      \
+            }                                                                                          \
+            for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, _mm512_reduce_add_ps(acc[j]));      \
+        }                                                                                              \
+    }
+#endif
 
 ROWS_Q8(1) ROWS_Q8(2) ROWS_Q8(3) ROWS_Q8(4) ROWS_Q8(5) ROWS_Q8(6) ROWS_Q8(7) ROWS_Q8(8)
 ROWS_Q4(1) ROWS_Q4(2) ROWS_Q4(3) ROWS_Q4(4) ROWS_Q4(5) ROWS_Q4(6) ROWS_Q4(7) ROWS_Q4(8)
