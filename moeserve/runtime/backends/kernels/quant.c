@@ -1,68 +1,12 @@
 /* linear_q: y = x w^T on quantized weights (runtime/quant.py's int8 and int4 formats), x float32 or bf16.
 
-   How the products are taken was decided by measurement (issue 39): (a) the weights widened to float32 in registers
-   and multiplied with the float activations by FMAs, or (b) the activations quantized to int8 per 32-element block
-   (llama.cpp's Q8_0 x Q8_0: integer dot products, VNNI's vpdpbusd where the CPU has it, maddubs + madd on plain
-   AVX2) and each block's integer sum scaled in float32. Measured on AMD EPYC Zen 4 (2 cores, memory ~35 GB/s),
-   with another job busy on one core throughout: GB/s of weight streamed (scales included), weights rotated over
-   192 MB (beyond L3), lower quartile of 400 calls; x float32.
-
-   First, draft kernels of both methods, 2 threads, one block a step (the 2-thread figures are the calls the other
-   job did not preempt):
-                            AVX512 build (VNNI)                         AVX2 build (-mno-avx512f)
-     shape       n   f32  bf16 | int8 a  int8 b | int4 a  int4 b     f32  bf16 | int8 a  int8 b | int4 a  int4 b
-     2816x1024   1  29.4  31.7 |  16.7    32.6  |   8.6    17.0     38.7  39.0 |  16.6    41.8  |   8.5    16.8
-                 2  24.5  31.0 |  15.6    34.1  |   8.1    14.7     27.5  28.1 |  15.6    35.5  |   8.2    14.5
-                 4  20.3  21.7 |  13.8    28.4  |   7.6     9.3     20.2  18.5 |  13.7    22.8  |   7.6     9.1
-                 8  14.6  23.0 |   6.4    15.5  |   3.9     5.9     13.5   5.6 |   6.2    12.0  |   3.6     5.3
-     1024x2816   1  33.7  34.3 |  15.2    32.8  |   8.3    17.7     33.3  29.3 |  15.3    33.0  |   8.3    17.7
-                 8  17.5  16.0 |   6.4    15.8  |   3.8     6.0     17.8   5.7 |   6.4    12.1  |   3.7     5.3
-     32000x1024  1  30.7  32.9 |  16.9    34.2  |   8.5    17.1     31.0  34.9 |  16.8    33.8  |   8.6    17.1
-                 8  15.6  22.5 |   6.5    15.4  |   3.9     5.8     15.8   5.6 |   6.3    12.2  |   3.7     5.3
-   Widening (a) is compute-bound at half of (b) for int8 and at a quarter to a half for int4 (conversions, and an
-   FMA per 8 weights and row). So (b) for both formats.
-
-   Then the kernels below (blocks in pairs, see ROWS_Q8), through linear_q (quantizing x included), ONE thread (the
-   other core was the other job's: 2-thread timings were unusable), "x" = weights a second over bf16's:
-                       AVX512 build (VNNI)                              AVX2 build (maddubs)
-     shape       n   f32  bf16  int8  int4 | x int8  x int4      f32  bf16  int8  int4 | x int8  x int4
-     2816x1024   1  24.4  24.4  23.6  14.2 |  1.93    2.06      21.8  20.0  23.3  12.8 |  2.33    2.27
-                 2  16.7  22.6  19.3  10.2 |  1.71    1.61      14.7  14.3  17.9   8.8 |  2.51    2.20
-                 4  10.9  10.8  14.0   6.2 |  2.59    2.05      10.8   9.4  11.0   5.2 |  2.33    1.96
-                 8   8.0  11.3   7.5   3.4 |  1.32    1.08       7.8   2.9   5.8   2.8 |  4.04    3.50
-     1024x2816   1  21.9  24.7  23.2  15.3 |  1.88    2.21      22.3  17.3  20.3  13.5 |  2.34    2.77
-                 8   8.5   7.9   7.1   3.1 |  1.80    1.41       8.5   2.9   5.4   2.7 |  3.80    3.40
-     32000x1024  1  21.0  25.0  24.1  14.3 |  1.92    2.03      21.6  19.5  23.5  12.7 |  2.41    2.33
-                 8   9.1  12.6   7.5   3.5 |  1.19    0.98       9.3   2.8   5.8   2.8 |  4.11    3.57
-   (2 threads, AVX512, the calls not preempted: 2816x1024 at 2 rows bf16 31.8, int8 32.4, int4 18.9 GB/s.)
-   int8 streamed at bf16's bytes a second (memory's pace: ~1.9x the weights); int4 was compute-bound at ~2x.
-
-   Then int4 on AVX512 (Q4X below: four blocks a 512-bit step, one permute, two vpdpbusd into 16 lanes, one FMA;
-   GF2P8AFFINEQB for the high nibbles) and prefetching 4 KB ahead (int4; int8 at 1-2 rows). The same
-   benchmark before (e00002d) and after, in one sitting, no other job running, but on a shared VM whose memory
-   bandwidth wandered between runs (bf16's own figures moved by up to 45%): GB/s through quant_kernel.linear_q from
-   Python (its per-call overhead included, which weighs on the small shapes), "x" = weights a second over bf16's:
-                      2 threads, AVX512 build                        1 thread, AVX512 build
-                  before              after                    before              after
-     shape    n  bf16 int8 int4    bf16 int8 int4 |x int4     bf16 int8 int4    bf16 int8 int4 |x int4
-     2816x1024 1 30.5 27.9 20.9    31.2 35.8 27.7 | 3.16      24.5 21.1 12.2    24.0 23.2 19.4 | 2.86
-               2 30.4 27.4 16.5    32.2 31.3 22.8 | 2.52      24.0 17.9  9.2    22.6 19.5 14.9 | 2.35
-               4 25.9 22.2 10.8    27.9 21.9 17.4 | 2.21      14.7 12.4  5.7    15.5 12.7 10.6 | 2.42
-               8 23.4 13.3  6.3    24.3 12.6  9.5 | 1.39      13.5  7.0  3.3    13.4  7.1  6.0 | 1.58
-     1024x2816 1 30.8 28.0 22.3    38.9 34.7 23.4 | 2.14      21.6 22.6 13.4    21.7 23.6 15.8 | 2.59
-               2 28.4 28.0 17.4    31.4 32.4 17.7 | 2.00      17.6 20.0  9.6    17.2 20.5 14.8 | 3.06
-               8 15.3 12.6  5.5    14.8 11.9  8.3 | 1.99       8.1  7.0  3.0     8.0  7.1  5.0 | 2.22
-     32000x1024 1 32.1 34.3 26.4   47.4 48.2 43.0 | 3.23      26.1 23.6 13.8    23.3 24.7 21.2 | 3.23
-               2 32.7 32.3 19.7    45.9 41.4 34.0 | 2.64      25.3 19.4 10.0    22.9 20.5 15.3 | 2.38
-               8 26.1 14.6  6.7    23.3 14.4 12.3 | 1.88      13.8  7.3  3.3    14.2  7.2  6.0 | 1.50
-   The AVX2 build's kernels are unchanged (its int4 the same within noise: 2816x1024, 1 row, 19.3 -> 19.0 GB/s at
-   2 threads, 11.1 -> 11.0 at 1). Called from C (no Python), int4 at 1 row reached 30-34 GB/s on 2 threads and
-   ~20 on 1 (~27 with the weights in cache: one thread is now about as fast as its share of memory needs).
-   End to end (644M Mixtral, batch 1, 2 threads, three interleaved rounds of dec.py, tokens/s): int4 187-199
-   before, 239-266 after; int8 142-184 before, 154-197 after; bf16 74-100; llama.cpp Q4_0 (llama-bench tg64)
-   221-245 in the same rounds. int4 at 1 row on 1024x2816 (I = 2816) still lags the I = 1024 shapes at 2 threads.
-   From 4 rows on, int4 is compute-bound (per row and four blocks: 2 vpdpbusd, a conversion, a multiply and an
-   FMA), at ~1.4-2x bf16's weights a second.
+   How the products are taken was decided by measurement (issue 39; the tables are in docs/bench/log.md, "The
+   quantized kernels"): widening the weights to float32 in registers and multiplying them by FMAs was compute-bound
+   at half (int8) and a quarter to a half (int4) of the speed of quantizing the activations to int8 per 32-element
+   block and taking integer dot products (llama.cpp's Q8_0 x Q8_0: VNNI's vpdpbusd where the CPU has it, maddubs +
+   madd on plain AVX2), each block's integer sum scaled in float32. So the latter, for both formats. int8 then
+   streams at memory's pace; int4 on AVX512 takes four blocks a 512-bit step (Q4X below), which made it match
+   memory at one row; from four rows on it is compute-bound. The AVX2 int4 kernel is still one block a step.
 
    The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
      - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
