@@ -166,14 +166,15 @@ def storage_shapes(shape: tuple[int, ...], spec: QuantSpec) -> tuple[tuple, torc
 
 # ---- modules ------------------------------------------------------------------------------------
 class QuantLinear(nn.Module):
-    """A bias-free linear map on a quantized weight. This forward is the reference (the weight dequantized, then
-    torch's GEMM in x's dtype); a backend lays it out on faster kernels of the same arithmetic."""
+    """A bias-free linear map on a quantized weight. This forward is the weight-only reference (the weight
+    dequantized, then torch's GEMM in x's dtype); a backend lays it out on faster kernels, the CPU kernel's quantizing
+    the activations too (backends/quant_kernel.py spells its arithmetic out)."""
 
     def __init__(self, in_features: int, out_features: int, spec: QuantSpec, device=None):
         super().__init__()
         spec.check_width(in_features)
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
-        (qs, qt, ss, st) = storage_shapes((out_features, in_features), spec)
+        qs, qt, ss, st = storage_shapes((out_features, in_features), spec)
         self.register_buffer("qweight", torch.zeros(qs, dtype=qt, device=device))
         self.register_buffer("scale", torch.zeros(ss, dtype=st, device=device))
 
