@@ -236,8 +236,8 @@ def test_resume_after_an_interrupt_and_a_half_written_chunk_is_exact(ckpt, engin
     assert progress["records_done"] == 12 and not (tmp_path / "out.jsonl").exists()
     assert progress["input"] == str(inp) and progress["checkpoint"] == str(ckpt) and len(progress["input_sha256"]) == 64
     assert progress["settings"] == {"format": "jsonl", "text_field": "text", "id_field": "id", "dtype": "float32",
-                                    "device": "cpu", "chunk_size": 6, "batch_size": 4, "batch_tokens": 16384,
-                                    "stride": 32}
+                                    "device": "cpu", "quantization": None, "chunk_size": 6, "batch_size": 4,
+                                    "batch_tokens": 16384, "stride": 32}
     with open(tmp_path / "out.jsonl.partial", "ab") as f:
         f.write(b'{"id": "r12", "logprob": -3')  # what a kill between write and commit leaves
     summary, _ = run(ckpt, engine, tmp_path, inp, resume=True, **settings)

@@ -8,15 +8,13 @@ reference composed in torch; the refusals of what the kernel would misread."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
-from moeserve.runtime.backends import cpu_kernel, quant_kernel
+from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.kernel_abi import KernelError
-from moeserve.runtime.backends.quant_kernel import (KernelQuantExperts, linear_q, reference_linear_q,
-                                                    reference_moe_q)
+from moeserve.runtime.backends.quant_kernel import KernelQuantExperts, linear_q
+from moeserve.runtime.backends.quant_reference import reference_linear_q, reference_moe_q
 from moeserve.runtime.device import cpu_flags
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.quant import QuantExperts, QuantSpec, quantize
@@ -84,7 +82,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(fmt, dtype):
 BOTH_SIDES = """
 import torch
 from moeserve.runtime.backends import cpu_kernel
-from moeserve.runtime.backends.quant_kernel import linear_q, reference_linear_q
+from moeserve.runtime.backends.quant_kernel import linear_q
+from moeserve.runtime.backends.quant_reference import reference_linear_q
 from moeserve.runtime.quant import QuantSpec, quantize
 print(cpu_kernel.unavailable_reason())
 g = torch.Generator().manual_seed(0)

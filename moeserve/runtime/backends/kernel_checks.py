@@ -170,7 +170,7 @@ def _quantized(g: torch.Generator, *shape: int, bits: int):
 def check_linear_q(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> None:
     """int8 and int4 weights, 3 rows (one pass) and 11 (the blocked path), against quant_kernel's reference of the
     same arithmetic (the activations quantized as the C code does)."""
-    from moeserve.runtime.backends.quant_kernel import FMT, reference_linear_q
+    from moeserve.runtime.backends.quant_reference import FMT, reference_linear_q
 
     for bits in (8, 4):
         spec, (qw, sc) = _quantized(g, 13, 64, bits=bits)
@@ -186,7 +186,7 @@ def check_linear_q(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> 
 def check_moe_ffn_q(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> None:
     """Quantized swiglu and gelu experts against reference_moe_q. The tolerance in float32 admits one activation
     rounded to the neighbouring int8 step (a float32 difference at a half step), which would be 1e-3 here."""
-    from moeserve.runtime.backends.quant_kernel import FMT, reference_moe_q
+    from moeserve.runtime.backends.quant_reference import FMT, reference_moe_q
 
     T, D, E, K, F_ = 5, 32, 4, 2, 64
     x = _data(g, T, D).to(dtype)
