@@ -40,9 +40,9 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, overwrit
         raise CheckpointError(f"{out} exists; --overwrite replaces it")
     if Path(src).resolve() == out.resolve():
         raise CheckpointError(f"{out}: the output must not be the checkpoint it is converted from")
-    if quantize is not None and read_config(src).quantization is not None:  # named before gigabytes are read
-        raise QuantError(f"{src} is already quantized ({describe(read_config(src).quantization)}); quantize the "
-                         "unquantized checkpoint")
+    stored = read_config(src).quantization if quantize is not None else None
+    if stored is not None:  # named before gigabytes are read
+        raise QuantError(f"{src} is already quantized ({describe(stored)}); quantize the unquantized checkpoint")
     model, ckpt = load_model(src, dtype=None if dtype is None else DTYPES[dtype])
     if quantize is not None:
         quantize_model_(model, quantize)

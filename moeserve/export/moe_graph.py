@@ -74,10 +74,19 @@ def nbits_arrays(m: QuantLinear) -> tuple[np.ndarray, np.ndarray, int]:
     return packed.numpy(), np.ascontiguousarray(scales.numpy()), 4
 
 
+NBITS_LINEARS = ("wq", "wk", "wv", "wo", "output")  # the maps the graph writes through linear() (attention, the head)
+
+
+def as_nbits(m: torch.nn.Module, nbits: bool) -> bool:
+    """Whether `linear` writes module m as MatMulNBits: a quantized map whose width is whole blocks, in a graph for
+    ONNX Runtime."""
+    return nbits and isinstance(m, QuantLinear) and m.in_features % NBITS_BLOCK == 0
+
+
 def linear(g: Graph, x: str, m: torch.nn.Module, hint: str, nbits: bool = False) -> str:
     """x @ W^T of a linear module (nn.Linear, the tied head, QuantLinear). A quantized one with `nbits` is ONNX
     Runtime's MatMulNBits on its own bytes (no float copy), else its weight dequantized into a float MatMul."""
-    if nbits and isinstance(m, QuantLinear) and m.in_features % NBITS_BLOCK == 0:
+    if as_nbits(m, nbits):
         b, scales, bits = nbits_arrays(m)
         return g.op("MatMulNBits", x, g.weight(b, f"{hint}.qweight"), g.weight(scales, f"{hint}.scales"),
                     domain=MS_DOMAIN, K=m.in_features, N=m.out_features, bits=bits, block_size=NBITS_BLOCK, hint=hint)
@@ -86,9 +95,8 @@ def linear(g: Graph, x: str, m: torch.nn.Module, hint: str, nbits: bool = False)
 
 def dequantized_names(model: torch.nn.Module, nbits: bool) -> list[str]:
     """The quantized modules a graph holds as float weights: every one but the linear maps MatMulNBits runs."""
-    return [name for name, m in model.named_modules()
-            if isinstance(m, QuantExperts) or (isinstance(m, QuantLinear) and not (
-                nbits and m.in_features % NBITS_BLOCK == 0 and name.endswith(("wq", "wk", "wv", "wo", "output"))))]
+    return [name for name, m in model.named_modules() if isinstance(m, QuantExperts) or (
+        isinstance(m, QuantLinear) and not (as_nbits(m, nbits) and name.endswith(NBITS_LINEARS)))]
 
 
 # ---- expert computations ---------------------------------------------------------------------------
