@@ -451,6 +451,16 @@ def _add_export(sub) -> None:
     et.set_defaults(func=cmd_export_tensorrt)
 
 
+def _batch_tokens(value: str) -> int | None:
+    """`--batch-tokens`: auto (None: measured, batch_size.py) or a count (ScoreConfig checks its range)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or a number of tokens") from None
+
+
 def _add_score(sub) -> None:
     s = sub.add_parser("score", help="score a file of texts: log-probability and bits per byte, one JSON line each",
                        description="Score every record of a JSONL or text file with a language model: one output "
@@ -475,8 +485,9 @@ def _add_score(sub) -> None:
     s.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     s.add_argument("--quantize", choices=QUANT_FORMATS, help=QUANTIZE_HELP)
     s.add_argument("--batch-size", type=int, default=64, metavar="N", help="most rows per forward pass (default: 64)")
-    s.add_argument("--batch-tokens", type=int, default=16384, metavar="N",
-                   help="most tokens per forward pass, padding included (default: 16384)")
+    s.add_argument("--batch-tokens", type=_batch_tokens, default=None, metavar="N|auto",
+                   help="most tokens per forward pass, padding included. auto (the default): chosen from the run's "
+                   "measured tokens/s, doubling from 1024 while a doubling gains 5%%, at most 16384")
     s.add_argument("--stride", type=int, default=None, metavar="N",
                    help="a text longer than the model's context is scored in windows of the context, each scoring "
                    "the N tokens past the last (default: half the context). Smaller: more context per token, "

@@ -4,14 +4,16 @@ record out, in input order, keyed by the record's id.
 Per chunk of `chunk_size` records, in input order:
   read (each line parsed; a bad one becomes an error record, the run goes on)
   -> encode (Engine.encode: not a string, empty or not valid Unicode are error records too)
-  -> batch (sorted by token length, up to batch_size rows and batch_tokens padded tokens)
+  -> batch (sorted by token length, up to batch_size rows and batch_tokens padded tokens: by default a size
+     chosen from the run's measured tokens/s, batch_size.py)
   -> Engine.score_ids -> the chunk's lines written in input order, fsynced -> progress committed.
 
 A text longer than the model's context is scored in rolling windows `stride` tokens apart
 (runtime/windows.py); its line says how many (`windows`).
 
-Chunk boundaries depend only on record counts, so a resumed run forms exactly the batches an
-uninterrupted one would, and writes byte-identical output. Next to OUTPUT while a run is under way:
+Chunk boundaries depend only on record counts, and the progress file records the batch size once the run
+has chosen it, so a resumed run forms the batches an uninterrupted one would (a fixed --batch-tokens: exactly
+the same, and byte-identical output). Next to OUTPUT while a run is under way:
   OUTPUT.partial        the lines so far; renamed to OUTPUT once every record is written
   OUTPUT.progress.json  what is committed (records_done, bytes_written, where the input resumes) and
                         what it was computed from (input sha256, checkpoint, settings); replaced
@@ -25,6 +27,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -32,9 +35,10 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from tqdm import tqdm
 
+from moeserve.batch_size import BatchSizer
 from moeserve.files import atomic_write, fsync_path
 from moeserve.runtime.engine import Engine, EngineError, Score, load_engine
-from moeserve.runtime.windows import check_stride, default_stride
+from moeserve.runtime.windows import batch_end, check_stride, default_stride
 
 FORMATS = ("auto", "jsonl", "text")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -56,7 +60,7 @@ class ScoreConfig:
     backend: str = "auto"  # torch for a checkpoint directory, onnx for an exported .onnx file (auto: by the path)
     quantize: str | None = None  # int8 or int4: the weights quantized as they load (runtime/quant.py)
     batch_size: int = 64  # rows per forward: more amortises per-call overhead, costs activation memory
-    batch_tokens: int = 16384  # tokens per forward, padding included: bounds memory whatever the lengths
+    batch_tokens: int | None = None  # tokens per forward, padding included; None: chosen by measured tokens/s
     stride: int | None = None  # rolling windows over texts past the context: None = half the context
     chunk_size: int = 256  # records per commit: smaller loses less to a crash, fsyncs more often
     resume: bool = False  # continue OUTPUT.partial from its progress file
@@ -69,6 +73,8 @@ class ScoreConfig:
             raise ValueError(f"format = {self.format!r}: expected one of {', '.join(FORMATS)}")
         for name in ("batch_size", "batch_tokens", "chunk_size"):
             v = getattr(self, name)
+            if name == "batch_tokens" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}: expected an integer >= 1")
         if self.stride is not None and (isinstance(self.stride, bool) or not isinstance(self.stride, int)
@@ -108,8 +114,12 @@ class Batching:
     text_field: str
     id_field: str
     batch_size: int
-    batch_tokens: int
+    batch_tokens: int | None  # None: chosen by measured throughput (batch_size.py)
     stride: int | None
+
+    def sizer(self, settled: int | None = None) -> BatchSizer:
+        """The batch sizes of one engine's run: fixed, or searched (from `settled` when a run chose one)."""
+        return BatchSizer.fixed(self.batch_tokens) if self.batch_tokens is not None else BatchSizer(settled=settled)
 
 
 @dataclass(frozen=True)
@@ -254,24 +264,23 @@ def chunk_spans(path: Path, chunk_size: int, start: int = 0, line: int = 0) -> I
 
 
 # ---- batching and scoring ----------------------------------------------------------------------
-def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
-    """Indices into `lengths`, shortest first, cut into batches of at most `batch_size` rows and
-    `batch_tokens` tokens once padded to the batch's longest row (a row longer than that goes alone)."""
+def plan_batches(lengths: Sequence[int], batch_size: int, cap: Callable[[], int]) -> Iterator[list[int]]:
+    """Indices into `lengths`, shortest first, cut into batches of at most `batch_size` rows and `cap()` tokens
+    once padded to the batch's longest row (a row longer than that goes alone). `cap` is asked as each batch
+    is cut, so a sizer can change it between batches."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:  # ascending: the row being added is the batch's longest
-        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * lengths[i] > batch_tokens):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
+    widths = [lengths[i] for i in order]
+    start = 0
+    while start < len(order):
+        end = min(batch_end(widths, start, cap()), start + batch_size)
+        yield order[start:end]
+        start = end
 
 
-def score_chunk(engine: Engine, chunk: list[Record], b: Batching) -> list[dict]:
-    """One output object per record, in the chunk's order."""
+def score_chunk(engine: Engine, chunk: list[Record], b: Batching, sizer: BatchSizer | None = None) -> list[dict]:
+    """One output object per record, in the chunk's order. Batches are cut shortest row first at the cap
+    `sizer` gives for each, and their times go back to it (default: a fixed sizer from `b`)."""
+    sizer = sizer if sizer is not None else b.sizer()
     out: list[dict | None] = [None] * len(chunk)
     rows: list[list[int]] = []
     where: list[int] = []  # rows[k] is chunk[where[k]]
@@ -287,22 +296,25 @@ def score_chunk(engine: Engine, chunk: list[Record], b: Batching) -> list[dict]:
             continue
         where.append(j)
     C = engine.cfg.max_seq_len  # a longer row runs as windows of C tokens, which score_ids batches itself
-    for batch in plan_batches([min(len(row), C) for row in rows], b.batch_size, b.batch_tokens):
-        scores = engine.score_ids([rows[k] for k in batch], b.stride, max_batch_tokens=b.batch_tokens)
+    for batch in plan_batches([min(len(row), C) for row in rows], b.batch_size, lambda: sizer.tokens):
+        t0 = time.perf_counter()
+        scores = engine.score_ids([rows[k] for k in batch], b.stride, max_batch_tokens=sizer.tokens)
+        sizer.record(sum(len(rows[k]) for k in batch), time.perf_counter() - t0)
         for k, row in zip(batch, scores):
             r = chunk[where[k]]
             out[where[k]] = {"id": r.id, **Score.of(row, r.text).as_dict()}
     return out  # type: ignore[return-value]
 
 
-def score_span(engine: Engine, path: Path, span: ChunkSpan, b: Batching) -> tuple[bytes, int]:
+def score_span(engine: Engine, path: Path, span: ChunkSpan, b: Batching,
+               sizer: BatchSizer | None = None) -> tuple[bytes, int]:
     """(the output lines, how many are errors) of the chunk `span` of the input at `path`."""
     chunk = list(islice(read_records(path, b.format, b.text_field, b.id_field, start=span.start, line=span.line),
                         span.records))
     if len(chunk) != span.records or chunk[-1].end != span.end:
         raise ValueError(f"{path}: changed while it was being scored (records {span.line + 1}.. are not where "
                          f"they were)")
-    results = score_chunk(engine, chunk, b)
+    results = score_chunk(engine, chunk, b, sizer)
     return b"".join(json.dumps(r).encode("ascii") + b"\n" for r in results), sum("error" in r for r in results)
 
 
@@ -411,16 +423,25 @@ def score_file(checkpoint: str | os.PathLike | None, cfg: ScoreConfig, *, engine
 
         def score_spans(spans: Iterable[ChunkSpan]) -> Iterator[tuple[ChunkSpan, bytes, int]]:
             b = cfg.batching
-            return ((span, *score_span(engine, cfg.input, span, b)) for span in spans)
+            sizer = b.sizer(settled=state["batch_tokens_chosen"] or None)
+            for span in spans:
+                data = score_span(engine, cfg.input, span, b, sizer)
+                if sizer.settled is not None and not state["batch_tokens_chosen"]:
+                    state["batch_tokens_chosen"] = sizer.settled  # committed with this chunk
+                    if cfg.batch_tokens is None:
+                        log(f"batches of up to {sizer.settled} tokens (measured tokens/s by size: "
+                            + ", ".join(f"{k}: {v:.0f}" for k, v in sizer.rates.items()) + ")")
+                yield (span, *data)
     model.check(cfg.stride)
 
     identity = _identity(cfg, info, model)
-    state = {"records_done": 0, "bytes_written": 0, "input_offset": 0, "input_line": 0, "scored": 0, "errors": 0}
+    state = {"records_done": 0, "bytes_written": 0, "input_offset": 0, "input_line": 0, "scored": 0, "errors": 0,
+             "batch_tokens_chosen": 0}  # 0 until the run has chosen its batch size (batch_size.py)
     resuming = cfg.resume and cfg.progress_file.exists()
     if resuming:
         try:
             old = json.loads(cfg.progress_file.read_text(encoding="utf-8"))
-            state = {k: int(old[k]) for k in state}
+            state = {k: int(old.get(k, 0) if k == "batch_tokens_chosen" else old[k]) for k in state}
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{cfg.progress_file}: unreadable progress file ({e}); --overwrite to start again") from e
         if diffs := _differences(old, identity):

@@ -39,12 +39,13 @@ class ChunkScorer:
                  quantize: str | None = None):
         self.engine = load_engine(checkpoint, backend, dtype=dtype, device=device, quantize=quantize)
         self.path, self.batching = Path(path), batching
+        self.sizer = batching.sizer()  # each worker measures its own batches' throughput
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         data, errors = [], []
         for values in zip(*(batch[name] for name in _SPAN_FIELDS)):
             span = ChunkSpan(*(int(v) for v in values))
-            lines, n_err = score_span(self.engine, self.path, span, self.batching)
+            lines, n_err = score_span(self.engine, self.path, span, self.batching, self.sizer)
             data.append(lines)
             errors.append(n_err)
         return {**batch, "data": np.array(data, dtype=object), "errors": np.array(errors, dtype=np.int64)}

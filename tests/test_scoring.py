@@ -84,6 +84,60 @@ def test_batch_limits_do_not_change_scores(ckpt, engine, tmp_path):
         assert a["logprob"] == pytest.approx(b["logprob"], rel=1e-5, abs=1e-5)
 
 
+def test_plan_batches_asks_the_cap_as_it_cuts_each_batch():
+    caps = iter([4, 8, 100])  # a sizer doubling between batches
+    batches = list(plan_batches([2] * 10, 64, lambda: next(caps)))
+    assert [len(b) for b in batches] == [2, 4, 4]
+
+
+def test_measured_batch_size_is_recorded_and_a_resume_keeps_it(ckpt, engine, tmp_path, monkeypatch):
+    """With --batch-tokens auto, a run that finds bigger batches faster settles at the limit, says so, records the
+    size in its progress file with the chunk, and a resumed run scores the rest at that size: the scores are
+    those of fixed batches, and the resumed output is the uninterrupted one's."""
+    from moeserve import batch_size, scoring
+
+    monkeypatch.setattr(batch_size, "AUTO_START", 64)
+    monkeypatch.setattr(batch_size, "AUTO_LIMIT", 256)
+    clock = [0.0]
+
+    def perf_counter() -> float:  # every batch takes 1 s whatever its size: bigger batches, more tokens/s
+        clock[0] += 0.5
+        return clock[0]
+
+    monkeypatch.setattr(scoring.time, "perf_counter", perf_counter)
+    inp = write_jsonl(tmp_path / "in.jsonl", many_records(60))
+    settings = dict(chunk_size=20, batch_size=64)
+    logs: list[str] = []
+    cfg = ScoreConfig(input=inp, output=tmp_path / "want.jsonl", device="cpu", progress=False, **settings)
+    score_file(ckpt, cfg, engine=engine, log=logs.append)
+    assert any("batches of up to 256 tokens" in m and "64: " in m and "128: " in m for m in logs), logs
+    want = read_jsonl(tmp_path / "want.jsonl")
+    _, fixed = run(ckpt, engine, tmp_path, inp, "fixed.jsonl", batch_tokens=256, **settings)
+    for a, b in zip(want, fixed):
+        assert a["logprob"] == pytest.approx(b["logprob"], rel=1e-5, abs=1e-5)
+
+    seen: list[int] = []
+    real = engine.score_ids
+    with monkeypatch.context() as m:
+        def score_ids(rows, *args, max_batch_tokens, **kw):
+            seen.append(max_batch_tokens)
+            if sum(t == 256 for t in seen) > 3:  # settled in chunk 1 or 2; stopped in a later chunk
+                raise KeyboardInterrupt
+            return real(rows, *args, max_batch_tokens=max_batch_tokens, **kw)
+        m.setattr(engine, "score_ids", score_ids)
+        with pytest.raises(KeyboardInterrupt):
+            run(ckpt, engine, tmp_path, inp, **settings)
+    progress = json.loads((tmp_path / "out.jsonl.progress.json").read_text())
+    assert progress["batch_tokens_chosen"] == 256 and 0 < progress["records_done"] < 60
+    seen.clear()
+    with monkeypatch.context() as m:
+        m.setattr(engine, "score_ids", lambda rows, *a, max_batch_tokens, **kw: (
+            seen.append(max_batch_tokens), real(rows, *a, max_batch_tokens=max_batch_tokens, **kw))[1])
+        run(ckpt, engine, tmp_path, inp, resume=True, **settings)
+    assert set(seen) == {256}  # no search again
+    assert read_jsonl(tmp_path / "out.jsonl") == want
+
+
 def test_bad_records_are_error_lines_and_the_run_goes_on(ckpt, engine, tmp_path):
     lines = [{"id": "ok1", "text": "fine"}, "not json {", "[1, 2]", {"id": "no-text", "body": "x"},
              {"id": "int", "text": 5}, {"id": "null", "text": None}, {"id": "empty", "text": ""},
@@ -149,7 +203,7 @@ def test_text_and_id_fields(ckpt, engine, tmp_path):
 @pytest.mark.parametrize("batch_size,batch_tokens", [(1, 10_000), (3, 10_000), (100, 40), (4, 1)])
 def test_plan_batches_covers_each_row_once_within_limits(batch_size, batch_tokens):
     lengths = [5, 1, 9, 3, 3, 20, 7, 2, 9, 11]
-    batches = plan_batches(lengths, batch_size, batch_tokens)
+    batches = list(plan_batches(lengths, batch_size, lambda: batch_tokens))
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     flat = [lengths[i] for b in batches for i in b]
     assert flat == sorted(flat)
@@ -237,7 +291,7 @@ def test_resume_after_an_interrupt_and_a_half_written_chunk_is_exact(ckpt, engin
     assert progress["input"] == str(inp) and progress["checkpoint"] == str(ckpt) and len(progress["input_sha256"]) == 64
     assert progress["settings"] == {"format": "jsonl", "text_field": "text", "id_field": "id", "dtype": "float32",
                                     "device": "cpu", "quantization": None, "chunk_size": 6, "batch_size": 4,
-                                    "batch_tokens": 16384, "stride": 32}
+                                    "batch_tokens": None, "stride": 32}
     with open(tmp_path / "out.jsonl.partial", "ab") as f:
         f.write(b'{"id": "r12", "logprob": -3')  # what a kill between write and commit leaves
     summary, _ = run(ckpt, engine, tmp_path, inp, resume=True, **settings)

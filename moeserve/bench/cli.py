@@ -96,6 +96,8 @@ def add_bench(sub, calibrate_help: str) -> None:
     bsc.add_argument("--threads", type=int, metavar="N", help="threads of every side (default: torch's)")
     bsc.add_argument("--llama-perplexity", metavar="PATH", help="llama.cpp's perplexity tool (default: "
                      "llama-perplexity on PATH, if any)")
+    bsc.add_argument("--batch-tokens", nargs="+", default=["auto"], metavar="N|auto",
+                     help="moeserve score's --batch-tokens, one cold run for each (default: auto)")
     bsc.add_argument("--gguf", nargs="+", metavar="DTYPE=FILE", help="the same weights as GGUF, per dtype, e.g. "
                      "float32=mix-f32.gguf bfloat16=mix-bf16.gguf (convert_hf_to_gguf.py --outtype f32 / bf16)")
     _report_files(bsc)

@@ -60,20 +60,29 @@ def parse_llama_perplexity(log: str) -> int:
     return int(m.group(1)) * int(m.group(2))
 
 
-def cold_score(checkpoint: Path, input_path: Path, dtype: str, threads: int | None) -> dict:
-    """`moeserve score` in a child process, timed from its start to its exit."""
+def cold_score(checkpoint: Path, input_path: Path, dtype: str, threads: int | None,
+               batch_tokens: str = "auto") -> dict:
+    """`moeserve score` in a child process, timed from its start to its exit, with its peak resident memory and
+    the batch size it chose (None where it settled on none, or was given one)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "scores.jsonl"
         cmd = [sys.executable, "-m", "moeserve.cli", "score", str(checkpoint), "--input", str(input_path),
-               "--output", str(out), "--dtype", dtype, "--quiet"]
+               "--output", str(out), "--dtype", dtype, "--batch-tokens", batch_tokens, "--quiet"]
         env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        seconds = time.perf_counter() - t0
+        log = Path(tmp) / "stderr.txt"
+        with open(log, "w") as err:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak resident set
+            seconds = time.perf_counter() - t0
+        proc.returncode, stderr = os.waitstatus_to_exitcode(status), log.read_text()
         if proc.returncode != 0:
-            raise BenchError(f"moeserve score exited {proc.returncode}: {proc.stderr.strip()[-1000:]}")
+            raise BenchError(f"moeserve score exited {proc.returncode}: {stderr.strip()[-1000:]}")
+        rss_mb = usage.ru_maxrss / 1024  # kilobytes on Linux
         lines = [json.loads(line) for line in out.read_text().splitlines()]
-    return {"seconds": round(seconds, 2), "logprobs": [r["logprob"] for r in lines],
+    chosen = re.search(r"batches of up to (\d+) tokens", stderr)
+    return {"seconds": round(seconds, 2), "logprobs": [r["logprob"] for r in lines], "max_rss_mb": round(rss_mb),
+            "batch_tokens": batch_tokens, "chosen": int(chosen.group(1)) if chosen else None,
             "command": " ".join(["moeserve", *cmd[3:]])}
 
 
@@ -90,9 +99,10 @@ def llama_perplexity(binary: str, gguf: Path, text: Path, threads: int) -> dict:
 
 def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens: int = 512, repeats: int = 2,
                 threads: int | None = None, llama: str | None = None, gguf: dict[str, Path] | None = None,
-                progress=print) -> dict:
+                batch_tokens: list[str] | None = None, progress=print) -> dict:
     threads = threads or torch.get_num_threads()
     llama = llama or shutil.which("llama-perplexity")
+    batch_tokens = batch_tokens or ["auto"]
     rows, skipped = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in dtypes:
@@ -115,29 +125,32 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
                 warm.append(time.perf_counter() - t0)
             warm_s = statistics.median(warm)
             del engine
-            progress(f"{dtype}: moeserve score from a cold process ...")
-            cold = cold_score(checkpoint, input_path, dtype, threads)
-            same = max(abs(a - b.logprob) for a, b in zip(cold.pop("logprobs"), scores))
-            row = {"dtype": dtype, "records": n_records, "tokens": n_tokens, "warm_s": round(warm_s, 4),
-                   "warm_tokens_per_s": round(n_tokens / warm_s, 1), "cold_s": cold["seconds"],
-                   "cold_tokens_per_s": round(n_tokens / cold["seconds"], 1),
-                   "cold_over_warm": round(cold["seconds"] / warm_s, 2), "max_logprob_diff": same,
-                   "cold_command": cold["command"]}
+            base = {"dtype": dtype, "records": n_records, "tokens": n_tokens, "warm_s": round(warm_s, 4),
+                    "warm_tokens_per_s": round(n_tokens / warm_s, 1)}
             model = (gguf or {}).get(dtype)
             if llama and model:
                 progress(f"{dtype}: llama-perplexity ...")
                 ll = llama_perplexity(llama, model, text_path, threads)
-                row |= {"llama_s": ll["seconds"], "llama_tokens": ll["tokens"],
-                        "llama_tokens_per_s": round(ll["tokens"] / ll["seconds"], 1),
-                        "cold_over_llama": round(n_tokens / cold["seconds"] / (ll["tokens"] / ll["seconds"]), 2),
-                        "text_bytes": text_bytes, "cold_bytes_per_s": round(text_bytes / cold["seconds"]),
-                        "llama_bytes_per_s": round(text_bytes / ll["seconds"]), "llama_command": ll["command"]}
+                base |= {"llama_s": ll["seconds"], "llama_tokens": ll["tokens"],
+                         "llama_tokens_per_s": round(ll["tokens"] / ll["seconds"], 1), "text_bytes": text_bytes,
+                         "llama_bytes_per_s": round(text_bytes / ll["seconds"]), "llama_command": ll["command"]}
             else:
                 why = "no llama-perplexity (--llama-perplexity or on PATH)" if not llama else f"no --gguf {dtype}=FILE"
                 skipped[dtype] = (f"llama.cpp: {why}; run `llama-perplexity -m MODEL-{dtype}.gguf -f TEXT -c 512 -b "
                                   f"2048 -t {threads}` on the same weights (convert_hf_to_gguf.py --outtype "
                                   f"{'f32' if dtype == 'float32' else 'bf16'})")
-            rows.append(row)
+            for setting in batch_tokens:
+                progress(f"{dtype}: moeserve score --batch-tokens {setting} from a cold process ...")
+                cold = cold_score(checkpoint, input_path, dtype, threads, setting)
+                same = max(abs(a - b.logprob) for a, b in zip(cold.pop("logprobs"), scores))
+                row = base | {"cold_batch_tokens": setting, "cold_chosen_batch_tokens": cold["chosen"],
+                              "cold_s": cold["seconds"], "cold_tokens_per_s": round(n_tokens / cold["seconds"], 1),
+                              "cold_over_warm": round(cold["seconds"] / warm_s, 2), "cold_max_rss_mb": cold["max_rss_mb"],
+                              "max_logprob_diff": same, "cold_command": cold["command"]}
+                if "llama_s" in base:
+                    row |= {"cold_over_llama": round(n_tokens / cold["seconds"] / (base["llama_tokens"] / base["llama_s"]),
+                                                     2), "cold_bytes_per_s": round(text_bytes / cold["seconds"])}
+                rows.append(row)
     return {"checkpoint": str(checkpoint), "threads": threads, "records": n_records, "tokens_per_record": tokens,
             "repeats": repeats, "machine": machine(), "results": rows, "skipped": skipped}
 
@@ -145,12 +158,16 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
 def markdown(report: dict) -> str:
     lines = [f"checkpoint: {report['checkpoint']}, {report['records']} records of ~{report['tokens_per_record']} "
              f"tokens, {report['threads']} threads", "",
-             "| dtype | tokens | warm engine tokens/s | moeserve score (cold) tokens/s | cold / warm time | "
-             "llama-perplexity tokens/s (wall) | moeserve cold / llama.cpp (tokens/s) | text bytes/s, cold / llama.cpp |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| dtype | tokens | warm engine tokens/s | --batch-tokens (chosen) | moeserve score (cold) tokens/s | "
+             "cold / warm time | cold max resident MB | llama-perplexity tokens/s (wall) | "
+             "moeserve cold / llama.cpp (tokens/s) | text bytes/s, cold / llama.cpp |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
-        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['warm_tokens_per_s']} | {r['cold_tokens_per_s']} | "
-                     f"{r['cold_over_warm']}x | {r.get('llama_tokens_per_s', '-')} | "
+        setting = r.get("cold_batch_tokens", "16384")
+        chosen = f" ({r['cold_chosen_batch_tokens']})" if r.get("cold_chosen_batch_tokens") else ""
+        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['warm_tokens_per_s']} | {setting}{chosen} | "
+                     f"{r['cold_tokens_per_s']} | {r['cold_over_warm']}x | {r.get('cold_max_rss_mb', '-')} | "
+                     f"{r.get('llama_tokens_per_s', '-')} | "
                      f"{r.get('cold_over_llama', '-')}{'x' if 'cold_over_llama' in r else ''} | "
                      + (f"{r['cold_bytes_per_s']} / {r['llama_bytes_per_s']} |" if "llama_bytes_per_s" in r else "- |"))
     lines += [""] + [f"skipped {d}: {why}" for d, why in report["skipped"].items()]
@@ -161,7 +178,8 @@ def plot(report: dict, path: Path) -> None:
     from moeserve.bench.plots import bars, pyplot, save
 
     rows = report["results"]
-    dtypes = [r["dtype"] for r in rows]
+    dtypes = [r["dtype"] + ("" if r.get("cold_batch_tokens", "auto") == "auto" else f" ({r['cold_batch_tokens']})")
+              for r in rows]
     series = {"warm engine": [r["warm_tokens_per_s"] for r in rows],
               "moeserve score (cold)": [r["cold_tokens_per_s"] for r in rows],
               "llama-perplexity": [r.get("llama_tokens_per_s") for r in rows]}
@@ -192,6 +210,6 @@ def main(args) -> int:
 
             checkpoint = default_model_path(progress=True)
         return bench_score(checkpoint, args.dtypes, args.records, args.tokens, args.repeats, args.threads,
-                           args.llama_perplexity, _gguf(args.gguf or []), progress=progress)
+                           args.llama_perplexity, _gguf(args.gguf or []), args.batch_tokens, progress=progress)
 
     return 2 if run_bench(args, "score", measure) is None else 0

@@ -37,8 +37,11 @@ def test_llama_perplexity_token_count_is_parsed():
 
 def test_cold_process_and_warm_engine_score_the_same_records(checkpoint, tmp_path):
     report = bench_score(checkpoint, ["float32"], n_records=3, tokens=40, repeats=1, threads=1,
-                         progress=lambda msg: None)
-    (row,) = report["results"]
+                         batch_tokens=["auto", "64"], progress=lambda msg: None)
+    row, fixed = report["results"]
+    assert (row["cold_batch_tokens"], fixed["cold_batch_tokens"]) == ("auto", "64")
+    assert fixed["max_logprob_diff"] <= 1e-3 and "--batch-tokens 64" in fixed["cold_command"]
+    assert 100 < row["cold_max_rss_mb"] < 10_000  # the child's own peak: torch alone takes a few hundred MB
     assert row["records"] == 3 and row["tokens"] >= 3 * 38
     assert row["max_logprob_diff"] <= 1e-3  # the child's scores are the warm engine's
     assert row["cold_s"] > 0 and row["warm_s"] > 0 and row["warm_tokens_per_s"] > 0  # a tiny model: milliseconds
@@ -46,7 +49,8 @@ def test_cold_process_and_warm_engine_score_the_same_records(checkpoint, tmp_pat
     assert row["cold_command"].startswith(f"moeserve score {checkpoint} --input ")
     assert "llama_tokens_per_s" not in row and "llama-perplexity -m MODEL-float32.gguf" in report["skipped"]["float32"]
     page = markdown(report)
-    assert f"| float32 | {row['tokens']} | {row['warm_tokens_per_s']} | {row['cold_tokens_per_s']} |" in page
+    assert f"| float32 | {row['tokens']} | {row['warm_tokens_per_s']} | auto | {row['cold_tokens_per_s']} |" in page
+    assert f"| 64 | {fixed['cold_tokens_per_s']} | {fixed['cold_over_warm']}x | {fixed['cold_max_rss_mb']} |" in page
 
 
 def test_refusals(tmp_path):
