@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-AUTO_START = 1024
+AUTO_START = 2048
 AUTO_LIMIT = 16384
 
 

@@ -20,7 +20,7 @@ def feed(sizer: BatchSizer, rate: dict[int, float], first_s: float = 100.0, batc
 
 def test_grows_while_a_doubling_gains_and_settles_on_the_smaller_size_at_the_knee():
     rate = {1024: 100.0, 2048: 150.0, 4096: 160.0, 8192: 163.0, 16384: 170.0}
-    s = BatchSizer()
+    s = BatchSizer(start=1024)
     caps = feed(s, rate)
     # first batch unmeasured, then 2 batches a size: 1024, 2048, 4096 (+6.7%: kept), 8192 (+1.9%: back to 4096)
     assert caps[:9] == [1024, 1024, 1024, 2048, 2048, 4096, 4096, 8192, 8192]
@@ -29,7 +29,7 @@ def test_grows_while_a_doubling_gains_and_settles_on_the_smaller_size_at_the_kne
 
 
 def test_flat_throughput_keeps_the_first_size_and_rising_throughput_reaches_the_limit():
-    flat = BatchSizer()
+    flat = BatchSizer(start=1024)
     feed(flat, {1024: 100.0, 2048: 102.0})
     assert flat.settled == 1024
     rising = BatchSizer(start=256, limit=2048)
@@ -38,7 +38,7 @@ def test_flat_throughput_keeps_the_first_size_and_rising_throughput_reaches_the_
 
 
 def test_the_first_batch_of_a_process_is_not_measured():
-    s = BatchSizer()  # a first batch 100x slower than the rest does not make 1024 look slow
+    s = BatchSizer(start=1024)  # a first batch 100x slower than the rest does not make 1024 look slow
     feed(s, {1024: 100.0, 2048: 101.0}, first_s=1024 / 1.0)
     assert s.settled == 1024
 

@@ -52,3 +52,15 @@ def test_refusals(mixtral, tmp_path):
     p = subprocess.run([sys.executable, "-m", "moeserve.cli", "convert", str(tmp_path / "nothing"), "--out",
                         str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "moeserve convert: error:" in p.stderr and not (tmp_path / "x").exists()
+
+
+def test_scoring_a_hugging_face_directory_suggests_converting_it(mixtral, tmp_path, capsys):
+    from moeserve.cli import main
+
+    inp = tmp_path / "in.txt"
+    inp.write_text("a b c\n")
+    out = convert(mixtral, tmp_path / "converted")
+    for path, hinted in ((mixtral, True), (out, False)):
+        main(["score", str(path), "--input", str(inp), "--output", str(tmp_path / f"{hinted}.jsonl"), "--quiet"])
+        err = capsys.readouterr().err
+        assert (f"moeserve convert {path} --out DIR" in err) == hinted, err

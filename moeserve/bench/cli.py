@@ -92,7 +92,7 @@ def add_bench(sub, calibrate_help: str) -> None:
                      help="(default: float32)")
     bsc.add_argument("--records", type=int, default=16, metavar="N", help="records (default: 16)")
     bsc.add_argument("--tokens", type=int, default=512, metavar="T", help="tokens per record (default: 512)")
-    bsc.add_argument("--repeats", type=int, default=2, metavar="R", help="timed warm passes, median (default: 2)")
+    bsc.add_argument("--repeats", type=int, default=2, metavar="R", help="timed warm passes, median; 0: no warm engine, the cold runs only (default: 2)")
     bsc.add_argument("--threads", type=int, metavar="N", help="threads of every side (default: torch's)")
     bsc.add_argument("--llama-perplexity", metavar="PATH", help="llama.cpp's perplexity tool (default: "
                      "llama-perplexity on PATH, if any)")

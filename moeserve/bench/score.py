@@ -73,17 +73,29 @@ def cold_score(checkpoint: Path, input_path: Path, dtype: str, threads: int | No
         with open(log, "w") as err:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak resident set
+            peak_kb = 0
+            while proc.poll() is None:  # its VmHWM: getrusage's maxrss of a child starts at this process's size
+                peak_kb = max(peak_kb, _high_water_kb(proc.pid))
+                time.sleep(0.05)
             seconds = time.perf_counter() - t0
-        proc.returncode, stderr = os.waitstatus_to_exitcode(status), log.read_text()
+        stderr = log.read_text()
         if proc.returncode != 0:
             raise BenchError(f"moeserve score exited {proc.returncode}: {stderr.strip()[-1000:]}")
-        rss_mb = usage.ru_maxrss / 1024  # kilobytes on Linux
         lines = [json.loads(line) for line in out.read_text().splitlines()]
-    chosen = re.search(r"batches of up to (\d+) tokens", stderr)
-    return {"seconds": round(seconds, 2), "logprobs": [r["logprob"] for r in lines], "max_rss_mb": round(rss_mb),
+    chosen = re.search(r"batches of up to (\d+) tokens \(measured tokens/s by size: ([^)]*)\)", stderr)
+    return {"seconds": round(seconds, 2), "logprobs": [r["logprob"] for r in lines], "max_rss_mb": round(peak_kb / 1024),
             "batch_tokens": batch_tokens, "chosen": int(chosen.group(1)) if chosen else None,
-            "command": " ".join(["moeserve", *cmd[3:]])}
+            "rates": chosen.group(2) if chosen else None, "command": " ".join(["moeserve", *cmd[3:]])}
+
+
+def _high_water_kb(pid: int) -> int:
+    """A live process's peak resident set since its exec (/proc's VmHWM), 0 where it cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    m = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return int(m.group(1)) if m else 0
 
 
 def llama_perplexity(binary: str, gguf: Path, text: Path, threads: int) -> dict:
@@ -117,16 +129,18 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
             text_bytes = text_path.stat().st_size
             ids = [engine.encode(t, any_length=True) for t in texts]
             n_tokens = sum(map(len, ids))
-            engine.score_ids(ids)  # untimed: the warm engine's first pass
-            warm = []
-            for r in range(repeats):
-                t0 = time.perf_counter()
-                scores = engine.score_ids(ids)
-                warm.append(time.perf_counter() - t0)
-            warm_s = statistics.median(warm)
+            warm, want = [], None  # want: the scores the cold runs are checked against
+            if repeats:  # 0: no warm engine (a long run's cold process against llama.cpp only)
+                engine.score_ids(ids)  # untimed: the warm engine's first pass
+                for r in range(repeats):
+                    t0 = time.perf_counter()
+                    want = [s.logprob for s in engine.score_ids(ids)]
+                    warm.append(time.perf_counter() - t0)
+            warm_s = statistics.median(warm) if warm else None
             del engine
-            base = {"dtype": dtype, "records": n_records, "tokens": n_tokens, "warm_s": round(warm_s, 4),
-                    "warm_tokens_per_s": round(n_tokens / warm_s, 1)}
+            base = {"dtype": dtype, "records": n_records, "tokens": n_tokens,
+                    "warm_s": round(warm_s, 4) if warm_s else None,
+                    "warm_tokens_per_s": round(n_tokens / warm_s, 1) if warm_s else None}
             model = (gguf or {}).get(dtype)
             if llama and model:
                 progress(f"{dtype}: llama-perplexity ...")
@@ -142,10 +156,14 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
             for setting in batch_tokens:
                 progress(f"{dtype}: moeserve score --batch-tokens {setting} from a cold process ...")
                 cold = cold_score(checkpoint, input_path, dtype, threads, setting)
-                same = max(abs(a - b.logprob) for a, b in zip(cold.pop("logprobs"), scores))
+                got = cold.pop("logprobs")
+                want = want or got  # without a warm engine, the first cold run is the reference
+                same = max(abs(a - b) for a, b in zip(got, want))
                 row = base | {"cold_batch_tokens": setting, "cold_chosen_batch_tokens": cold["chosen"],
+                              "cold_rates_by_batch_tokens": cold["rates"],
                               "cold_s": cold["seconds"], "cold_tokens_per_s": round(n_tokens / cold["seconds"], 1),
-                              "cold_over_warm": round(cold["seconds"] / warm_s, 2), "cold_max_rss_mb": cold["max_rss_mb"],
+                              "cold_over_warm": round(cold["seconds"] / warm_s, 2) if warm_s else None,
+                              "cold_max_rss_mb": cold["max_rss_mb"],
                               "max_logprob_diff": same, "cold_command": cold["command"]}
                 if "llama_s" in base:
                     row |= {"cold_over_llama": round(n_tokens / cold["seconds"] / (base["llama_tokens"] / base["llama_s"]),
@@ -153,6 +171,10 @@ def bench_score(checkpoint: Path, dtypes: list[str], n_records: int = 16, tokens
                 rows.append(row)
     return {"checkpoint": str(checkpoint), "threads": threads, "records": n_records, "tokens_per_record": tokens,
             "repeats": repeats, "machine": machine(), "results": rows, "skipped": skipped}
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio}x"
 
 
 def markdown(report: dict) -> str:
@@ -165,10 +187,10 @@ def markdown(report: dict) -> str:
     for r in report["results"]:
         setting = r.get("cold_batch_tokens", "16384")
         chosen = f" ({r['cold_chosen_batch_tokens']})" if r.get("cold_chosen_batch_tokens") else ""
-        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['warm_tokens_per_s']} | {setting}{chosen} | "
-                     f"{r['cold_tokens_per_s']} | {r['cold_over_warm']}x | {r.get('cold_max_rss_mb', '-')} | "
+        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['warm_tokens_per_s'] or '-'} | {setting}{chosen} | "
+                     f"{r['cold_tokens_per_s']} | {_x(r['cold_over_warm'])} | {r.get('cold_max_rss_mb', '-')} | "
                      f"{r.get('llama_tokens_per_s', '-')} | "
-                     f"{r.get('cold_over_llama', '-')}{'x' if 'cold_over_llama' in r else ''} | "
+                     f"{_x(r.get('cold_over_llama'))} | "
                      + (f"{r['cold_bytes_per_s']} / {r['llama_bytes_per_s']} |" if "llama_bytes_per_s" in r else "- |"))
     lines += [""] + [f"skipped {d}: {why}" for d, why in report["skipped"].items()]
     return "\n".join(lines)

@@ -53,6 +53,15 @@ def test_cold_process_and_warm_engine_score_the_same_records(checkpoint, tmp_pat
     assert f"| 64 | {fixed['cold_tokens_per_s']} | {fixed['cold_over_warm']}x | {fixed['cold_max_rss_mb']} |" in page
 
 
+def test_without_a_warm_engine_the_cold_runs_are_checked_against_each_other(checkpoint):
+    report = bench_score(checkpoint, ["float32"], n_records=2, tokens=40, repeats=0, threads=1,
+                         batch_tokens=["64", "auto"], progress=lambda msg: None)
+    first, second = report["results"]
+    assert first["warm_s"] is None and first["cold_over_warm"] is None and first["max_logprob_diff"] == 0
+    assert second["max_logprob_diff"] <= 1e-3
+    assert f"| float32 | {first['tokens']} | - | 64 | {first['cold_tokens_per_s']} | - |" in markdown(report)
+
+
 def test_refusals(tmp_path):
     with pytest.raises(BenchError, match="expected DTYPE=FILE"):
         _gguf(["f32.gguf"])
