@@ -119,6 +119,27 @@ def test_kernel_limit_is_where_torch_wins_every_larger_count():
     assert plan.kernel_max_tokens is None and "dense layers on torch's GEMM past 128 rows" in plan.reason
 
 
+def test_float32_gemms_on_upcast_weights_past_the_crossover_where_they_beat_the_dtypes_own():
+    """A bf16 model on a CPU without bf16 arithmetic: torch's bf16 GEMMs lose to the kernel at every count, float32
+    GEMMs on upcast weights win at a scoring batch's counts: past the crossover they run, for experts and dense."""
+    t = timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 4, 8, 16],
+                gather__kernel=[0.5, 1, 2, 4, 8], grouped__kernel=[1, 1, 2, 4, 8])
+    t["large/kernel"], t["large/plain"] = {1024: 400.0, 2048: 800.0}, {1024: 900.0, 2048: 1800.0}
+    t["linear/plain"], t["linear/kernel"] = {1: 1.0, 16: 2.0, 128: 5.0}, {1: 0.3, 16: 1.0, 128: 4.0}
+    t["large-linear/plain"], t["large-linear/kernel"] = {512: 30.0, 2048: 120.0}, {512: 12.0, 2048: 50.0}
+    plan = choose(t)
+    assert plan.kernel_max_tokens is None and plan.dense_kernel_max_tokens is None  # nothing beats the kernel
+    assert not plan.upcast_experts and not plan.upcast_dense
+    t["large/upcast"], t["large-linear/upcast"] = {1024: 300.0, 2048: 500.0}, {512: 10.0, 2048: 40.0}
+    plan = choose(t)
+    assert (plan.kernel_max_tokens, plan.upcast_experts) == (16, True)
+    assert (plan.dense_kernel_max_tokens, plan.upcast_dense) == (128, True)
+    assert "in float32 on upcast weights" in plan.reason and "float32 on upcast weights" in plan.describe()
+    t["large/upcast"] = {1024: 890.0, 2048: 1790.0}  # within the tie margin of bf16's own: not worth a copy
+    plan = choose(t)
+    assert not plan.upcast_experts and plan.kernel_max_tokens is None and plan.upcast_dense
+
+
 def test_within_two_percent_the_simpler_configuration_is_kept():
     t = timings(gather__plain=[1, 2, 4, 8, 16], grouped__plain=[2, 2, 2, 2, 2],
                 gather__packed=[0.99, 2, 4, 8, 16], grouped__packed=[2, 1.98, 1.98, 1.98, 1.98],
@@ -170,6 +191,8 @@ def test_calibrate_times_every_candidate_this_cpu_can_run(dtype):
     counts = sorted(plan.timings["gather/plain"])
     assert counts == list(cal.TOKEN_COUNTS)  # a small shape: the whole ladder
     assert all(ms > 0 for row in plan.timings.values() for ms in row.values())
+    if "gather/kernel" in plan.timings:  # the large counts: in float32 on upcast weights too, for bf16
+        assert ("large/upcast" in plan.timings) == (dtype == torch.bfloat16) == ("large-linear/upcast" in plan.timings)
     assert plan.pack_experts <= can_pack and plan.pack_dense <= can_pack and plan.gather_max in (0, *counts)
     again = choose(plan.timings)  # the choice is choose()'s, on what was measured
     assert (again.pack_dense, again.pack_experts, again.grouped_mm, again.gather_max) == (

@@ -307,6 +307,30 @@ def test_past_the_kernels_limits_the_same_weights_run_torchs_gemms(engines, monk
             torch.testing.assert_close(got, kern.model(ids).logits, atol=1e-4, rtol=0)
 
 
+def test_float32_gemms_on_upcast_bf16_weights_are_the_float32_reference_rounded_once():
+    """moe_sorted_fp32 and KernelLinear(upcast) past its rows: the bf16 weights and rows upcast exactly, so each
+    result is the float32 computation on them, cast to bf16 (per expert, before the gated sum)."""
+    from moeserve.runtime.backends.experts import moe_sorted_fp32
+
+    g = torch.Generator().manual_seed(0)
+    E, D, Fh, T = 4, 32, 48, 40
+    w1, w2, w3 = (torch.randn(*dims, generator=g).mul(0.2).bfloat16() for dims in ((E, Fh, D), (E, D, Fh), (E, Fh, D)))
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ids = torch.rand(T, E, generator=g).argsort(-1)[:, :2]
+    gates = torch.rand(T, 2, generator=g).bfloat16()
+    got = moe_sorted_fp32(x, ids, gates, w1, w2, w3)
+    want = moe_reference(x.float(), ids, gates.float(), w1.float(), w2.float(), w3.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert (got.float() - want).abs().max() < (moe_reference(x, ids, gates, w1, w2, w3).float() - want).abs().max() * 2
+    lin = torch.nn.Linear(D, Fh, bias=False).bfloat16()
+    k = KernelLinear.of(lin, weight=lin.weight, max_rows=0, upcast=True)
+    with torch.no_grad():
+        y = k(x)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, F.linear(x.float(), lin.weight.float()).bfloat16())
+
+
 @requires_kernel
 def test_on_the_kernel_a_prompts_tokens_are_the_same_alone_and_in_a_batch(engines):
     _, kern = engines

@@ -54,10 +54,11 @@ from moeserve.errors import UserError
 from moeserve.files import atomic_write
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.device import cpu_name
-from moeserve.runtime.backends.experts import InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped
+from moeserve.runtime.backends.experts import (InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped,
+                                              moe_sorted_fp32)
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
 
-VERSION = 8  # bump when what is measured or how it is decided changes: older cache files are then ignored
+VERSION = 9  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
 ENV = "MOESERVE_CALIBRATION"
 # Up to a prefill-sized 512: a ranking at 128 tokens need not hold at 1024, so the ladder reaches the regime where
@@ -119,6 +120,9 @@ class DispatchPlan:
     # weights, faster there (None: the kernel at every count)
     kernel_max_tokens: int | None = None
     dense_kernel_max_tokens: int | None = None
+    # past those counts, torch's GEMMs in float32 on upcast weights: a bf16 model on a CPU without bf16 arithmetic
+    upcast_experts: bool = False
+    upcast_dense: bool = False
 
     def describe(self) -> str:
         grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
@@ -129,6 +133,7 @@ class DispatchPlan:
                 f"{'; norms and decode attention C kernel' if self.kernel_norms else ''}"
                 f"{f'; torch GEMMs past {self.kernel_max_tokens} tokens (experts)' if self.kernel_experts and self.kernel_max_tokens is not None else ''}"
                 f"{f', {self.dense_kernel_max_tokens} (dense)' if self.kernel_dense and self.dense_kernel_max_tokens is not None else ''}"
+                f"{' in float32 on upcast weights' if self.upcast_experts or self.upcast_dense else ''}"
                 f"{'; compiled decode: grouped_mm' if self.decode_grouped else ''} ({self.source})")
 
 
@@ -238,7 +243,8 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
         layouts["kernel"] = fuse_expert_weights(w1, w2, w3, shape.act, pack=False, kernel=True)  # no copy
     else:
         skipped["kernel"] = why_no_kernel
-    del w1, w3  # a layer's experts are held at most three times over while measuring
+    upcast = (w1, w2, w3) if dtype != torch.float32 else None  # float32 GEMMs past the crossover, timed below
+    del w1, w3  # a layer's experts are held at most three times over while measuring (four for an upcast's timing)
     gmm = replace(layouts["plain"], grouped_mm=True)  # the same stacked tensors
     why_not_gmm = _fails(lambda: moe_grouped(*_routing(shape, 8, dtype, g), gmm))
     if why_not_gmm is None:
@@ -269,9 +275,11 @@ def calibrate(shape: ExpertShape, dtype: torch.dtype, max_s: float = MAX_S) -> D
         if "kernel" in layouts:  # the kernel against torch's GEMMs where a prompt or a scoring batch runs
             for T in LARGE_TOKENS:
                 r = _routing(shape, T, dtype, g)
-                ms = _median_ms({n: (lambda w=w: moe_grouped(*r, w))
-                                 for n, w in (("large/kernel", layouts["kernel"]), ("large/plain", layouts["plain"]))},
-                                0.0)
+                fns = {n: (lambda w=w: moe_grouped(*r, w))
+                       for n, w in (("large/kernel", layouts["kernel"]), ("large/plain", layouts["plain"]))}
+                if upcast is not None:
+                    fns["large/upcast"] = lambda: moe_sorted_fp32(*r, *upcast)
+                ms = _median_ms(fns, 0.0)
                 for n, t in ms.items():
                     timings.setdefault(n, {})[T] = t
     return choose(timings, skipped)
@@ -308,8 +316,11 @@ def _dense_timings(D: int, dtype: torch.dtype, g: torch.Generator, min_time: flo
     if "linear/kernel" in layouts:  # at a prompt's row counts, the kernel against torch's GEMM only
         for T in LARGE_DENSE_TOKENS:
             x = torch.randn(T, D, generator=g).to(dtype)
-            ms = _median_ms({f"large-{n}": lambda fn=fn, ws=itertools.cycle(ws): fn(x, next(ws))
-                             for n, (fn, ws) in layouts.items() if n in ("linear/kernel", "linear/plain")}, min_time)
+            fns = {f"large-{n}": lambda fn=fn, ws=itertools.cycle(ws): fn(x, next(ws))
+                   for n, (fn, ws) in layouts.items() if n in ("linear/kernel", "linear/plain")}
+            if dtype != torch.float32:
+                fns["large-linear/upcast"] = lambda ws=itertools.cycle(plain): F.linear(x.float(), next(ws).float()).to(dtype)
+            ms = _median_ms(fns, min_time)
             for n, t in ms.items():
                 out.setdefault(n, {})[T] = t
     return out
@@ -398,19 +409,36 @@ def choose(timings: dict[str, dict[int, float]], skipped: dict[str, str] | None 
     if skipped:
         reason += "; not candidates: " + "; ".join(f"{n}: {why}" for n, why in skipped.items())
     limit = dense_limit = None
+    upcast_experts = upcast_dense = False
     if kernel_experts:
+        large, upcast_experts = _torch_large(timings, "large/plain", "large/upcast")
         limit = kernel_limit({**timings["grouped/kernel"], **timings.get("large/kernel", {})},
-                             {**timings["grouped/plain"], **timings.get("large/plain", {})})
+                             {**timings["grouped/plain"], **large})
+        upcast_experts = upcast_experts and limit is not None
         if limit is not None:
-            reason += f"; experts on torch's GEMMs past {limit} tokens (faster at every count above)"
+            reason += (f"; experts on torch's GEMMs past {limit} tokens (faster at every count above"
+                       f"{', in float32 on upcast weights' if upcast_experts else ''})")
     if dense == "kernel":
+        large, upcast_dense = _torch_large(timings, "large-linear/plain", "large-linear/upcast")
         dense_limit = kernel_limit({**timings["linear/kernel"], **timings.get("large-linear/kernel", {})},
-                                   {**timings["linear/plain"], **timings.get("large-linear/plain", {})})
+                                   {**timings["linear/plain"], **large})
+        upcast_dense = upcast_dense and dense_limit is not None
         if dense_limit is not None:
-            reason += f"; dense layers on torch's GEMM past {dense_limit} rows"
+            reason += (f"; dense layers on torch's GEMM past {dense_limit} rows"
+                       f"{' (float32 on upcast weights)' if upcast_dense else ''}")
     return DispatchPlan(dense == "packed", pack_experts, grouped_mm, gather_max, "measured", reason, timings,
                         kernel_experts=kernel_experts, kernel_dense=dense == "kernel", kernel_norms=kernel_norms,
-                        kernel_max_tokens=limit, dense_kernel_max_tokens=dense_limit)
+                        kernel_max_tokens=limit, dense_kernel_max_tokens=dense_limit, upcast_experts=upcast_experts,
+                        upcast_dense=upcast_dense)
+
+
+def _torch_large(timings: dict[str, dict[int, float]], plain: str, upcast: str) -> tuple[dict[int, float], bool]:
+    """torch's side at the large counts: its GEMMs in the model's dtype, or in float32 on upcast weights where
+    those beat them by more than the tie margin (a bf16 model on a CPU without bf16 arithmetic); and which."""
+    same, up = timings.get(plain, {}), timings.get(upcast)
+    if up and same and per_token_ratio(up, same) * TIE < 1:
+        return up, True
+    return same, False
 
 
 def kernel_limit(kernel: dict[int, float], plain: dict[int, float]) -> int | None:

@@ -34,13 +34,17 @@ from moeserve.runtime.routing import Routing, SigmoidRouter, SoftmaxRouter, XMoE
 
 class KernelLinear(Laid, nn.Linear):
     """A bias-free linear map (an nn.Linear or the tied head) on the kernel's GEMM, up to `max_rows` rows; past
-    them torch's GEMM on the same weight, faster there (DispatchPlan.dense_kernel_max_tokens)."""
+    them torch's GEMM on the same weight, faster there (DispatchPlan.dense_kernel_max_tokens), in float32 on an
+    upcast copy where `upcast` (a CPU without bf16 arithmetic: DispatchPlan.upcast_dense)."""
 
     weight: Tensor
     max_rows: int | None = None
+    upcast: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
         if self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]:
+            if self.upcast:
+                return torch.nn.functional.linear(x.float(), self.weight.float()).to(x.dtype)
             return torch.nn.functional.linear(x, self.weight)
         return cpu_kernel.linear(x, self.weight)
 
@@ -154,11 +158,11 @@ class CpuKernelBackend(EagerBackend):
         if not plan.kernel_experts:
             return super().experts(plan)
         return dict(pack=False, grouped_mm=False, sync_free=False, gather_max=plan.gather_max, kernel=True,
-                    kernel_max_tokens=plan.kernel_max_tokens)
+                    kernel_max_tokens=plan.kernel_max_tokens, upcast=plan.upcast_experts)
 
     def form(self, m: nn.Module, plan: DispatchPlan) -> nn.Module | None:
         if plan.kernel_dense and is_linear(m):
-            return KernelLinear.of(m, weight=m.weight, max_rows=plan.dense_kernel_max_tokens)
+            return KernelLinear.of(m, weight=m.weight, max_rows=plan.dense_kernel_max_tokens, upcast=plan.upcast_dense)
         if plan.kernel_dense and type(m) is QuantLinear:
             return KernelQuantLinear.of(m)
         if plan.kernel_norms and type(m) is nn.RMSNorm and m.weight is not None:

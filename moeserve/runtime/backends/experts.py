@@ -36,7 +36,7 @@ from torch import Tensor
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.layout import Laid
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
-from moeserve.runtime.experts import Experts, moe_sorted
+from moeserve.runtime.experts import Experts, combine, dispatch, expert_forward, moe_sorted
 
 
 @dataclass
@@ -228,22 +228,38 @@ class GraphExperts(TorchExperts):
 class FusedExperts(Laid, Experts):
     """An `Experts` on the C kernel, its weights used where they lie: up to `max_tokens` tokens the layer's experts
     in one call (moe_fused); past it, torch's GEMMs on the same plain weights (moe_sorted), faster there
-    (DispatchPlan.kernel_max_tokens)."""
+    (DispatchPlan.kernel_max_tokens), in float32 on upcast copies where `upcast` (moe_sorted_fp32)."""
 
     w: InferenceWeights
     max_tokens: int | None
+    upcast: bool = False
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
         if keep_TK is not None or (self.max_tokens is not None and x_TD.shape[0] > self.max_tokens):
-            return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK)
+            sorted_ = moe_sorted_fp32 if self.upcast else moe_sorted
+            return sorted_(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK)
         return moe_fused(x_TD, expert_ids_TK, gates_TK, self.w)
+
+
+def moe_sorted_fp32(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
+                    w3_EFD: Tensor | None = None, keep_TK: Tensor | None = None) -> Tensor:
+    """moe_sorted with float32 GEMMs: each expert's rows and weights upcast as it runs, the output cast back. On a
+    CPU without bf16 arithmetic (AVX2) a bf16 GEMM converts inside its inner loop and runs at a fraction of float32
+    speed; the upcast is one pass over an expert's weights per call, which a scoring batch's hundreds of rows per
+    expert repay many times (the calibration measures whether they do: DispatchPlan.upcast_experts). One expert's
+    copy lives at a time."""
+    d = dispatch(x_TD, expert_ids_TK, gates_TK, w1_EFD.shape[0], keep_TK)
+    ys = [expert_forward(e, x_ND.float(), w1_EFD[e].float(), w2_EDF[e].float(),
+                         None if w3_EFD is None else w3_EFD[e].float(), None).to(x_TD.dtype)
+          for e, x_ND in enumerate(d.blocks()) if x_ND.shape[0]]
+    return combine(d, torch.cat(ys) if ys else d.x_ND.new_zeros(0, w2_EDF.shape[1]), x_TD)
 
 
 @torch.no_grad()
 def lay_out_experts(experts: Experts, pack: bool | None = None, grouped_mm: bool | None = None,
                     gather_max: int | None = None, sync_free: bool | None = None, kernel: bool = False,
                     decode_grouped: bool = False, kernel_max_tokens: int | None = None,
-                    graph: bool = False) -> TorchExperts | FusedExperts:
+                    graph: bool = False, upcast: bool = False) -> TorchExperts | FusedExperts:
     """`experts` laid out for inference from its current weights (again after any weight change).
     pack=None: oneDNN packing where available; grouped_mm=None and sync_free=None: on CUDA only;
     kernel: plain weights run by the C kernel (cpu_kernel.py), where the calibration measured it faster;
@@ -261,5 +277,5 @@ def lay_out_experts(experts: Experts, pack: bool | None = None, grouped_mm: bool
     if gather_max is not None:
         w.gather_max = gather_max
     if kernel:
-        return FusedExperts.of(experts, w=w, max_tokens=kernel_max_tokens)
+        return FusedExperts.of(experts, w=w, max_tokens=kernel_max_tokens, upcast=upcast)
     return (GraphExperts if graph else TorchExperts).of(experts, w=w)
