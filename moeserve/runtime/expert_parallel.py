@@ -20,7 +20,7 @@ layer calls it for its continuous path. A VQ layer with vq_input='code' is laid 
 (backends/eager.py, TableMoELayer): the table is built through this exchange once, when the backend lays the
 model out, which every rank does at load, so each rank holds the whole table and the discrete path makes no
 exchange at serving time. Paths that would call experts past this module are refused by name: the compiled
-decode step (torch.compile of a collective with host-side splits: `forward` raises), the CPU kernel's
+decode step (a collective with host-side splits: compiled.model_uncompilable names it), the CPU kernel's
 whole-step decode (it needs the layer's experts as FusedExperts, which these are not: ep_rank.load_rank_engine
 checks) and weight quantization (the expert slice is loaded unquantized: load_rank_engine refuses).
 
@@ -157,9 +157,6 @@ class ExpertParallelExperts(nn.Module):
         return self.local.prepare_inference()
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
-        if torch.compiler.is_compiling():
-            raise ExpertParallelError("expert parallelism does not run in a compiled step: its all-to-all is sized "
-                                      "on the host; load the rank with compile='off'")
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
         return combine(d, self.exchange(d.x_ND, d.counts), x_TD)
 
