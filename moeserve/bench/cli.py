@@ -156,6 +156,20 @@ def add_bench(sub, calibrate_help: str) -> None:
     _report_files(bs)
     bs.add_argument("--quiet", action="store_true", help="no progress lines")
     bs.set_defaults(func=_main("moeserve.bench.shards"))
+    bep = bsub.add_parser("ep", help="one MoE layer's expert-parallel all-to-all, per rank (gloo on this machine)",
+                          description="Start N expert-parallel ranks (processes on gloo over 127.0.0.1), each with "
+                          "1/N of one MoE layer's experts and tokens of its own, and time per rank and token count: "
+                          "the three all-to-alls of a layer call, the whole layer call, and the same layer with "
+                          "every expert in one process.")
+    bep.add_argument("--ranks", type=int, default=2, metavar="N", help="expert-parallel ranks (default: 2)")
+    bep.add_argument("--tokens", type=int, nargs="+", default=[1, 32], metavar="T",
+                     help="tokens each rank routes through the layer per call (default: 1 32)")
+    bep.add_argument("--calls", type=int, default=200, metavar="N", help="timed calls per token count (default: 200)")
+    bep.add_argument("--model", default="small", choices=sorted(PRESETS), help="the layer's sizes (default: small, "
+                     "the built-in model's)")
+    _report_files(bep)
+    bep.add_argument("--quiet", action="store_true", help="no progress lines")
+    bep.set_defaults(func=_main("moeserve.bench.ep"))
     bh = bsub.add_parser("http", help="the HTTP server under load: continuous vs batch vs batch size 1, a mixed "
                          "workload, HTTP overhead, 429s, n choices and logprobs",
                          description="Start `moeserve serve` subprocesses (one at a time) and measure: throughput "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -23,12 +23,14 @@ from moeserve.runtime.model import ExpertsFactory, Transformer
 __all__ = ["load_into", "load_model", "verifying"]
 
 
-def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint, *, assign: bool = False) -> None:
+def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint, *, assign: bool = False,
+              keep: Callable[[str], bool] | None = None) -> None:
     """Copy a checkpoint's tensors into `model` (assign: make them the model's own, no copy: the model
     is `Transformer.empty`), naming the tensor at fault instead of torch's bare size-mismatch error: a
     missing, unexpected or wrongly shaped tensor means the weights and config.json disagree, and the
-    user needs to know which."""
-    expected = model.state_dict()
+    user needs to know which. `keep(name)`: only the model's tensors it accepts come from the checkpoint (the
+    rest, an experts_factory's own slice of the experts, are already in place)."""
+    expected = {k: t for k, t in model.state_dict().items() if keep is None or keep(k)}
     where = f"{ckpt.path}/{WEIGHTS_FILE if (ckpt.path / WEIGHTS_FILE).exists() else INDEX_FILE}"
     missing = sorted(set(expected) - set(ckpt.state_dict))
     unexpected = sorted(set(ckpt.state_dict) - set(expected))
@@ -40,7 +42,7 @@ def load_into(model: torch.nn.Module, ckpt: LoadedCheckpoint, *, assign: bool = 
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies "
                                   f"{tuple(expected[name].shape)}")
-    model.load_state_dict(ckpt.state_dict, assign=assign)
+    model.load_state_dict(ckpt.state_dict, assign=assign, strict=keep is None)
 
 
 def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
@@ -48,7 +50,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                experts_factory: ExpertsFactory | None = None) -> tuple[Transformer, LoadedCheckpoint]:
     """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model, in
     `dtype` (None: as stored) on `device`. With `experts_factory`, each MoE layer's experts are the
-    factory's (remote shards: serve/ray_app.py) and the checkpoint's expert tensors are not read.
+    factory's (remote shards: serve/ray_app.py; an expert-parallel rank's slice: expert_parallel.py) and the
+    checkpoint's expert tensors are not read.
 
     The model takes the checkpoint's tensors as its weights: on a CPU, in the stored dtype, they are
     the memory-mapped file itself (checkpoint.load_checkpoint), so loading reads no byte it does not
@@ -58,7 +61,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     stored = next((t.dtype for k, t in ckpt.state_dict.items() if t.is_floating_point() and not is_quant_state(k)),
                   torch.float32)
     model = Transformer.empty(ckpt.config, device, dtype or stored, experts_factory)
-    load_into(model, ckpt, assign=True)
+    load_into(model, ckpt, assign=True, keep=keep)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a tensor neither in the checkpoint nor computed by Transformer.empty: a bug here, not the user's
         raise RuntimeError(f"Transformer.empty left {left[:5]} unset; compute them there")

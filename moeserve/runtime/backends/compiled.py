@@ -35,9 +35,11 @@ from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
+from moeserve.runtime.experts import Experts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
+from moeserve.runtime.quant import QuantExperts
 
 log = logging.getLogger("moeserve.runtime")
 
@@ -61,6 +63,9 @@ def model_uncompilable(model: Transformer) -> str | None:
     """Why this model's decode step has no fixed shape, or None."""
     if model.cfg.capacity_factor is not None:
         return "capacity_factor drops assignments by count (data-dependent shapes); serve it with --compile off"
+    if any(not isinstance(layer.experts, (Experts, QuantExperts)) for layer in model.moe_layers):
+        return ("its experts are an experts_factory's (expert shards, expert parallelism): they exchange rows with "
+                "other processes in buffers sized on the host; serve it with --compile off")
     return None
 
 

@@ -1,0 +1,346 @@
+"""One rank of an expert-parallel group: its engine (the whole model but 1/N of the experts), its own requests, and
+the lockstep that brings every rank to each MoE layer together.
+
+Each rank runs its own step engine over its own KV cache (data-parallel attention), so ranks make different model
+calls at each step: a prompt's prefill chunks and a decode on one, a decode alone on another, nothing on an idle
+one. The exchange inside each MoE layer (expert_parallel.py) is a collective, so every rank must make the same
+number of MoE-layer calls. The protocol, once per loop iteration ("step"):
+
+  1. plan the step (the scheduler, on the host) and count the model calls it can make at most: one per prefill
+     call, one for the decode, one for a slice of scoring work;
+  2. all-reduce (MAX) [that count, "not finished"] across the group;
+  3. all zero: nobody runs; sleep briefly (every rank does, so the idle loop costs one small all-reduce per sleep),
+     or leave the loop when every rank has been asked to stop and has nothing left;
+  4. else run the step, count the forward passes it really made (a sequence may end in a prefill and skip the
+     decode), and make up the difference to the agreed maximum with empty passes: each MoE layer called on 0
+     tokens, which takes part in exactly the exchanges a real forward makes (the same modules decide them).
+
+Every forward pass of a model makes the same sequence of exchanges whatever its tokens (one per MoE layer, two for
+a VQ mixed layer whose discrete path is not a table), so any real pass lines up with any other rank's real or
+empty pass. A rank that would make more calls than agreed is stopped before the extra one (LockstepError) rather
+than left to desynchronise the group. Sequences, scheduling, chunked prefill, n choices sharing a prefill,
+log-probabilities and scoring are the step engine's and the Engine's, unchanged.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Generator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeserve.checkpoint import load_expert_slice, read_config
+from moeserve.runtime.backends.cpu import CpuKernelBackend
+from moeserve.runtime.backends.expert_shards import ExpertShard
+from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dtype
+from moeserve.runtime.expert_parallel import (
+    EPGroup, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
+)
+from moeserve.runtime.model import Transformer
+from moeserve.runtime.output import Completion, EventCallback
+from moeserve.runtime.sampling import EngineError, SamplingParams
+from moeserve.runtime.scheduler import Sequence, default_prefill_chunk
+from moeserve.runtime.steps import check_request
+
+__all__ = ["EPRank", "Lockstep", "RankOptions", "RankStats", "load_rank_engine", "run_rank"]
+
+
+def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtype = "float32",
+                     device: str | torch.device | None = None, calibration: str | None = None,
+                     verify: bool = True) -> Engine:
+    """An Engine for this rank: the dense part of the checkpoint, and of every MoE layer only this rank's experts,
+    read as safetensors slices (checkpoint.load_expert_slice). Every rank of the group must call it together: a VQ
+    layer's code table is built through the exchange while the backend lays the model out."""
+    cfg = read_config(checkpoint)
+    if cfg.quantization is not None:
+        raise ExpertParallelError(f"{checkpoint} is quantized ({cfg.quantization}); expert parallelism loads expert "
+                                  f"slices unquantized: serve the unquantized checkpoint")
+    if not cfg.moe_layer_ids:
+        raise ExpertParallelError(f"{checkpoint} has no MoE layer: nothing to split across ranks")
+    dev = resolve_device(device or group.device)
+    if dev.type != group.device.type:
+        raise ExpertParallelError(f"device {dev} for a {group.backend} group, which exchanges on {group.device}")
+    dt = resolve_dtype(dtype, dev)
+    mine = group.experts_of(cfg.n_experts)
+    _, tensors = load_expert_slice(checkpoint, mine.start, mine.stop, dtype=dt)
+
+    def experts(layer_id: int) -> ExpertParallelExperts:
+        w = {n: tensors.get(f"layers.{layer_id}.ffn.experts.{n}") for n in ("w1", "w2", "w3")}
+        shard = ExpertShard(list(mine), *(t.to(dev) if t is not None else None for t in (w["w1"], w["w2"], w["w3"])))
+        ep = ExpertParallelExperts(group, cfg.n_experts, shard)
+        with torch.device(dev):  # the model is being built on the meta device; the kernel's first use self-checks
+            ep.prepare_inference()
+        return ep
+
+    engine = Engine.load(checkpoint, dtype=dt, device=dev, verify=verify, calibration=calibration, compile="off",
+                         experts_factory=experts)
+    if isinstance(engine.runner, CpuKernelBackend) and engine.runner.step is not None:  # not while experts are ours
+        raise LockstepError("the CPU kernel's whole decode step would run the experts past the exchange")
+    return engine
+
+
+class Lockstep:
+    """The step protocol of the module docstring for one rank's model: `agree` before a step, `pad` after it. It
+    counts the model's forward passes (a forward pre-hook), and refuses one past the agreed number."""
+
+    def __init__(self, group: EPGroup, model: Transformer):
+        if not model.moe_layers or not all(isinstance(m.experts, ExpertParallelExperts) for m in model.moe_layers):
+            raise ExpertParallelError("the lockstep runs a model whose MoE layers' experts are ExpertParallelExperts "
+                                      "(load it with load_rank_engine)")
+        self.group, self.model = group, model
+        self.calls = 0  # forward passes made since the last `agree`
+        self.allowed = 0  # the most this step may make: the group's agreed maximum
+        self.empty_passes = 0  # made so far, in all
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, module: nn.Module, args) -> None:
+        self.calls += 1
+        if self.calls > self.allowed:
+            raise LockstepError(f"rank {self.group.rank} was about to make model call {self.calls} of a step for "
+                                f"which the group agreed on {self.allowed}: a path that calls the model more often "
+                                f"than its plan counts")
+
+    def agree(self, calls: int, finished: bool) -> tuple[int, bool]:
+        """(the most calls any rank makes this step, whether every rank is finished): one all-reduce (MAX)."""
+        t = torch.tensor([calls, 0 if finished else 1], dtype=torch.int64, device=self.group.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.group)
+        most, anyone_left = t.tolist()
+        self.calls, self.allowed = 0, most
+        return most, anyone_left == 0
+
+    @torch.inference_mode()
+    def pad(self) -> int:
+        """Empty passes up to the agreed number; how many."""
+        n = self.allowed - self.calls
+        p = self.model.tok_embeddings.weight
+        for _ in range(n):
+            x_1TD = torch.zeros(1, 0, self.model.cfg.d_model, dtype=p.dtype, device=p.device)
+            for layer in self.model.moe_layers:
+                layer(x_1TD)
+        self.empty_passes += n
+        self.calls = self.allowed
+        return n
+
+
+@dataclass
+class RankOptions:
+    """How a rank serves (what its step engine is built with), beside the checkpoint and the group."""
+
+    slots: int = 8  # sequences this rank's KV cache holds at once
+    max_len: int | None = None  # positions per slot (None: the model's context)
+    prefill_chunk: int | None = None  # prompt tokens a step while others decode (None: the device's default)
+    idle_sleep_s: float = 0.002  # between two steps in which no rank had work: the price of a wake-up
+    dtype: str = "float32"
+    calibration: str | None = None  # Engine.load's; every rank should use the same plan (calibrate once per machine)
+    verify: bool = True  # check the checkpoint's hashes while loading
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or (self.prefill_chunk is not None and self.prefill_chunk < 1) or not self.idle_sleep_s >= 0:
+            raise ExpertParallelError(f"slots = {self.slots}, prefill_chunk = {self.prefill_chunk}, idle_sleep_s = "
+                                      f"{self.idle_sleep_s}: expected >= 1, >= 1 (or None) and >= 0")
+
+
+@dataclass
+class RankStats:
+    steps: int = 0  # steps in which some rank had work
+    model_calls: int = 0  # forward passes of this rank's own work
+    empty_passes: int = 0  # forward passes made only to keep step with the others
+    idle_steps: int = 0  # steps in which no rank had work
+
+
+@dataclass
+class _ScoreJob:
+    slices: Generator[int, int | None, list[RowScore]]
+    future: Future
+
+
+class EPRank:
+    """A rank's serving loop. Another thread (a Ray actor's method, a server's handler) calls `submit` /
+    `submit_scores` and waits on the Future; one thread runs `run()` (or `step()` in a loop of its own). `stop()`
+    ends the loop once every rank has been asked to stop and none has work left, so ranks leave together."""
+
+    def __init__(self, engine: Engine, group: EPGroup, options: RankOptions | None = None):
+        if engine.model is None or engine.cfg.task != "lm":
+            raise ExpertParallelError(f"{engine.name}: an expert-parallel rank serves a torch language model")
+        self.engine, self.group, self.options = engine, group, options or RankOptions()
+        o = self.options
+        self.steps = engine.step_engine(o.slots, o.max_len, o.prefill_chunk or default_prefill_chunk(engine.device))
+        self.lockstep = Lockstep(group, engine.model)
+        self.stats = RankStats()
+        self._inbox: queue.SimpleQueue[Sequence | _ScoreJob] = queue.SimpleQueue()
+        self._futures: dict[Sequence, Future] = {}
+        self._scores: list[_ScoreJob] = []
+        self._submit_lock = threading.Lock()
+        self._stopping = False
+        self.failed: BaseException | None = None
+        self.thread: threading.Thread | None = None  # the loop's, once `start`ed
+
+    @classmethod
+    def load(cls, checkpoint: str, group: EPGroup, options: RankOptions | None = None) -> "EPRank":
+        """Load this rank's slice of `checkpoint` (every rank together: load_rank_engine) and make its loop."""
+        o = options or RankOptions()
+        return cls(load_rank_engine(checkpoint, group, dtype=o.dtype, calibration=o.calibration, verify=o.verify),
+                   group, o)
+
+    @property
+    def experts(self) -> list[ExpertParallelExperts]:
+        return [layer.experts for layer in self.engine.model.moe_layers]
+
+    # ---- requests (any thread) ---------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               on_event: EventCallback | None = None) -> Future:
+        """Queue one completion on this rank; a Future of its Completion. A request the model cannot run raises
+        EngineError here. `on_event` gets its stream events on the loop's thread; cancelling the Future before it
+        is done ends the sequence at the next step."""
+        params = params or SamplingParams()
+        ids = self.engine.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        check_request(self.engine.cfg, self.engine.tokenizer, ids, params)
+        future: Future = Future()
+        seq = Sequence(ids, params, on_event=on_event, cancelled=future.cancelled)
+        self._put(seq, future)
+        return future
+
+    def submit_scores(self, rows: list[list[int]], stride: int | None = None) -> Future:
+        """Queue the scoring of token-id rows (Engine.score_ids: rolling windows past the context), run one batch
+        per step between the generation steps; a Future of the list of RowScore."""
+        future: Future = Future()
+        self._put(_ScoreJob(self.engine.score_slices([list(r) for r in rows], stride), future), future)
+        return future
+
+    def _put(self, item: Sequence | _ScoreJob, future: Future) -> None:
+        with self._submit_lock:
+            if self.failed is not None:
+                raise ExpertParallelError(f"rank {self.group.rank} failed ({self.failed!r}); its group must restart")
+            if self._stopping:
+                raise ExpertParallelError(f"rank {self.group.rank} is stopping and takes no more requests")
+            if isinstance(item, Sequence):
+                self._futures[item] = future
+            self._inbox.put(item)
+
+    def stop(self) -> None:
+        """Take no more requests; the loop ends when every rank has stopped and finished its work."""
+        with self._submit_lock:
+            self._stopping = True
+
+    # ---- the loop (one thread) ---------------------------------------------------------------------------------
+    def start(self, leave_group: bool = False) -> threading.Thread:
+        """`run` on a daemon thread of its own (`self.thread`); leave_group: destroy the process group when it ends."""
+        def loop() -> None:
+            try:
+                self.run()
+            finally:
+                if leave_group:
+                    self.group.leave()
+
+        self.thread = threading.Thread(target=loop, name=f"moeserve-ep-rank-{self.group.rank}", daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def run(self) -> None:
+        """Step until every rank has stopped. A failed step fails every request of this rank and raises: the
+        other ranks' collectives then time out, and the group is restarted as a unit."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One lockstep iteration (module docstring); False once the group has finished."""
+        try:
+            with self.engine.lock:
+                self._admit()
+                plan = self.steps.plan()
+                job = self._scores[0] if self._scores else None
+                calls = len(plan.prefills) + bool(plan.decode) + (job is not None)
+                with self._submit_lock:
+                    finished = self._stopping and self._inbox.empty() and self.steps.idle and not self._scores
+                most, all_finished = self.lockstep.agree(calls, finished)
+                ended = self.steps.execute(plan)  # no model call when `calls` is 0: only cancelled sequences end
+                if job is not None:
+                    self._score_slice(job)
+                made = self.lockstep.calls
+                self.stats.empty_passes += self.lockstep.pad()
+            self.stats.model_calls += made
+            for seq in ended:
+                self._resolve(seq)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        if most == 0:
+            self.stats.idle_steps += 1
+            if all_finished:
+                return False
+            time.sleep(self.options.idle_sleep_s)
+        else:
+            self.stats.steps += 1
+        return True
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _ScoreJob):
+                self._scores.append(item)
+                continue
+            try:
+                self.steps.add(item)
+            except EngineError as e:  # it does not fit this rank's cache: that request's error, nobody else's
+                self._futures.pop(item).set_exception(e)
+            else:
+                if item.done:  # nothing to compute (max_new_tokens 0, no prompt log-probabilities)
+                    self._resolve(item)
+
+    def _score_slice(self, job: _ScoreJob) -> None:
+        """One batch of a scoring job (at most one forward pass); its Future once it has none left."""
+        try:
+            job.slices.send(None)
+        except StopIteration as done:
+            self._scores.pop(0)
+            job.future.set_result(done.value)
+        except EngineError as e:  # refused before its first forward (a bad stride, say)
+            self._scores.pop(0)
+            job.future.set_exception(e)
+
+    def _resolve(self, seq: Sequence) -> None:
+        future = self._futures.pop(seq)
+        if not future.cancelled():
+            future.set_result(seq.completion())
+
+    def _fail(self, e: BaseException) -> None:
+        with self._submit_lock:
+            self.failed = e
+        error = LockstepError(f"rank {self.group.rank}'s step failed: {e!r}")
+        for future in [*self._futures.values(), *(j.future for j in self._scores)]:
+            if not future.done():
+                future.set_exception(error)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            future = item.future if isinstance(item, _ScoreJob) else self._futures.get(item)
+            if future is not None and not future.done():
+                future.set_exception(error)
+        self._futures.clear()
+        self._scores.clear()
+
+
+def run_rank(checkpoint: str, init_method: str, rank: int, world_size: int,
+             options: RankOptions | None = None) -> EPRank:
+    """What a rank's process does: join the group at `init_method`, load this rank's slice of `checkpoint`, and
+    serve on a thread of its own until stopped. Returns the rank at once, serving: `submit` to it, `stop()` it and
+    join `rank.thread`; the group is left when the loop ends."""
+    group = join_group(init_method, rank, world_size)
+    try:
+        ep = EPRank.load(checkpoint, group, options)
+    except BaseException:
+        group.leave()
+        raise
+    ep.start(leave_group=True)
+    return ep

@@ -1,0 +1,201 @@
+"""Expert parallelism: each rank of a group holds 1/N of every MoE layer's experts, and the layer's routed rows
+travel to the rank that owns their expert and back, inside the forward pass.
+
+Shape legend: T tokens, D model dim, K experts per token, N routed rows (assignments), E experts, R ranks.
+
+    x_TD, routing -> dispatch (experts.py: rows sorted by expert)
+                  -> all_to_all counts    [E] per rank out, [R, E_local] in: what each rank will send here
+                  -> all_to_all rows      in dispatch order; they arrive grouped by source rank, then by expert
+                  -> reorder expert-major -> this rank's experts (ExpertShard: the C kernel where it runs)
+                  -> reorder back -> all_to_all rows back -> combine (experts.py) -> y_TD
+
+Rank r owns experts [r*E/R, (r+1)*E/R) (expert_shards.contiguous_ranges), so a rank's slice of the sorted rows is
+one contiguous block and the dispatch order is already the send order. The rest of the model (attention, KV
+cache, dense layers, routers) is whole on every rank: each rank runs its own requests (data-parallel attention,
+as vLLM and SGLang do with expert parallelism) and meets the others only at the MoE layers. That makes the
+exchange a collective every rank must reach together; the lockstep that guarantees it is ep_rank.py's.
+
+Every router reaches the experts through `MoELayer.experts` (moe.py): softmax, sigmoid, xmoe, and vq, whose mixed
+layer calls it for its continuous path. A VQ layer with vq_input='code' is laid out as a table of f_j(v_j)
+(backends/eager.py, TableMoELayer): the table is built through this exchange once, when the backend lays the
+model out, which every rank does at load, so each rank holds the whole table and the discrete path makes no
+exchange at serving time. Paths that would call experts past this module are refused by name: the compiled
+decode step (a collective with host-side splits: compiled.model_uncompilable names it), the CPU kernel's
+whole-step decode (it needs the layer's experts as FusedExperts, which these are not: ep_rank.load_rank_engine
+checks) and weight quantization (the expert slice is loaded unquantized: load_rank_engine refuses).
+
+On GPUs (NCCL) the exchange here still reads the counts back to the host to size the row buffers, which a CUDA
+graph cannot hold. A capturable step replaces the two variable all-to-alls by fixed-size ones: per batch bucket,
+buffers of [R, capacity, D] rows (capacity = the bucket's T*K, the most one rank can send another), padded, with
+the counts travelling in the same call, as vLLM's low-latency all-to-all does; `exchange` is the one place that
+changes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moeserve.errors import MoeServeError, UserError
+from moeserve.runtime.backends.expert_shards import ExpertShard, contiguous_ranges
+from moeserve.runtime.experts import Experts, combine, dispatch
+
+__all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "LockstepError", "join_group"]
+
+ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
+
+
+class ExpertParallelError(UserError):
+    """An expert-parallel group or rank asked for something it cannot be: a bad address, rank or world size, more
+    ranks than experts, or a feature that would call the experts past the exchange (compile, quantize)."""
+
+
+class LockstepError(MoeServeError, RuntimeError):
+    """The ranks of a group no longer reach the MoE layers together (a rank made more model calls than the group
+    agreed, or a collective failed): the group is broken and must be restarted as a unit."""
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    """This process's place in an expert-parallel group: one torch.distributed process group, NCCL on GPUs and
+    gloo on CPUs, whose ranks each hold a contiguous 1/N of every MoE layer's experts."""
+
+    rank: int
+    world_size: int
+    backend: str  # "gloo" or "nccl"
+    device: torch.device  # where the exchanged tensors live: cpu for gloo, this rank's GPU for nccl
+    group: dist.ProcessGroup | None = field(default=None, repr=False)  # None: the default (WORLD) group
+
+    def experts_of(self, n_experts: int, rank: int | None = None) -> range:
+        """The global ids of the experts `rank` (default: this one) holds."""
+        if self.world_size > n_experts:
+            raise ExpertParallelError(f"{self.world_size} ranks for {n_experts} experts: every rank needs at least "
+                                      f"one expert; use at most {n_experts} ranks")
+        return contiguous_ranges(n_experts, self.world_size)[self.rank if rank is None else rank]
+
+    def leave(self) -> None:
+        """Destroy the process group (every rank calls this once its loop has stopped)."""
+        if dist.is_initialized():
+            dist.destroy_process_group(self.group)
+
+
+def join_group(init_method: str, rank: int, world_size: int, *, device: str | torch.device = "cpu",
+               backend: str | None = None, timeout_s: float = 300.0) -> EPGroup:
+    """Join the expert-parallel group that rendezvouses at `init_method` ('tcp://host:port': rank 0 listens there;
+    under Ray, the rank-0 actor's address). Blocks until all `world_size` ranks have joined. `backend` defaults to
+    NCCL on a CUDA device and gloo on the CPU. A collective that waits longer than `timeout_s` (a rank died or
+    hung) raises instead of waiting forever, so a broken group fails as a unit; it must exceed the longest single
+    forward pass of any rank, which the others wait through at each MoE layer."""
+    address = ADDRESS.match(init_method) if isinstance(init_method, str) else None
+    if address is None or not 0 < int(address[2]) < 65536:
+        raise ExpertParallelError(f"init_method = {init_method!r}: expected 'tcp://HOST:PORT' (rank 0's address)")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ExpertParallelError(f"world_size = {world_size!r}: expected an integer >= 1")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ExpertParallelError(f"rank = {rank!r}: expected an integer in [0, {world_size})")
+    if not timeout_s > 0:
+        raise ExpertParallelError(f"timeout_s = {timeout_s!r}: expected a number of seconds > 0")
+    dev = torch.device(device)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ExpertParallelError(f"backend = {backend!r}: expected 'gloo' (CPU) or 'nccl' (CUDA)")
+    if backend == "nccl" and (dev.type != "cuda" or not torch.cuda.is_available() or not dist.is_nccl_available()):
+        raise ExpertParallelError(f"backend 'nccl' needs a CUDA device and torch built with NCCL; device is {dev}, "
+                                  f"CUDA {'available' if torch.cuda.is_available() else 'not available'}")
+    if backend == "gloo" and dev.type != "cpu":
+        raise ExpertParallelError(f"backend 'gloo' exchanges CPU tensors; device is {dev} (use 'nccl')")
+    if dist.is_initialized():
+        raise ExpertParallelError("this process already belongs to a torch.distributed group: one expert-parallel "
+                                  "group per process (leave the other first)")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s), device_id=dev if backend == "nccl" else None)
+    return EPGroup(rank, world_size, backend, dev)
+
+
+@dataclass
+class ExchangeStats:
+    """What one layer's exchanges have cost on this rank since it was made: the per-rank all-to-all metrics of a
+    server (issue 38, item 6) read these. On gloo the collectives are synchronous, so their wall time is the
+    all-to-all time; on NCCL it would be the launch only (CUDA events would be needed)."""
+
+    calls: int = 0
+    all_to_all_s: float = 0.0  # in the three all_to_all_single calls, summed
+    rows_sent: int = 0  # to other ranks (not counting rows for this rank's own experts)
+    rows_received: int = 0  # from other ranks
+
+
+class ExpertParallelExperts(nn.Module):
+    """A layer's experts on one rank of an EP group: called as an `Experts` is (MoELayer.experts), it holds only
+    this rank's contiguous slice (`local`, global ids group.experts_of(E)) and exchanges the routed rows with the
+    other ranks' slices (module docstring). Every rank must call it together, with its own tokens or none."""
+
+    def __init__(self, group: EPGroup, n_experts: int, local: ExpertShard):
+        super().__init__()
+        want = list(group.experts_of(n_experts))
+        if local.expert_ids != want:
+            raise ExpertParallelError(f"rank {group.rank} of {group.world_size} holds experts {want[0]}..{want[-1]} "
+                                      f"of {n_experts}; given {local.expert_ids}")
+        self.group, self.n_experts, self.local = group, n_experts, local
+        self.ranges = contiguous_ranges(n_experts, group.world_size)
+        self.stats = ExchangeStats()
+
+    @classmethod
+    def of(cls, experts: Experts, group: EPGroup) -> "ExpertParallelExperts":
+        """This rank's slice copied out of a whole layer's experts (tests, benchmarks)."""
+        return cls(group, experts.n_experts, ExpertShard.of(experts, group.experts_of(experts.n_experts)))
+
+    def prepare_inference(self) -> bool:
+        """The local experts on the CPU kernel where it runs (ExpertShard.prepare_inference); whether they are."""
+        return self.local.prepare_inference()
+
+    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
+        return combine(d, self.exchange(d.x_ND, d.counts), x_TD)
+
+    def exchange(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+        """The experts' outputs for rows sorted by expert (`counts` [E] of each), in the same order, whichever rank
+        computed them. Each rank calls it once per layer call, with zero rows if it has none."""
+        R, g, dev = self.group.world_size, self.group.group, self.group.device
+        E_local = len(self.local.expert_ids)
+        to_rank = [sum(counts[r.start:r.stop]) for r in self.ranges]  # rows this rank sends each rank
+        t0 = time.perf_counter()
+        recv_RE = torch.empty(R * E_local, dtype=torch.int64, device=dev)
+        dist.all_to_all_single(recv_RE, torch.tensor(counts, dtype=torch.int64, device=dev),
+                               [E_local] * R, [len(r) for r in self.ranges], group=g)
+        recv_RE = recv_RE.view(R, E_local).cpu()
+        from_rank = recv_RE.sum(1).tolist()  # rows each rank sends here
+        x_in = x_ND.new_empty(sum(from_rank), x_ND.shape[1])
+        dist.all_to_all_single(x_in, x_ND.contiguous(), from_rank, to_rank, group=g)
+        t1 = time.perf_counter()
+        order = expert_major(recv_RE)
+        y_in = self.local(x_in if order is None else x_in[order], recv_RE.sum(0).tolist())
+        if order is not None:
+            y_in = torch.empty_like(y_in).index_copy_(0, order.to(y_in.device), y_in)
+        t2 = time.perf_counter()
+        y_ND = x_ND.new_empty(x_ND.shape[0], y_in.shape[1])
+        dist.all_to_all_single(y_ND, y_in.contiguous(), to_rank, from_rank, group=g)
+        s, me = self.stats, self.group.rank
+        s.calls += 1
+        s.all_to_all_s += (t1 - t0) + (time.perf_counter() - t2)
+        s.rows_sent += sum(to_rank) - to_rank[me]
+        s.rows_received += sum(from_rank) - from_rank[me]
+        return y_ND
+
+
+def expert_major(recv_RE: Tensor) -> Tensor | None:
+    """The row order that turns rows grouped by source rank, then expert ([R, E_local] counts, row-major), into rows
+    grouped by expert, then source rank: index i of the result is the received row that goes i-th. None where the
+    two orders are the same (one rank sends everything, or there is one local expert)."""
+    R, E = recv_RE.shape
+    if R == 1 or E == 1 or int((recv_RE.sum(1) > 0).sum()) <= 1:
+        return None
+    blocks = torch.arange(int(recv_RE.sum())).split(recv_RE.reshape(-1).tolist())  # block r*E + e
+    return torch.cat([blocks[r * E + e] for e in range(E) for r in range(R)])

@@ -1,0 +1,262 @@
+"""Expert parallelism (runtime/expert_parallel.py, runtime/ep_rank.py) in real processes: two ranks on gloo over
+127.0.0.1, each with its own requests at once, give the single-process engine's answers (fp32: tokens identical,
+greedy and seeded; log-probabilities and scores within 1e-5) for the softmax, xmoe and vq (mixed and discrete)
+routers; each rank holds only its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
+exchange itself equals the reference loop, with zero rows on a rank, in one process and in two. Scores, sums of
+many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ray_serve.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.ep_rank import EPRank, RankOptions, load_rank_engine
+from moeserve.runtime.expert_parallel import (
+    EPGroup, ExpertParallelError, ExpertParallelExperts, expert_major, join_group,
+)
+from moeserve.runtime.experts import Experts, moe_reference
+from moeserve.runtime.model import Transformer
+
+HERE = Path(__file__).parent
+ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
+           "vq-mixed": dict(router="vq", vq_mode="mixed"), "vq-discrete": dict(router="vq", vq_mode="discrete")}
+BUSY_S = 2.0
+RUN_TIMEOUT_S = 120  # the whole two-rank run; a hang fails the tests after it rather than stalling CI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint(root: Path, name: str, **kw) -> Path:
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", **kw))  # context 64, byte tokenizer, 2 MoE layers of 4 experts, top-2
+    if kw["router"] == "vq":  # codes from real activations, so tokens spread over several experts
+        with torch.no_grad():
+            for layer in model.moe_layers:
+                layer.quantizer.codebook.normal_()
+                layer.quantizer.initialized.fill_(True)
+    return save_checkpoint(root / name, model.cfg, model.state_dict())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ep")
+    return {name: str(checkpoint(root, name, **kw)) for name, kw in ROUTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints) -> dict[int, dict]:
+    """Both ranks' reports (tests/runtime/ep_worker.py), from one run of two spawned processes."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(HERE))  # the spawned processes import ep_worker by name
+        import ep_worker
+
+        port = free_port()
+        procs = [ctx.Process(target=ep_worker.main, args=(r, 2, port, checkpoints, BUSY_S, results), daemon=True)
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            out = dict(results.get(timeout=RUN_TIMEOUT_S) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    for r, report in out.items():
+        assert "error" not in report, f"rank {r}:\n{report['error']}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """The single-process engine of each checkpoint, which the ranks must equal."""
+    return {name: Engine.load(path, dtype="float32", device="cpu") for name, path in checkpoints.items()}
+
+
+# ---- two ranks ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_two_ranks_answer_as_one_process(ranks, reference, name):
+    import ep_worker
+
+    engine = reference[name]
+    for rank in (0, 1):
+        got = ranks[rank][name]
+        for (prompt, kw), c in zip(ep_worker.REQUESTS[rank], got["completions"]):
+            want = engine.complete([prompt], SamplingParams(**kw))[0]
+            assert c["tokens"] == want.token_ids and c["text"] == want.text, (name, rank, prompt, kw)
+            assert c["finish"] == want.finish_reason
+            for key in ("logprobs", "prompt_logprobs"):
+                w = getattr(want, key)
+                if w is None:
+                    assert c[key] is None
+                    continue
+                assert len(c[key]) == len(w)
+                for a, b in zip(c[key], w):
+                    assert (a is None and b is None) or abs(a - b.logprob) <= 1e-5, (name, key)
+        want_scores = [s.logprob for s in engine.score_ids(ep_worker.SCORE_ROWS[rank])]
+        assert len(got["scores"]) == len(want_scores)
+        for a, b in zip(got["scores"], want_scores):  # a sum over ~100 tokens: 1e-5 of its size, as test_ray_serve
+            assert a == pytest.approx(b, abs=1e-5 * max(1.0, abs(b)))
+        assert got["stopped"]
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_each_rank_holds_only_its_experts(ranks, reference, name):
+    model = reference[name].model
+    cfg = model.cfg
+    whole = sum(p.numel() for p in model.parameters())
+    expert_params = sum(t.numel() for k, t in model.state_dict().items() if ".ffn.experts." in k)
+    for rank, mine in ((0, [0, 1]), (1, [2, 3])):
+        got = ranks[rank][name]
+        assert got["experts"] == [mine] * len(cfg.moe_layer_ids)
+        assert got["parameters"] == whole - expert_params + expert_params * len(mine) // cfg.n_experts
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_ranks_made_the_same_passes(ranks, name):
+    """The lockstep's invariant: every rank made as many forward passes (its own and empty ones) as the other, and
+    as many exchanges; the discrete VQ layer, a table built at load, makes none while serving."""
+    a, b = ranks[0][name], ranks[1][name]
+    assert a["model_calls"] + a["empty_passes"] == b["model_calls"] + b["empty_passes"]
+    assert a["a2a_calls"] == b["a2a_calls"]
+    assert a["model_calls"] > 0 and b["model_calls"] > 0
+    if name == "vq-discrete":
+        assert a["a2a_calls"] == 2  # the two layers' tables, built through the exchange at load
+    else:
+        assert a["a2a_calls"] > a["model_calls"]
+
+
+def test_a_busy_rank_beside_an_idle_one(ranks, reference):
+    """Rank 0 works for seconds, rank 1 has no request and has been asked to stop from the start: it keeps taking
+    empty passes for rank 0 until rank 0 stops too, and both loops end."""
+    busy, idle = ranks[0]["busy_and_idle"], ranks[1]["busy_and_idle"]
+    want = reference["softmax"].complete(["def f(x):"], SamplingParams(max_new_tokens=20))[0].token_ids
+    assert len(busy["tokens"]) >= 2 and all(t == want for t in busy["tokens"])
+    assert idle["model_calls"] == 0 and idle["tokens"] == []
+    assert idle["empty_passes"] == busy["model_calls"] + busy["empty_passes"] > 0
+    assert busy["stopped"] and idle["stopped"]
+
+
+def test_the_exchange_across_two_ranks_equals_the_reference(ranks):
+    for rank in (0, 1):
+        assert max(ranks[rank]["exchange"]) <= 1e-5
+
+
+# ---- one process --------------------------------------------------------------------------------------------
+@pytest.fixture
+def solo_group():
+    group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, timeout_s=30)
+    yield group
+    group.leave()
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+def test_the_exchange_in_one_process_equals_experts(solo_group, act):
+    torch.manual_seed(0)
+    ex = Experts(6, 16, 24, act)
+    ep = ExpertParallelExperts.of(ex, solo_group)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for T in (0, 1, 9):
+            x = torch.randn(T, 16, generator=g)
+            ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
+            gates = torch.rand(T, 2, generator=g)
+            keep = torch.rand(T, 2, generator=g) < 0.7
+            for k in (None, keep):
+                want = moe_reference(x, ids, gates, ex.w1, ex.w2, ex.w3, k)
+                torch.testing.assert_close(ep(x, ids, gates, k), want, atol=1e-6, rtol=0)
+                torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
+        ep.prepare_inference()  # the C kernel where it runs, as a rank computes
+        x = torch.randn(9, 16, generator=g)
+        ids = torch.randn(9, 6, generator=g).topk(2, dim=-1).indices
+        gates = torch.rand(9, 2, generator=g)
+        torch.testing.assert_close(ep(x, ids, gates), ex(x, ids, gates), atol=1e-5, rtol=1e-5)
+        assert ep(x[:0], ids[:0], gates[:0]).shape == (0, 16)
+    assert ep.stats.calls > 0 and ep.stats.rows_sent == 0  # one rank: nothing leaves it
+
+
+def test_expert_major_order():
+    recv = torch.tensor([[2, 1], [0, 3]])  # rank 0 sends 2 rows of expert a and 1 of b; rank 1 three of b
+    # received: a0 a0 b0 | b1 b1 b1  ->  expert-major: a0 a0 | b0 b1 b1 b1
+    assert expert_major(recv).tolist() == [0, 1, 2, 3, 4, 5]
+    recv = torch.tensor([[1, 2], [3, 1]])  # a0 b0 b0 | a1 a1 a1 b1 -> a0 a1 a1 a1 | b0 b0 b1
+    assert expert_major(recv).tolist() == [0, 3, 4, 5, 1, 2, 6]
+    assert expert_major(torch.tensor([[4, 5]])) is None
+
+
+def test_a_rank_in_one_process_serves_as_the_engine(solo_group, checkpoints):
+    """World size 1: the whole rank loop (load, lockstep, submit, scores, stop) in this process, every router."""
+    for name, path in checkpoints.items():
+        ep = EPRank.load(path, solo_group, RankOptions(slots=2))
+        ep.start()
+        params = SamplingParams(max_new_tokens=6, logprobs=1)
+        got = ep.submit("def f(x):", params).result(30)
+        scores = ep.submit_scores([[1, 5, 6, 7]]).result(30)
+        ep.stop()
+        ep.thread.join(30)
+        want = Engine.load(path, dtype="float32", device="cpu")
+        assert got.token_ids == want.complete(["def f(x):"], params)[0].token_ids, name
+        assert scores[0].logprob == pytest.approx(want.score_ids([[1, 5, 6, 7]])[0].logprob, abs=1e-5)
+        assert not ep.thread.is_alive()
+
+
+def test_a_rank_refuses_what_would_pass_the_exchange(solo_group, checkpoints):
+    engine = load_rank_engine(checkpoints["softmax"], solo_group)
+    ep = EPRank(engine, solo_group)
+    with pytest.raises(Exception, match="agreed on 0"):  # a model call outside the loop's steps
+        engine.forward(torch.tensor([[1, 2, 3]]))
+    from moeserve.runtime.backends.compiled import model_uncompilable
+
+    assert "experts_factory" in model_uncompilable(engine.model)
+    with pytest.raises(ExpertParallelError, match="stopping"):
+        ep.stop()
+        ep.submit("x")
+
+
+def test_bad_groups_are_named_errors(solo_group):
+    for kwargs, match in ((dict(init_method="127.0.0.1:80"), "init_method"),
+                          (dict(init_method="tcp://h:0"), "init_method"),
+                          (dict(rank=2, world_size=2), "rank = 2"),
+                          (dict(world_size=0), "world_size = 0"),
+                          (dict(backend="mpi"), "backend"),
+                          (dict(backend="nccl"), "nccl"),
+                          ({}, "already belongs")):
+        args = dict(init_method="tcp://127.0.0.1:1", rank=0, world_size=1) | kwargs
+        with pytest.raises(ExpertParallelError, match=match):
+            join_group(args.pop("init_method"), args.pop("rank"), args.pop("world_size"), **args)
+    with pytest.raises(ExpertParallelError, match="5 ranks for 4 experts"):
+        EPGroup(0, 5, "gloo", torch.device("cpu")).experts_of(4)
+    with pytest.raises(ExpertParallelError, match="slots"):
+        RankOptions(slots=0)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_nccl_exchange_on_one_gpu():
+    """N = 1 on NCCL, so the NCCL path runs where there is one GPU."""
+    group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, device="cuda", timeout_s=60)
+    try:
+        torch.manual_seed(0)
+        ex = Experts(4, 32, 48, "swiglu").cuda()
+        ep = ExpertParallelExperts.of(ex, group)
+        x = torch.randn(5, 32, device="cuda")
+        ids = torch.randn(5, 4, device="cuda").topk(2, dim=-1).indices
+        gates = torch.rand(5, 2, device="cuda")
+        with torch.inference_mode():
+            torch.testing.assert_close(ep(x, ids, gates), ex(x, ids, gates), atol=1e-5, rtol=1e-5)
+            assert ep(x[:0], ids[:0], gates[:0]).shape == (0, 32)
+    finally:
+        group.leave()
