@@ -14,14 +14,13 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import statistics
-import time
 import traceback
 from pathlib import Path
 
 import torch
 
 from moeserve.bench.report import BenchError, run_bench
-from moeserve.bench.stats import percentile
+from moeserve.bench.stats import percentile, timed_ms
 from moeserve.config import preset
 from moeserve.runtime.backends.expert_shards import ExpertShard
 from moeserve.runtime.expert_parallel import ExpertParallelExperts, join_group
@@ -35,18 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _timed(call, calls: int) -> list[float]:
-    """Milliseconds of each of `calls` calls, after 5 untimed."""
-    for _ in range(5):
-        call()
-    out = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        call()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def _rank(rank: int, world: int, port: int, model: str, tokens: list[int], calls: int, results) -> None:
@@ -77,14 +64,14 @@ def _rank(rank: int, world: int, port: int, model: str, tokens: list[int], calls
                     ep(*args)
                     a2a.append((ep.stats.all_to_all_s - s) * 1e3)
 
-                layer_ms = _timed(call, calls)
+                layer_ms = timed_ms(call, calls)
                 a2a = a2a[5:]  # the untimed warm-up calls' too
                 sent = (ep.stats.rows_sent - sent0) / (ep.stats.calls - calls0)  # rows to other ranks, per call
                 rows.append({"tokens": T, "rank": rank, "a2a_p50_ms": round(statistics.median(a2a), 3),
                              "a2a_p99_ms": round(percentile(a2a, 99), 3),
                              "layer_p50_ms": round(statistics.median(layer_ms), 3),
                              "in_process_p50_ms": round(statistics.median(
-                                 _timed(lambda: _in_process(whole, cfg.n_experts, *args), calls)), 3),
+                                 timed_ms(lambda: _in_process(whole, cfg.n_experts, *args), calls)), 3),
                              "kb_out_and_back": round(2 * sent * cfg.d_model * x.element_size() / 1024, 2)})
         group.leave()
         results.put((rank, rows))

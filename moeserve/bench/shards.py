@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from moeserve.bench.report import check_plot, finish
-from moeserve.bench.stats import percentile
+from moeserve.bench.stats import percentile, timed_ms
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.backends.expert_shards import ShardedExperts
@@ -34,18 +33,6 @@ from moeserve.runtime.model import Transformer
 
 PATHS = ["in process", "serve handles", "ray actors", "ray compiled graph", "ray actors, sockets",
          "compute, slowest shard", "to/from arrays, both ways"]
-
-
-def _timed(call, calls: int) -> list[float]:
-    """Milliseconds of each of `calls` calls, after 5 untimed."""
-    for _ in range(5):
-        call()
-    out = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        call()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def _row(path: str, tokens: int, ms: list[float], base: float | None) -> dict:
@@ -97,7 +84,7 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
             for T, args, _ in cases:
                 torch.testing.assert_close(module(*args), local(*args), atol=1e-5, rtol=1e-5)
                 log(f"timing {name}, {T} token(s), {calls} calls")
-                ms[name, T] = _timed(lambda: module(*args), calls)
+                ms[name, T] = timed_ms(lambda: module(*args), calls)
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(save_checkpoint(Path(tmp) / "model", cfg, net.state_dict()))
@@ -105,10 +92,10 @@ def _bench(n_shards: int, tokens: list[int], calls: int, model: str, log) -> dic
         measure("in process", local)
         with torch.inference_mode():
             for T, _, inputs in cases:
-                compute = [_timed(lambda s=s, i=i: s(*i), calls) for s, i in zip(local.shards, inputs)]
+                compute = [timed_ms(lambda s=s, i=i: s(*i), calls) for s, i in zip(local.shards, inputs)]
                 ms["compute, slowest shard", T] = [max(c) for c in zip(*compute)]
                 # rows out and as many back: each shard's input converted twice
-                ms["to/from arrays, both ways", T] = _timed(
+                ms["to/from arrays, both ways", T] = timed_ms(
                     lambda: [from_wire(to_wire(x), torch.float32) for x, _ in inputs for _ in "ab"], calls)
 
         def serve_handles():
