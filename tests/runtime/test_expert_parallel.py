@@ -48,6 +48,10 @@ def checkpoint(root: Path, name: str, **kw) -> Path:
     return save_checkpoint(root / name, model.cfg, model.state_dict())
 
 
+# the two ranks' run is one module fixture: on one xdist worker, so that the suite starts it once, not once a worker
+pytestmark = pytest.mark.xdist_group("expert-parallel")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ep")
