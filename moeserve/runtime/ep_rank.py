@@ -43,7 +43,7 @@ from moeserve.runtime.expert_parallel import (
     EPGroup, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
 )
 from moeserve.runtime.model import Transformer
-from moeserve.runtime.output import Completion, EventCallback
+from moeserve.runtime.output import EventCallback
 from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.scheduler import Sequence, default_prefill_chunk
 from moeserve.runtime.steps import check_request
