@@ -187,7 +187,7 @@ class CpuKernelBackend(EagerBackend):
             linears = (a.wq, a.wk, a.wv, a.wo)
             if isinstance(ffn.experts, KernelQuantMoE) and all(isinstance(m, KernelQuantLinear) for m in linears):
                 attention = DecodeAttention(n, tuple(m.qweight for m in linears), a.n_heads, a.n_kv_heads,
-                                            ffn.experts.spec, tuple(m.scale for m in linears))
+                                            tuple(m.spec for m in linears), tuple(m.scale for m in linears))
                 parts.append((attention, ffn.router.kernel, ffn.experts.kernel))
             elif isinstance(ffn.experts, FusedExperts) and all(isinstance(m, KernelLinear) for m in linears):
                 attention = DecodeAttention(n, tuple(m.weight for m in linears), a.n_heads, a.n_kv_heads)

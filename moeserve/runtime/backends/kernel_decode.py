@@ -36,14 +36,14 @@ class DecodeAttention:
     wk, wv, wo as nn.Linear holds them, checked here once. h = x + attention(RMSNorm(x)), and RMSNorm(h) the MoE
     half's input, computed by step.c inside KernelDecodeStep (not an op of its own).
 
-    Quantized (spec given): weights are the quantized wq, wk, wv, wo (quant.quantize's, [out, in] or [out, in/2])
-    and scales theirs; the norms stay in the step's float dtype."""
+    Quantized (specs given, one a map: an int4 model may keep wv at int8): weights are the quantized wq, wk, wv, wo
+    (quant.quantize's, [out, in] or [out, in/2]) and scales theirs; the norms stay in the step's float dtype."""
 
     norms: tuple[tuple[Tensor, float], tuple[Tensor, float]]
     weights: tuple[Tensor, Tensor, Tensor, Tensor]
     n_heads: int
     n_kv_heads: int
-    spec: QuantSpec | None = None
+    specs: tuple[QuantSpec, QuantSpec, QuantSpec, QuantSpec] | None = None
     scales: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def __post_init__(self) -> None:
@@ -53,15 +53,15 @@ class DecodeAttention:
         Dh = wq.shape[0] // H
         shapes = {"wq": (H * Dh, D), "wk": (G * Dh, D), "wv": (G * Dh, D), "wo": (D, H * Dh)}
         want = {"attention norm": (n1, (D,)), "FFN norm": (n2, (D,))}
-        if self.spec is None:
+        if self.specs is None:
             want |= {name: (w, shapes[name]) for name, w in zip(shapes, self.weights)}
         else:
-            if self.scales is None or len(self.scales) != 4:
-                raise KernelError("decode attention: quantized weights need their four scales")
-            for (name, shape), w, sc in zip(shapes.items(), self.weights, self.scales):
-                if check_weight(f"decode attention's {name}", w, sc, self.spec) != shape:
+            if self.scales is None or len(self.scales) != 4 or len(self.specs) != 4:
+                raise KernelError("decode attention: quantized weights need their four scales and formats")
+            for (name, shape), w, sc, spec in zip(shapes.items(), self.weights, self.scales, self.specs):
+                if check_weight(f"decode attention's {name}", w, sc, spec) != shape:
                     raise KernelError(f"decode attention: {name} must be {list(shape)} (as a float weight), not "
-                                      f"{list(w.shape)} {self.spec.name}")
+                                      f"{list(w.shape)} {spec.name}")
         _check_weights("decode attention", n1.dtype, want)
         if H % G or Dh % 2:
             raise KernelError(f"decode attention: {H} query heads over {G} kv heads of {Dh} (the kv heads must divide "
@@ -119,8 +119,8 @@ class KernelDecodeStep:
     def __init__(self, layers: list[tuple[DecodeAttention, KernelRouter, KernelExperts | KernelQuantExperts]],
                  norm: tuple[Tensor, float], head_VD: Tensor, embedding_ND: Tensor, rope: tuple[Tensor, Tensor],
                  window: int | None = None, head_quant: tuple[Tensor, QuantSpec] | None = None):
-        """Quantized weights: a layer's DecodeAttention with a spec and KernelQuantExperts of the same spec
-        (both quantized or neither, per layer); head_quant = (scale, spec): head_VD is then the quantized head
+        """Quantized weights: a layer's DecodeAttention with specs and KernelQuantExperts (both quantized or
+        neither, per layer; the formats may differ map by map); head_quant = (scale, spec): head_VD is then the quantized head
         (quant.quantize's). The norms, routers, embedding and RoPE tables stay in the step's float dtype."""
         self.lib = _lib()
         first = layers[0][0]
@@ -147,9 +147,9 @@ class KernelDecodeStep:
                     dtype if quantized else experts.dtype, experts.D, experts.E, experts.F)
             if same != (dtype, D, self.H, self.G, self.Dh, dtype, D, self.E, self.K, dtype, D, self.E, F_):
                 raise KernelError(f"decode step: layer {i}'s parts are not of the first layer's sizes and dtype")
-            if quantized != (a.spec is not None) or quantized and experts.spec != a.spec:
-                raise KernelError(f"decode step: layer {i}'s attention is {a.spec.name if a.spec else 'float'} and "
-                                  f"its experts {experts.spec.name if quantized else 'float'}: one format a layer")
+            if quantized != (a.specs is not None):
+                raise KernelError(f"decode step: layer {i}'s attention is {'quantized' if a.specs else 'float'} and "
+                                  f"its experts {experts.spec.name if quantized else 'float'}: both or neither")
             (n1, eps1), (n2, eps2) = a.norms
             wq, wk, wv, wo = a.weights
             if quantized:
@@ -158,7 +158,8 @@ class KernelDecodeStep:
                     raise KernelError(f"decode step: quantized attention needs H * Dh a multiple of 32, not "
                                       f"{self.H * self.Dh}")
                 cq, ck, cv, co = (t.data_ptr() for t in a.scales)
-                extra = (cq, ck, cv, co, c1, c3, c2, t1, t3, t2, fmt, group)
+                extra = (cq, ck, cv, co, c1, c3, c2, t1, t3, t2, fmt, group, *(FMT[s.bits] for s in a.specs),
+                         *(s.group or 0 for s in a.specs))
             else:
                 w1, w3, w2, s1, s3, s2 = experts.pointers
                 extra = ()

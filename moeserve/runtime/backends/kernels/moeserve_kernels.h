@@ -11,7 +11,7 @@
 #ifndef MOESERVE_KERNELS_H
 #define MOESERVE_KERNELS_H
 
-#define MOESERVE_KERNEL_ABI 2 /* raise on any change to a prototype or struct below */
+#define MOESERVE_KERNEL_ABI 3 /* raise on any change to a prototype or struct below */
 
 typedef unsigned short bf16;
 
@@ -99,6 +99,10 @@ struct layer {
     long t1, t3, t2;
     int fmt;
     long group;
+    /* ABI 3: in a quantized layer (fmt set), wq, wk, wv and wo's own formats and groups: an int4 layer may keep some
+       of them at int8 (runtime/quant.py's QuantSpec.int8); the experts' are fmt and group above */
+    int fq, fk, fv, fo;
+    long gq, gk, gv, go;
 };
 
 struct model {

@@ -26,8 +26,9 @@ static void gemv_q_bf16(const struct qx *x, const void *w, const void *c, int fm
     share_q(x, n, w, c, fmt, group, 0, y, O, O, t, T);
 }
 
-/* ly->fmt QUANT_INT8 or QUANT_INT4: wq .. wo are quantized (scales cq .. co), each GEMM's input quantized first by
-   one thread (pa: B rows of D, pb: B rows of H Dh), linear_q's arithmetic; else the float GEMVs above. */
+/* ly->fmt QUANT_INT8 or QUANT_INT4: wq .. wo are quantized (scales cq .. co; formats fq .. fo, which may differ), each
+   GEMM's input quantized first by one thread (pa: B rows of D, pb: B rows of H Dh), linear_q's arithmetic: the
+   activations' blocks are the same whatever the weight's format. Else the float GEMVs above. */
 #define ATTENTION_HALF(NAME, T, GEMV, GEMV_Q, QUANTIZE, RMS, ADD, ATTEND_ROWS)                         \
     static void NAME(const T *x, const struct layer *ly, const T *cs, const T *sn, T *kc, T *vc, const long *slots, \
                      const long *lo, const long *hi, long B, long D, long H, long G, long Dh, long max_len,    \
@@ -44,9 +45,9 @@ static void gemv_q_bf16(const struct qx *x, const void *w, const void *c, int fm
                 if (fmt) QUANTIZE(xn, D, B, pa, 0, 1);                                                 \
             }                                                                                          \
             if (fmt) {                                                                                 \
-                GEMV_Q(pa, ly->wq, ly->cq, fmt, ly->group, q, B, H * Dh, t, nt);                       \
-                GEMV_Q(pa, ly->wk, ly->ck, fmt, ly->group, kn, B, G * Dh, t, nt);                      \
-                GEMV_Q(pa, ly->wv, ly->cv, fmt, ly->group, vn, B, G * Dh, t, nt);                      \
+                GEMV_Q(pa, ly->wq, ly->cq, ly->fq, ly->gq, q, B, H * Dh, t, nt);                       \
+                GEMV_Q(pa, ly->wk, ly->ck, ly->fk, ly->gk, kn, B, G * Dh, t, nt);                      \
+                GEMV_Q(pa, ly->wv, ly->cv, ly->fv, ly->gv, vn, B, G * Dh, t, nt);                      \
             } else {                                                                                   \
                 GEMV(xn, (const T *)ly->wq, q, B, H * Dh, D, t, nt);                                   \
                 GEMV(xn, (const T *)ly->wk, kn, B, G * Dh, D, t, nt);                                  \
@@ -57,7 +58,7 @@ static void gemv_q_bf16(const struct qx *x, const void *w, const void *c, int fm
             if (fmt) {                                                                                 \
                 _Pragma("omp single")                                                                  \
                 QUANTIZE(att, H * Dh, B, pb, 0, 1);                                                    \
-                GEMV_Q(pb, ly->wo, ly->co, fmt, ly->group, ao, B, D, t, nt);                           \
+                GEMV_Q(pb, ly->wo, ly->co, ly->fo, ly->go, ao, B, D, t, nt);                           \
             } else {                                                                                   \
                 GEMV(att, (const T *)ly->wo, ao, B, D, H * Dh, t, nt);                                 \
             }                                                                                          \
@@ -78,8 +79,9 @@ ATTENTION_HALF(attention_half_bf16, bf16, gemv_bf16, gemv_q_bf16, quantize_rows_
 static int formats_ok(const struct model *m) {
     for (long l = 0; l < m->L; l++) {
         const struct layer *ly = m->layers + l;
-        if (ly->fmt && !(quant_format_ok(ly->fmt, ly->group, m->D) && quant_format_ok(ly->fmt, ly->group, m->H * m->Dh)
-                         && quant_format_ok(ly->fmt, ly->group, m->F)))
+        if (ly->fmt && !(quant_format_ok(ly->fmt, ly->group, m->D) && quant_format_ok(ly->fmt, ly->group, m->F)
+                         && quant_format_ok(ly->fq, ly->gq, m->D) && quant_format_ok(ly->fk, ly->gk, m->D)
+                         && quant_format_ok(ly->fv, ly->gv, m->D) && quant_format_ok(ly->fo, ly->go, m->H * m->Dh)))
             return 0;
     }
     return !m->head_fmt || quant_format_ok(m->head_fmt, m->head_group, m->D);
