@@ -451,14 +451,17 @@ def parameter_counts(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> d
     """
     total = experts = active_experts = 0
     emb = shapes.get("tok_embeddings.weight")
-    per_byte = 2 if (config.quantization or {}).get("bits") == 4 else 1
+    q = config.quantization or {}
+    int4, kept8 = q.get("bits") == 4, set(q.get("int8") or ())
     for name, shape in shapes.items():
         shape = tuple(int(d) for d in shape)
         if name == "output.weight" and config.tie_embeddings and emb is not None and shape == tuple(emb):
             continue
         if name.endswith("scale") and config.quantization is not None:
             continue
-        n = math.prod(shape) * (per_byte if name.endswith("qweight") else 1)
+        # an int4 weight is two a byte, unless its module is one the model keeps at int8 (runtime/quant.py)
+        packed = int4 and name.endswith("qweight") and name.split(".")[-2] not in kept8
+        n = math.prod(shape) * (2 if packed else 1)
         total += n
         if _EXPERT_RE.match(name):
             if not shape or shape[0] != config.n_experts:

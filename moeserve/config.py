@@ -30,13 +30,16 @@ TOKENIZERS = ("byte", "hf", "none")
 
 
 def _quantization_ok(q: Any) -> bool:
-    """int8 per output channel (no group), or int4 in groups of a multiple of 32 (runtime/quant.QuantSpec)."""
-    if not isinstance(q, dict) or set(q) != {"bits", "group"} or isinstance(q["bits"], bool):
+    """int8 per output channel (no group), or int4 in groups of a multiple of 32, optionally with a list of weights
+    kept at int8 (runtime/quant.QuantSpec, which checks the names)."""
+    if not isinstance(q, dict) or not {"bits", "group"} <= set(q) <= {"bits", "group", "int8"} \
+            or isinstance(q["bits"], bool):
         return False
-    group = q["group"]
+    group, int8 = q["group"], q.get("int8")
     if q["bits"] == 8:
-        return group is None
-    return q["bits"] == 4 and not isinstance(group, bool) and isinstance(group, int) and group >= 32 and group % 32 == 0
+        return group is None and int8 is None
+    return (q["bits"] == 4 and not isinstance(group, bool) and isinstance(group, int) and group >= 32
+            and group % 32 == 0 and (int8 is None or isinstance(int8, list) and all(isinstance(n, str) for n in int8)))
 
 
 class ConfigError(UserError):
@@ -94,7 +97,8 @@ class MoEConfig:
     vq_alpha: float = 0.1  # weight of the VQ loss; the paper sweeps (0.05, 0.15)
 
     # --- Weight-only quantization (runtime/quant.py) ---
-    quantization: dict[str, Any] | None = None  # {"bits": 8, "group": null} or {"bits": 4, "group": 32}; null = float
+    # {"bits": 8, "group": null} or {"bits": 4, "group": 32[, "int8": ["wv", "output"]]}; null = float
+    quantization: dict[str, Any] | None = None
 
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)
 
@@ -225,7 +229,7 @@ class MoEConfig:
             fail("extra", self.extra, "a JSON object")
         if self.quantization is not None and not _quantization_ok(self.quantization):
             fail("quantization", self.quantization,
-                 '{"bits": 8, "group": null} or {"bits": 4, "group": a multiple of 32}, or null')
+                 '{"bits": 8, "group": null} or {"bits": 4, "group": a multiple of 32[, "int8": [names]]}, or null')
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -79,6 +79,7 @@ def add_quantize(sub) -> None:
     q.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8: int8; 4: int4")
     q.add_argument("--group-size", type=int, metavar="G", help="int4: input elements per scale, a multiple of 32 "
                    "dividing every weight's width (default: 32)")
+    add_int8_weights(q)
     q.add_argument("--out", type=Path, required=True, help="the directory to write")
     q.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="the weights left in full precision "
                    "(default: as stored)")
@@ -86,10 +87,23 @@ def add_quantize(sub) -> None:
     q.set_defaults(func=cmd_quantize)
 
 
+def add_int8_weights(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--int8-weights", metavar="NAMES", help="int4: the weights kept at int8, comma-separated among "
+                        "wq, wk, wv, wo, w1, w2, w3 (the dense FFNs') and output (the LM head), or none (default: "
+                        "wv,output, as llama.cpp's Q4_0 files keep attn_v and the output at higher precision)")
+
+
+def int8_weights(text: str | None) -> tuple[str, ...] | None:
+    """--int8-weights' names (None: the format's default; 'none': no weight)."""
+    if text is None:
+        return None
+    return () if text.strip() == "none" else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from moeserve.runtime.quant import QuantSpec
 
-    spec = QuantSpec.parse(f"int{args.bits}", args.group_size)
+    spec = QuantSpec.parse(f"int{args.bits}", args.group_size, int8_weights(args.int8_weights))
     return _write(args, spec)
 
 

@@ -19,6 +19,11 @@ The formats, exactly (the C kernel and every torch path compute with these numbe
 Leading dims pass through: stacked experts [E, O, I] quantize per expert and output row. The embedding, routers,
 norms and VQ codebooks stay in full precision (few bytes a token: one embedding row; routers decide which weights
 are read at all).
+
+An int4 model keeps some weights at int8 (`QuantSpec.int8`; by default attention's wv and the LM head, as
+llama.cpp's Q4_0 files keep attn_v at Q8_0 and the output at Q6_K): they are few bytes a token, and int4 errors
+there cost the most (measured on the 644M Mixtral: mean KL 0.047 with every weight at int4, 0.034 with these two
+at int8; docs/bench/log.md, "The int4 recipe").
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ _AS_INT = {torch.float32: torch.int32, torch.float16: torch.int16}
 
 FORMATS = QUANT_FORMATS
 DEFAULT_GROUP = 32
+# what an int4 model may keep at int8, by Transformer.quantizable()'s attribute names: attention's maps, the dense
+# FFNs' and the LM head ("output"); the experts are most of the bytes, so int8 there is the int8 format
+INT8_KEEPABLE = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
+DEFAULT_INT8 = ("wv", "output")
 
 
 class QuantError(UserError):
@@ -48,10 +57,12 @@ class QuantError(UserError):
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """One weight format: bits 8 (per output channel) or 4 (groups of `group` input elements)."""
+    """One model's weight format: bits 8 (per output channel) or 4 (groups of `group` input elements), int4 with the
+    weights named in `int8` kept at int8 (INT8_KEEPABLE's names; each module's own spec is `for_weight(name)`)."""
 
     bits: int
     group: int | None = None
+    int8: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4):
@@ -62,37 +73,54 @@ class QuantSpec:
             g = self.group
             if isinstance(g, bool) or not isinstance(g, int) or g < 32 or g % 32:
                 raise QuantError(f"group size {g!r}: expected a multiple of 32 (32, 64, 128, ...)")
+        if not isinstance(self.int8, tuple) or any(n not in INT8_KEEPABLE for n in self.int8):
+            raise QuantError(f"weights kept at int8 {list(self.int8)!r}: expected names among "
+                             f"{', '.join(INT8_KEEPABLE)}")
+        if self.int8 and self.bits != 4:
+            raise QuantError("keeping weights at int8 is int4's: an int8 model has every weight at int8")
+        if len(set(self.int8)) != len(self.int8):
+            raise QuantError(f"weights kept at int8 {list(self.int8)!r}: a name twice")
 
     @classmethod
-    def parse(cls, name: str, group: int | None = None) -> "QuantSpec":
-        """'int8' or 'int4' (group: int4's, default 32)."""
+    def parse(cls, name: str, group: int | None = None, int8: tuple[str, ...] | None = None) -> "QuantSpec":
+        """'int8' or 'int4' (group: int4's, default 32; int8: the weights int4 keeps at int8, default DEFAULT_INT8)."""
         if name == "int8":
             if group is not None:
                 raise QuantError("--group-size is int4's: int8 has one scale per output channel")
+            if int8:
+                raise QuantError("--int8-weights is int4's: an int8 model has every weight at int8")
             return cls(8)
         if name == "int4":
-            return cls(4, DEFAULT_GROUP if group is None else group)
+            return cls(4, DEFAULT_GROUP if group is None else group, DEFAULT_INT8 if int8 is None else tuple(int8))
         raise QuantError(f"format {name!r}: expected one of {', '.join(FORMATS)}")
 
     @property
     def name(self) -> str:
         return f"int{self.bits}"
 
+    def for_weight(self, name: str) -> "QuantSpec":
+        """The format of the weight quantizable() calls `name` (plain: no int8 list of its own)."""
+        return QuantSpec(8) if name in self.int8 else QuantSpec(self.bits, self.group)
+
     def as_dict(self) -> dict:
-        return {"bits": self.bits, "group": self.group}
+        """The config's `quantization` ("int8" only where some weights are kept at int8, so a uniform model's config
+        is what it was before the key existed)."""
+        return {"bits": self.bits, "group": self.group} | ({"int8": list(self.int8)} if self.int8 else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantSpec":
-        if not isinstance(d, dict) or set(d) != {"bits", "group"}:
-            raise QuantError(f"quantization {d!r}: expected {{'bits': 8 or 4, 'group': null or an int}}")
-        return cls(d["bits"], d["group"])
+        if not isinstance(d, dict) or not {"bits", "group"} <= set(d) <= {"bits", "group", "int8"} or \
+                not isinstance(d.get("int8", []), list):
+            raise QuantError(f"quantization {d!r}: expected {{'bits': 8 or 4, 'group': null or an int, and "
+                             f"optionally 'int8': [names]}}")
+        return cls(d["bits"], d["group"], tuple(d.get("int8", ())))
 
     def check_width(self, in_features: int, what: str = "a weight") -> None:
         if self.bits == 4 and in_features % self.group:
             raise QuantError(f"{what}: group size {self.group} does not divide its input width {in_features}")
 
     def bytes_per_weight(self) -> float:
-        """Bytes streamed per weight, scales included (int8's per-row scale counted as nothing)."""
+        """Bytes streamed per weight of this format, scales included (int8's per-row scale counted as nothing)."""
         return 1.0 if self.bits == 8 else 0.5 + 2 / self.group
 
 
@@ -276,22 +304,25 @@ def quantize_(model: nn.Module, spec: QuantSpec, weights: bool = True) -> int:
         m = getattr(parent, name)
         if isinstance(m, (QuantLinear, QuantExperts)):
             raise QuantError(f"{name} is already quantized ({m.spec.name}); quantize the unquantized checkpoint")
+        s = spec.for_weight(name)
         if isinstance(m, Experts):
-            new = QuantExperts.of(m, spec) if weights else QuantExperts(
-                m.n_experts, m.w1.shape[2], m.w1.shape[1], m.act, spec, device=m.w1.device)
+            new = QuantExperts.of(m, s) if weights else QuantExperts(
+                m.n_experts, m.w1.shape[2], m.w1.shape[1], m.act, s, device=m.w1.device)
         else:
             O, I = m.weight.shape
-            new = QuantLinear.of(m.weight, spec) if weights else QuantLinear(I, O, spec, device=m.weight.device)
+            new = QuantLinear.of(m.weight, s) if weights else QuantLinear(I, O, s, device=m.weight.device)
         setattr(parent, name, new)
     return len(targets)
 
 
 def describe(quantization: dict | None) -> str:
-    """A config's `quantization` in words: int8, int4 (group 32), or float."""
+    """A config's `quantization` in words: int8, int4 (group 32), int4 (group 32; wv, output at int8), or float."""
     if quantization is None:
         return "float"
     spec = QuantSpec.from_dict(quantization)
-    return spec.name + (f" (group {spec.group})" if spec.group else "")
+    inner = [f"group {spec.group}"] if spec.group else []
+    inner += [f"{', '.join(spec.int8)} at int8"] if spec.int8 else []
+    return spec.name + (f" ({'; '.join(inner)})" if inner else "")
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -309,6 +340,6 @@ def quantize_model_(model: nn.Module, spec: QuantSpec) -> None:
         m = getattr(parent, name)
         where = names.get(id(m), name)
         for w in (m.w1, m.w2) if isinstance(m, Experts) else (m.weight,):
-            spec.check_width(w.shape[-1], f"{where} {list(w.shape)}")
+            spec.for_weight(name).check_width(w.shape[-1], f"{where} {list(w.shape)}")
     quantize_(model, spec)
     model.cfg = dataclasses.replace(model.cfg, quantization=spec.as_dict())

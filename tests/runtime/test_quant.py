@@ -20,7 +20,7 @@ from moeserve.runtime.experts import Experts
 from moeserve.runtime.loading import load_model
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import (
-    QuantError, QuantExperts, QuantLinear, QuantSpec, dequantize, dequantize_int4, dequantize_int8, pack_int4,
+    QuantError, QuantExperts, QuantLinear, QuantSpec, dequantize, dequantize_int4, dequantize_int8, describe, pack_int4,
     quantize_int4, quantize_int8, quantize_model_, unpack_int4,
 )
 
@@ -88,16 +88,48 @@ def test_int8_round_trip_error():
     (lambda: QuantSpec.parse("int8", 32), "--group-size is int4's"),
     (lambda: QuantSpec.parse("int2"), "expected one of int8, int4"),
     (lambda: quantize_int4(torch.zeros(2, 96), 64), "group size 64 does not divide its input width 96"),
+    (lambda: QuantSpec(4, 32, ("wv", "experts")), "expected names among wq, wk, wv, wo, w1, w2, w3, output"),
+    (lambda: QuantSpec(8, None, ("wv",)), "keeping weights at int8 is int4's"),
+    (lambda: QuantSpec.parse("int8", None, ("wv",)), "--int8-weights is int4's"),
+    (lambda: QuantSpec(4, 32, ("wv", "wv")), "a name twice"),
+    (lambda: QuantSpec.from_dict({"bits": 4, "group": 32, "int8": "wv"}), "optionally 'int8': \\[names\\]"),
 ])
 def test_bad_formats_are_named(bad, message):
     with pytest.raises(QuantError, match=message):
         bad()
 
 
+def test_int4_keeps_wv_and_the_head_at_int8_by_default():
+    spec = QuantSpec.parse("int4")
+    assert spec == QuantSpec(4, 32, ("wv", "output"))
+    assert spec.for_weight("wv") == spec.for_weight("output") == QuantSpec(8)
+    assert spec.for_weight("wq") == spec.for_weight("experts") == QuantSpec(4, 32)
+    assert QuantSpec.parse("int4", 64, ()) == QuantSpec(4, 64)  # --int8-weights none: every weight at int4
+    assert spec.as_dict() == {"bits": 4, "group": 32, "int8": ["wv", "output"]}
+    assert QuantSpec(4, 32).as_dict() == {"bits": 4, "group": 32}  # uniform configs are what they were
+    assert QuantSpec.from_dict(spec.as_dict()) == spec and QuantSpec.from_dict({"bits": 8, "group": None}) == \
+        QuantSpec(8)
+    assert describe(spec.as_dict()) == "int4 (group 32; wv, output at int8)"
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny"))
+    quantize_model_(model, spec)
+    assert model.layers[0].attention.wv.spec == model.output.spec == QuantSpec(8)
+    assert model.layers[0].attention.wq.spec == model.layers[0].ffn.experts.spec == QuantSpec(4, 32)
+    assert model.layers[0].attention.wv.qweight.dtype == torch.int8
+    # a checkpoint's empty model builds the same modules from its config
+    empty = Transformer(model.cfg)
+    assert {k: (v.dtype, v.shape) for k, v in empty.state_dict().items()} == \
+        {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
+
+
 def test_config_validates_quantization():
     assert MoEConfig(quantization={"bits": 4, "group": 64}).quantization == {"bits": 4, "group": 64}
+    keep = {"bits": 4, "group": 32, "int8": ["wv", "output"]}
+    assert MoEConfig(quantization=keep).quantization == keep
     for bad in ({"bits": 4, "group": None}, {"bits": 8, "group": 32}, {"bits": 3, "group": None}, {"bits": 8},
-                {"bits": True, "group": None}, "int8"):
+                {"bits": True, "group": None}, "int8", {"bits": 8, "group": None, "int8": []},
+                {"bits": 4, "group": 32, "int8": "wv"}, {"bits": 4, "group": 32, "int8": [1]},
+                {"bits": 4, "group": 32, "extra": 1}):
         with pytest.raises(ConfigError, match="config field 'quantization'"):
             MoEConfig(quantization=bad)
 
@@ -196,10 +228,14 @@ def test_quantized_checkpoint_round_trips_bit_for_bit(float_ckpt, tmp_path, fmt)
     # bf16 activations: the scales still load as stored
     bf16 = Engine.load(out, dtype="bfloat16", device="cpu")
     assert bf16.model.layers[0].attention.wq.scale.dtype == (torch.float32 if fmt == "int8" else torch.float16)
-    # the parameters counted are the float model's
+    # the parameters counted are the float model's (int4's weights two a byte, those kept at int8 one), and the tied
+    # head's own quantized copy
     shapes = {k: tuple(t.shape) for k, t in loaded.state_dict.items()}
-    float_shapes = {k: tuple(t.shape) for k, t in load_checkpoint(float_ckpt).state_dict.items()}
-    assert parameter_counts(loaded.config, shapes)["experts"] == parameter_counts(loaded.config, float_shapes)["experts"]
+    float_ckpt_ = load_checkpoint(float_ckpt)
+    float_shapes = {k: tuple(t.shape) for k, t in float_ckpt_.state_dict.items()}
+    got, want = parameter_counts(loaded.config, shapes), parameter_counts(float_ckpt_.config, float_shapes)
+    head = loaded.config.vocab_size * loaded.config.d_model if loaded.config.tie_embeddings else 0
+    assert got == {k: v + (head if k != "experts" else 0) for k, v in want.items()}
 
 
 def test_a_tampered_quantized_checkpoint_is_refused(float_ckpt, tmp_path):
@@ -258,6 +294,10 @@ def test_quantize_refusals(float_ckpt, tmp_path):
          "group size 40: expected a multiple of 32"),
         (["quantize", str(float_ckpt), "--bits", "8", "--group-size", "32", "--out", str(tmp_path / "x")],
          "--group-size is int4's"),
+        (["quantize", str(float_ckpt), "--bits", "4", "--int8-weights", "wv,router", "--out", str(tmp_path / "x")],
+         "expected names among wq, wk, wv, wo, w1, w2, w3, output"),
+        (["quantize", str(float_ckpt), "--bits", "8", "--int8-weights", "wv", "--out", str(tmp_path / "x")],
+         "--int8-weights is int4's"),
         (["generate", str(float_ckpt), "--quantize", "int2"], "invalid choice: 'int2'"),
         (["serve", str(float_ckpt), "--ray", "--quantize", "int8"], "the expert shards hold float weights"),
     ):
@@ -293,5 +333,6 @@ def test_score_with_quantize_records_it_and_a_resume_must_match(float_ckpt, tmp_
     cfg, info = ScoreConfig(inp, out), scan_input(inp)
     int4 = _identity(cfg, info, ModelFacts.of(engine))
     int8 = _identity(cfg, info, ModelFacts.of(Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int8")))
-    assert int4["settings"]["quantization"] == {"bits": 4, "group": 32}
-    assert _differences(int4, int8) == ["quantization: {'bits': 4, 'group': 32} in the run, {'bits': 8, 'group': None} now"]
+    assert int4["settings"]["quantization"] == {"bits": 4, "group": 32, "int8": ["wv", "output"]}
+    assert _differences(int4, int8) == ["quantization: {'bits': 4, 'group': 32, 'int8': ['wv', 'output']} in the run, "
+                                        "{'bits': 8, 'group': None} now"]

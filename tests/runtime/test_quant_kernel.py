@@ -23,6 +23,7 @@ from .test_cpu_kernel import _probe, requires_kernel, torch_threads
 
 BF16 = torch.bfloat16
 SPECS = {"int8": QuantSpec(8), "int4-g32": QuantSpec(4, 32), "int4-g64": QuantSpec(4, 64)}
+ATTENTION = ("wq", "wk", "wv", "wo")
 
 
 def assert_matches(y: torch.Tensor, want: torch.Tensor) -> None:
@@ -208,11 +209,12 @@ def _step_model(spec: QuantSpec, dtype: torch.dtype, quant_head: bool, seed: int
               "gate": mk(E, D).to(dtype)}
         for name, shape in (("wq", (H * Dh, D)), ("wk", (G * Dh, D)), ("wv", (G * Dh, D)), ("wo", (D, H * Dh)),
                             ("w1", (E, F_, D)), ("w3", (E, F_, D)), ("w2", (E, D, F_))):
-            ly[name] = quantize(mk(*shape), spec)
+            ly[name] = quantize(mk(*shape), spec.for_weight(name if name in ("wq", "wk", "wv", "wo") else "experts"))
         layers.append(ly)
     head = mk(V, D)
     return dict(nL=nL, D=D, H=H, G=G, Dh=Dh, E=E, K=K, F=F_, V=V, P=P, spec=spec, dtype=dtype, layers=layers,
-                norm=(1 + mk(D, scale=0.1)).to(dtype), head=quantize(head, spec) if quant_head else head.to(dtype),
+                norm=(1 + mk(D, scale=0.1)).to(dtype),
+                head=quantize(head, spec.for_weight("output")) if quant_head else head.to(dtype),
                 emb=mk(V, D, scale=1.0).to(dtype), cos=mk(P, Dh, scale=1.0).to(dtype), sin=mk(P, Dh, scale=1.0).to(dtype))
 
 
@@ -221,14 +223,15 @@ def _kernel_step(m: dict):
 
     parts = []
     for ly in m["layers"]:
-        att = DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ("wq", "wk", "wv", "wo")),
-                              m["H"], m["G"], m["spec"], tuple(ly[n][1] for n in ("wq", "wk", "wv", "wo")))
+        att = DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ATTENTION), m["H"],
+                              m["G"], tuple(m["spec"].for_weight(n) for n in ATTENTION),
+                              tuple(ly[n][1] for n in ATTENTION))
         parts.append((att, KernelRouter(ly["gate"], m["K"], "softmax"),
-                      KernelQuantExperts(m["spec"], ly["w1"], ly["w2"], ly["w3"])))
+                      KernelQuantExperts(m["spec"].for_weight("experts"), ly["w1"], ly["w2"], ly["w3"])))
     quant_head = isinstance(m["head"], tuple)
     head = m["head"][0] if quant_head else m["head"]
     return KernelDecodeStep(parts, (m["norm"], 1e-5), head, m["emb"], (m["cos"], m["sin"]),
-                            head_quant=(m["head"][1], m["spec"]) if quant_head else None)
+                            head_quant=(m["head"][1], m["spec"].for_weight("output")) if quant_head else None)
 
 
 def _reference_step(m: dict, tokens, slots, pos, kc: list, vc: list):
@@ -246,33 +249,37 @@ def _reference_step(m: dict, tokens, slots, pos, kc: list, vc: list):
     all_ids = []
     for ly, k, v in zip(m["layers"], kc, vc):
         xn = rms(x, ly["n1"], 1e-5)
-        q, kn, vn = (reference_linear_q(xn, *ly[n], spec) for n in ("wq", "wk", "wv"))
+        q, kn, vn = (reference_linear_q(xn, *ly[n], spec.for_weight(n)) for n in ("wq", "wk", "wv"))
         q = apply_rope(q.view(B, m["H"], m["Dh"]), cs, sn)
         kn = apply_rope(kn.view(B, m["G"], m["Dh"]), cs, sn)
         k[slots, :, pos], v[slots, :, pos] = kn, vn.view(B, m["G"], m["Dh"])
         att = attention_reference(q, k, v, slots, torch.zeros_like(pos), pos + 1, m["Dh"] ** -0.5).to(dt)
-        h = x + reference_linear_q(att.reshape(B, -1), *ly["wo"], spec)
+        h = x + reference_linear_q(att.reshape(B, -1), *ly["wo"], spec.for_weight("wo"))
         hn = rms(h, ly["n2"], 1e-6)
         probs = (hn.float() @ ly["gate"].float().T).softmax(-1)
         gates, ids = probs.topk(m["K"], dim=-1)
         all_ids.append(ids)
-        x = h + reference_moe_q(hn, ids, gates.to(dt), {n: ly[n] for n in ("w1", "w2", "w3")}, spec)
+        x = h + reference_moe_q(hn, ids, gates.to(dt), {n: ly[n] for n in ("w1", "w2", "w3")},
+                                spec.for_weight("experts"))
     xn = rms(x, m["norm"], 1e-5)
     head = m["head"]
-    logits = reference_linear_q(xn, *head, spec) if isinstance(head, tuple) else (xn.float() @ head.float().T).to(dt)
+    logits = reference_linear_q(xn, *head, spec.for_weight("output")) if isinstance(head, tuple) else \
+        (xn.float() @ head.float().T).to(dt)
     return logits, torch.stack(all_ids)
 
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("B", [1, 3])
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-recipe"])
 def test_a_decode_step_on_quantized_weights_equals_its_torch_composition(fmt, B, dtype):
     """Logits, expert choices and the caches written, against the step composed in torch from the same quantized
-    weights (quantized head too for int8; a float head beside int4 layers). Within float32 rounding but for an
-    activation rounded to the neighbouring int8 step (see test_quantized_experts_equal_the_reference); in bf16
-    within a few bf16 roundings carried through two layers."""
-    m = _step_model(SPECS[fmt], dtype, quant_head=fmt == "int8", seed=B)
+    weights (quantized head too for int8; a float head beside int4 layers; int4 with wv and the head kept at int8,
+    the formats mixed within a layer). Within float32 rounding but for an activation rounded to the neighbouring
+    int8 step (see test_quantized_experts_equal_the_reference); in bf16 within a few bf16 roundings carried
+    through two layers."""
+    spec = QuantSpec(4, 32, ("wv", "output")) if fmt == "int4-recipe" else SPECS[fmt]
+    m = _step_model(spec, dtype, quant_head=fmt != "int4-g32", seed=B)
     step = _kernel_step(m)
     S = 4
     g = torch.Generator().manual_seed(1)
@@ -293,19 +300,19 @@ def test_a_decode_step_on_quantized_weights_equals_its_torch_composition(fmt, B,
 
 
 @requires_kernel
-def test_a_decode_step_refuses_mixed_formats():
+def test_a_decode_step_refuses_float_attention_beside_quantized_experts():
     from moeserve.runtime.backends.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
 
     m = _step_model(QuantSpec(8), torch.float32, quant_head=False)
     ly = m["layers"][0]
-    att = DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ("wq", "wk", "wv", "wo")),
-                          m["H"], m["G"], QuantSpec(8), tuple(ly[n][1] for n in ("wq", "wk", "wv", "wo")))
-    w4 = {n: quantize(torch.randn(m["E"], *((m["F"], m["D"]) if n != "w2" else (m["D"], m["F"]))), QuantSpec(4, 32))
-          for n in ("w1", "w2", "w3")}
-    experts = KernelQuantExperts(QuantSpec(4, 32), w4["w1"], w4["w2"], w4["w3"])
-    with pytest.raises(KernelError, match="one format a layer"):
+    g = torch.Generator().manual_seed(3)
+    floats = tuple(torch.randn(*shape, generator=g) for shape in (
+        (m["H"] * m["Dh"], m["D"]), (m["G"] * m["Dh"], m["D"]), (m["G"] * m["Dh"], m["D"]), (m["D"], m["H"] * m["Dh"])))
+    att = DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), floats, m["H"], m["G"])
+    experts = KernelQuantExperts(QuantSpec(8), ly["w1"], ly["w2"], ly["w3"])
+    with pytest.raises(KernelError, match="attention is float and its experts int8: both or neither"):
         KernelDecodeStep([(att, KernelRouter(ly["gate"], m["K"]), experts)], (m["norm"], 1e-5), m["head"], m["emb"],
                          (m["cos"], m["sin"]))
     with pytest.raises(KernelError, match="quantized weights need their four scales"):
-        DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ("wq", "wk", "wv", "wo")),
-                        m["H"], m["G"], QuantSpec(8))
+        DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ATTENTION),
+                        m["H"], m["G"], (QuantSpec(8),) * 4)
