@@ -11,6 +11,24 @@
 The MoE operator's facts that decide what it can express (docs/design.md "Export", checked against
 onnxruntime's CPU kernel): gates are softmax(logits) over all E; its gelu is the tanh approximation;
 its CPU kernel takes SwiGLU only fused and interleaved (gate row, up row, gate row, ...).
+
+A quantized model's experts (runtime/quant.py) go to its QMoE operator instead, on their own bytes. QMoE's facts
+(onnxruntime 1.32's schema, and contrib_ops/cpu/moe/moe_quantization_cpu.cc, checked by running it):
+  - weights uint8 [E, N, K*bits/8] (weights_prepacked=0: this raw layout), row n of expert e holding its K inputs;
+    int4 element 2i in byte i's low nibble, 2i + 1 in its high one; with no zero-point input the zero point is
+    2^(bits-1): int4's u as it is, int8 as u = q + 128 (the bytes MatMulNBits reads);
+  - scales of the activations' type (float32 here; int4's float16 ones widen exactly): [E, N] with no block_size
+    (one per row: int8's per-channel), [E, N, K/block_size] with one (int4's groups; a power of two, 16 or more);
+  - the CPU kernel dequantizes to float32 and runs an fp32 GEMM (weight-only), except block-wise 8-bit, which it
+    runs on int8 activations at every accuracy_level: int8 goes per row, without block_size;
+  - SwiGLU only fused and interleaved (swiglu_fusion=1), g * sigmoid(alpha g) * (u + beta), alpha 1 and beta 0
+    written out; its gelu is the tanh approximation, as the MoE operator's;
+  - routing: top-k of router_probs picks the experts; the gates are the optional router_weights input at those
+    k (renormalised if normalize_routing_weights), else a softmax over the k picked values alone. The graph
+    gives router_weights = softmax or sigmoid of the logits, so every softmax and sigmoid router is exact.
+    A gate of 1e-8 or less is skipped (its expert adds under 1e-8 of its output).
+Older onnxruntime versions (the package allows 1.23) lack router_weights or differ in these, so under 1.32 the
+experts stay dequantized, as before, with that reason.
 """
 
 from __future__ import annotations
@@ -24,7 +42,7 @@ from moeserve.config import MoEConfig
 from moeserve.export.graph import FLOAT, MS_DOMAIN, Graph
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.moe import MoELayer
-from moeserve.runtime.quant import QuantExperts, QuantLinear, unpack_int4
+from moeserve.runtime.quant import QuantExperts, QuantLinear, QuantSpec, unpack_int4
 from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
 
 
@@ -35,6 +53,7 @@ class LayerForm:
     layer: int  # block index
     form: str  # portable | fused | table, or path+path for VQ's mixed layer (continuous+discrete)
     fallback: str | None = None  # why the mode's own form could not express it
+    dequantized: str | None = None  # why quantized experts are written as float32 (None: QMoE runs their bytes)
 
 
 def np32(t: torch.Tensor) -> np.ndarray:
@@ -59,19 +78,26 @@ def expert_arrays(experts) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     return np32(experts.w1), np32(experts.w2), None if experts.w3 is None else np32(experts.w3)
 
 
+def ort_bytes(q: torch.Tensor, spec: QuantSpec) -> np.ndarray:
+    """A quantized weight (int8 q [..., N, K], or int4 packed [..., N, K/2]) as ONNX Runtime's MatMulNBits and QMoE
+    read it: uint8 [..., N, K*bits/8] on their default zero point 2^(bits-1), elements 2i and 2i+1 of a 4-bit row in
+    byte i's low and high nibbles. int4's (u - 8) * scale is then its u as it is, int8's q * scale is u = q + 128."""
+    if spec.bits == 8:
+        return (q.to(torch.int16) + 128).to(torch.uint8).numpy()
+    u = unpack_int4(q)  # [..., N, K] in 0..15
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).numpy()
+
+
 def nbits_arrays(m: QuantLinear) -> tuple[np.ndarray, np.ndarray, int]:
-    """(B [N, K/32, 32*bits/8] uint8, scales [N, K/32] float32, bits) for ONNX Runtime's MatMulNBits, whose 4-bit
-    blocks hold elements 2i and 2i+1 in byte i's low and high nibbles, and whose default zero point is 2^(bits-1):
-    int4's (u - 8) * scale as it is, int8's q * scale as u = q + 128."""
+    """(B [N, K/32, 32*bits/8] uint8, scales [N, K/32] float32, bits) for ONNX Runtime's MatMulNBits (ort_bytes in
+    blocks of 32); int8's per-row scale repeated per block, a group of 64 as 2 blocks of one scale."""
     N, K = m.out_features, m.in_features
+    b = ort_bytes(m.qweight, m.spec).reshape(N, K // NBITS_BLOCK, NBITS_BLOCK * m.spec.bits // 8)
     if m.spec.bits == 8:
-        u = (m.qweight.to(torch.int16) + 128).to(torch.uint8)  # [N, K]
         scales = m.scale.float()[:, None].expand(N, K // NBITS_BLOCK)
-        return u.reshape(N, K // NBITS_BLOCK, NBITS_BLOCK).numpy(), np.ascontiguousarray(scales.numpy()), 8
-    u = unpack_int4(m.qweight)  # [N, K] in 0..15
-    packed = (u[:, 0::2] | (u[:, 1::2] << 4)).reshape(N, K // NBITS_BLOCK, NBITS_BLOCK // 2)
-    scales = m.scale.float().repeat_interleave(m.spec.group // NBITS_BLOCK, dim=1)  # a group of 64 is 2 blocks
-    return packed.numpy(), np.ascontiguousarray(scales.numpy()), 4
+    else:
+        scales = m.scale.float().repeat_interleave(m.spec.group // NBITS_BLOCK, dim=1)
+    return b, np.ascontiguousarray(scales.numpy()), m.spec.bits
 
 
 NBITS_LINEARS = ("wq", "wk", "wv", "wo", "output")  # the maps the graph writes through linear() (attention, the head)
@@ -93,10 +119,70 @@ def linear(g: Graph, x: str, m: torch.nn.Module, hint: str, nbits: bool = False)
     return g.linear(x, float_weight(m), hint)
 
 
-def dequantized_names(model: torch.nn.Module, nbits: bool) -> list[str]:
-    """The quantized modules a graph holds as float weights: every one but the linear maps MatMulNBits runs."""
-    return [name for name, m in model.named_modules() if isinstance(m, QuantExperts) or (
-        isinstance(m, QuantLinear) and not (as_nbits(m, nbits) and name.endswith(NBITS_LINEARS)))]
+PORTABLE_WHY = "portable graphs hold standard operators only (TensorRT's parser's set)"
+
+
+def dequantized(model: torch.nn.Module, forms: list[LayerForm], nbits: bool) -> dict[str, str]:
+    """The quantized modules a graph holds as float32 weights, each with why: every one but the linear maps
+    MatMulNBits runs and the experts QMoE runs (and the experts of a VQ table layer, which the graph does not hold)."""
+    experts_why = {id(layer.experts): f.dequantized for layer, f in zip(model.moe_layers, forms)}
+    why = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantExperts) and experts_why.get(id(m)):
+            why[name] = experts_why[id(m)]
+        elif isinstance(m, QuantLinear) and not nbits:
+            why[name] = PORTABLE_WHY
+        elif isinstance(m, QuantLinear) and not name.endswith(NBITS_LINEARS):
+            why[name] = "the dense FFN is written as float MatMuls"
+        elif isinstance(m, QuantLinear) and not as_nbits(m, nbits):
+            why[name] = f"input width {m.in_features} is not whole blocks of {NBITS_BLOCK}"
+    return why
+
+
+def qmoe_experts(model: torch.nn.Module, forms: list[LayerForm]) -> list[str]:
+    """The quantized experts a graph runs as QMoE on their own bytes (the rest are in `dequantized`)."""
+    written = {id(layer.experts) for layer, f in zip(model.moe_layers, forms)
+               if f.dequantized is None and f.form != "table"}  # a table layer holds no experts
+    return [name for name, m in model.named_modules() if isinstance(m, QuantExperts) and id(m) in written]
+
+
+QMOE_ONNXRUNTIME = (1, 32)  # the onnxruntime whose QMoE (router_weights, the CPU kernel's formats) was checked
+
+
+def onnxruntime_version() -> tuple[int, ...]:
+    import onnxruntime
+
+    return tuple(int(p) if p.isdigit() else 0 for p in onnxruntime.__version__.split(".")[:2])
+
+
+def qmoe_fallback(experts: QuantExperts) -> str | None:
+    """Why ONNX Runtime's QMoE cannot run these quantized experts on their own bytes; None when it can."""
+    spec = experts.spec
+    if onnxruntime_version() < QMOE_ONNXRUNTIME:
+        import onnxruntime
+
+        return (f"onnxruntime {onnxruntime.__version__}: QMoE export needs {'.'.join(map(str, QMOE_ONNXRUNTIME))} "
+                f"or newer (its router_weights input and CPU kernel as checked)")
+    if experts.act != "swiglu":
+        return f"{experts.act} experts: QMoE's gelu is the tanh approximation, these experts use exact (erf) gelu"
+    if spec.bits == 4 and spec.group & (spec.group - 1):
+        return (f"int4 group {spec.group}: QMoE's block_size is a power of two; the experts go to the MoE operator "
+                f"dequantized")
+    return None
+
+
+def as_qmoe(experts) -> bool:
+    return isinstance(experts, QuantExperts) and qmoe_fallback(experts) is None
+
+
+def dequantized_why(experts, path: str, fallback: str | None) -> str | None:
+    """Why a layer's quantized experts are written as float32 weights; None where QMoE runs their own bytes (or the
+    experts are float)."""
+    if not isinstance(experts, QuantExperts):
+        return None
+    if path == "portable":
+        return fallback or PORTABLE_WHY
+    return qmoe_fallback(experts)
 
 
 # ---- expert computations ---------------------------------------------------------------------------
@@ -138,15 +224,39 @@ def dense_gates(g: Graph, ids_TK: str, gates_TK: str, n_experts: int) -> str:
     return g.op("ReduceSum", g.op("Mul", onehot_TKE, g.unsqueeze(gates_TK, [-1])), g.const([1]), keepdims=0)
 
 
+def interleaved(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """[E, 2F, ...] of two [E, F, ...]: row 2i = gate row i, row 2i + 1 = up row i (the operators' fused SwiGLU)."""
+    out = np.empty((gate.shape[0], 2 * gate.shape[1], *gate.shape[2:]), gate.dtype)
+    out[:, 0::2], out[:, 1::2] = gate, up
+    return out
+
+
 def moe_op(g: Graph, x_TD: str, logits_TE: str, experts: Experts, k: int, normalize: bool, hint: str) -> str:
     """ONNX Runtime's MoE operator: softmax(logits) over all E, top-k, gates renormalised if asked."""
     w1, w2, w3 = expert_arrays(experts)
-    E, F, D = w1.shape
-    fc1 = np.empty((E, 2 * F, D), np.float32)  # interleaved SwiGLU: row 2i = gate i, row 2i + 1 = up i
-    fc1[:, 0::2], fc1[:, 1::2] = w1, w3
-    return g.op("MoE", x_TD, logits_TE, g.weight(fc1, f"{hint}.fc1"), "", g.weight(w2, f"{hint}.fc2"),
+    return g.op("MoE", x_TD, logits_TE, g.weight(interleaved(w1, w3), f"{hint}.fc1"), "", g.weight(w2, f"{hint}.fc2"),
                 domain=MS_DOMAIN, k=k, activation_type="swiglu", swiglu_fusion=1,
                 normalize_routing_weights=int(normalize), hint=hint)
+
+
+def qmoe_op(g: Graph, x_TD: str, logits_TE: str, weights_TE: str | None, experts: QuantExperts, k: int,
+            normalize: bool, hint: str) -> str:
+    """ONNX Runtime's QMoE on the experts' own bytes: top-k of logits picks the experts, weights_TE at those k are
+    the gates (renormalised if asked); with no weights, the gates are a softmax over the k picked logits."""
+    spec = experts.spec
+
+    def stacked(name: str) -> tuple[np.ndarray, np.ndarray]:  # bytes [E, N, K*bits/8], scales [E, N] or [E, N, K/G]
+        return ort_bytes(getattr(experts, f"{name}_qweight"), spec), np32(getattr(experts, f"{name}_scale"))
+
+    (b1, s1), (b3, s3), (b2, s2) = stacked("w1"), stacked("w3"), stacked("w2")
+    blocks = {} if spec.bits == 8 else {"block_size": spec.group}  # int8 per row: block-wise 8-bit quantizes x
+    router_weights = [] if weights_TE is None else [""] * 7 + [weights_TE]  # inputs 7-13: fc2 bias .. fc3 zero point
+    return g.op("QMoE", x_TD, logits_TE, g.weight(interleaved(b1, b3), f"{hint}.fc1.qweight"),
+                g.weight(interleaved(s1, s3), f"{hint}.fc1.scales"), "", g.weight(b2, f"{hint}.fc2.qweight"),
+                g.weight(s2, f"{hint}.fc2.scales"), *router_weights, domain=MS_DOMAIN, k=k,
+                expert_weight_bits=spec.bits, **blocks, weights_prepacked=0, activation_type="swiglu",
+                swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=int(normalize),
+                hint=hint)
 
 
 # ---- routers -----------------------------------------------------------------------------------------
@@ -189,21 +299,26 @@ def portable_route(g: Graph, r: RouterGraph) -> tuple[str, str]:
     return gates, ids
 
 
-def fused_fallback(cfg: MoEConfig, r: RouterGraph | None) -> str | None:
-    """Why the MoE operator cannot run this layer's experts exactly; None when it can."""
+def fused_fallback(cfg: MoEConfig, r: RouterGraph | None, experts) -> str | None:
+    """Why the MoE (or QMoE) operator cannot run this layer's experts exactly; None when it can. QMoE takes the
+    gates as an input, so any sigmoid router is exact there."""
     if cfg.expert_act != "swiglu":
-        return ("gelu experts: the MoE operator's gelu is the tanh approximation, these experts use exact (erf) "
-                "gelu")
-    if r is not None and r.gate == "sigmoid" and r.top_k > 1:
+        return ("gelu experts: the MoE and QMoE operators' gelu is the tanh approximation, these experts use exact "
+                "(erf) gelu")
+    if r is not None and r.gate == "sigmoid" and r.top_k > 1 and not as_qmoe(experts):
         return (f"sigmoid gates with top_k={r.top_k}: each gate is sigmoid(s_k) on its own, the MoE operator's "
                 f"gates are a softmax over all experts")
     return None
 
 
 def fused_route(g: Graph, x_TD: str, r: RouterGraph, experts: Experts, hint: str) -> tuple[str, str]:
-    """(y [T, D], expert ids [T, K]) through the MoE operator. A sigmoid gate with k = 1 is the operator's
-    renormalised (= 1) gate times sigmoid of the top logit, applied outside."""
+    """(y [T, D], expert ids [T, K]) through the MoE operator, or QMoE for quantized experts. A sigmoid gate with
+    k = 1 is the MoE operator's renormalised (= 1) gate times sigmoid of the top logit, applied outside; QMoE is
+    given the gates, softmax or sigmoid of every logit, as its router_weights."""
     _, ids = topk(g, r.logits, r.top_k)  # what the operator picks, for the expert-load output
+    if as_qmoe(experts):
+        gates = g.op("Softmax", r.logits, axis=-1) if r.gate == "softmax" else g.op("Sigmoid", r.logits)
+        return qmoe_op(g, x_TD, r.logits, gates, experts, r.top_k, r.renormalize, hint), ids
     if r.gate == "sigmoid":
         y = moe_op(g, x_TD, r.logits, experts, 1, True, hint)
         top = g.op("ReduceMax", r.logits, axes=[-1], keepdims=1)
@@ -246,7 +361,10 @@ def discrete_path(g: Graph, x_TD: str, layer: MoELayer, form: str, hint: str) ->
         x_tilde = g.op("Add", g.op("Mul", g.const(1 - 2 * c, np.float32), x_TD),
                        g.op("Mul", g.const(c, np.float32), v_ED))
     if form == "fused":  # nearest code = top-1 of -distance; the renormalised single gate is 1
-        return moe_op(g, x_tilde, g.op("Neg", dist), layer.experts, 1, True, hint), codes
+        neg = g.op("Neg", dist)
+        if as_qmoe(layer.experts):
+            return qmoe_op(g, x_tilde, neg, None, layer.experts, 1, True, hint), codes
+        return moe_op(g, x_tilde, neg, layer.experts, 1, True, hint), codes
     onehot = g.op("Cast", g.op("Equal", g.unsqueeze(codes, [-1]), g.const(np.arange(cfg.n_experts))), to=FLOAT)
     return all_experts(g, x_tilde, onehot, layer.experts, hint), codes
 
@@ -256,8 +374,9 @@ def moe_layer(g: Graph, x_TD: str, layer: MoELayer, mode: str, block: int) -> tu
     cfg, hint = layer.cfg, f"layers.{block}.moe"
     r = router_graph(g, x_TD, layer.router, f"{hint}.router") if layer.router is not None else None
     want_fused = mode in ("fused", "vq-table")
-    fallback = fused_fallback(cfg, r) if want_fused else None
+    fallback = fused_fallback(cfg, r, layer.experts) if want_fused else None
     path = "fused" if want_fused and fallback is None else "portable"
+    why = dequantized_why(layer.experts, path, fallback)
 
     ids = y_cont = None
     if r is not None:
@@ -267,14 +386,14 @@ def moe_layer(g: Graph, x_TD: str, layer: MoELayer, mode: str, block: int) -> tu
             gates, ids = portable_route(g, r)
             y_cont = all_experts(g, x_TD, dense_gates(g, ids, gates, cfg.n_experts), layer.experts, f"{hint}.experts")
     if layer.quantizer is None:
-        return y_cont, ids, LayerForm(block, path, fallback)
+        return y_cont, ids, LayerForm(block, path, fallback, why)
 
     table = mode == "vq-table" and cfg.vq_input == "code"
     d_form = "table" if table else path
     y_disc, codes = discrete_path(g, x_TD, layer, d_form, f"{hint}.discrete")
     if layer.mix is None:
-        return y_disc, g.unsqueeze(codes, [-1]), LayerForm(block, d_form, None if table else fallback)
+        return y_disc, g.unsqueeze(codes, [-1]), LayerForm(block, d_form, *(None, None) if table else (fallback, why))
     g_c, g_d = g.op("Split", g.op("Softmax", g.linear(x_TD, np32(layer.mix.weight), f"{hint}.mix"), axis=-1),
                     g.const([1, 1]), axis=-1, outputs=2)
     y = g.op("Add", g.op("Mul", g_c, y_cont), g.op("Mul", g_d, y_disc))
-    return y, ids, LayerForm(block, f"{path}+{d_form}", fallback)
+    return y, ids, LayerForm(block, f"{path}+{d_form}", fallback, why)

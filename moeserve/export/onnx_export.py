@@ -108,9 +108,14 @@ class ExportReport:
             lines.append(f"  {layer['layer']:>5}  {layer['form']:<18} {layer['top1_agreement']:.4f}")
         for layer in self.fallbacks:
             lines.append(f"  fallback, layer {layer['layer']}: {layer['fallback']}")
-        if self.extra.get("dequantized"):
-            lines.append(f"  quantized weights written as float32 (dequantized; no {self.mode} form for them): "
-                         + ", ".join(self.extra["dequantized"]))
+        if self.extra.get("qmoe"):
+            lines.append("  quantized experts run by ONNX Runtime's QMoE on their own bytes: "
+                         + ", ".join(self.extra["qmoe"]))
+        by_reason: dict[str, list[str]] = {}
+        for name, why in self.extra.get("dequantized", {}).items():
+            by_reason.setdefault(why, []).append(name)
+        for why, names in by_reason.items():
+            lines.append(f"  quantized weights written as float32 ({why}): {', '.join(names)}")
         return "\n".join(lines)
 
 
@@ -127,7 +132,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     import torch
 
     from moeserve.export.graph import OPSET
-    from moeserve.export.moe_graph import dequantized_names
+    from moeserve.export.moe_graph import dequantized, qmoe_experts
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
     from moeserve.runtime.backends.calibration import DispatchPlan
@@ -174,7 +179,8 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
             onnx_version=onnx.__version__, onnxruntime_version=ort.__version__, provider="CPUExecutionProvider",
             seconds=time.perf_counter() - start)
         if cfg.quantization is not None:
-            report.extra["dequantized"] = dequantized_names(model, mode != "portable")
+            report.extra["qmoe"] = qmoe_experts(model, forms)
+            report.extra["dequantized"] = dequantized(model, forms, mode != "portable")
         if passed:
             publish(tmp, out)
     finally:
