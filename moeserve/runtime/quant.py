@@ -290,6 +290,8 @@ def describe(quantization: dict | None) -> str:
     """A config's `quantization` in words: int8, int4 (group 32), or float."""
     if quantization is None:
         return "float"
+    if quantization == {"format": "fp8"}:  # quant_fp8.py's GPU format
+        return "fp8"
     spec = QuantSpec.from_dict(quantization)
     return spec.name + (f" (group {spec.group})" if spec.group else "")
 
