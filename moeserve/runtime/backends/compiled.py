@@ -40,7 +40,7 @@ from moeserve.runtime.experts import Experts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
-from moeserve.runtime.backends.quant_gpu import IndexedQuantExperts
+from moeserve.runtime.backends.quant_gpu import indexed_experts
 from moeserve.runtime.quant import QuantExperts
 from moeserve.runtime.quant_fp8 import Fp8Experts
 
@@ -227,7 +227,7 @@ class CompiledBackend(EagerBackend):
         """The plan's forms, and quantized experts indexed per token whatever the plan (on a CPU, too): the
         reference's dispatch reads its counts on the host, which a traced step cannot."""
         if type(m) in (QuantExperts, Fp8Experts):
-            return IndexedQuantExperts.of(m, gather_max=plan.gather_max)
+            return indexed_experts(m, plan.gather_max)
         return super().form(m, plan)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:

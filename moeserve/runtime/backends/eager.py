@@ -13,7 +13,7 @@ from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.experts import lay_out_experts
 from moeserve.runtime.backends.layout import Laid, lay_out_
 from moeserve.runtime.backends.packing import PackedLinear, pack_weight
-from moeserve.runtime.backends.quant_gpu import IndexedQuantExperts, linear_form
+from moeserve.runtime.backends.quant_gpu import indexed_experts, linear_form
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.model import TiedHead
 from moeserve.runtime.moe import MoELayer
@@ -80,5 +80,5 @@ class EagerBackend(TorchBackend):
         if plan.quant_ops and type(m) in (QuantLinear, Fp8Linear):
             return linear_form(m, self.dtype)
         if plan.quant_ops and type(m) in (QuantExperts, Fp8Experts):
-            return IndexedQuantExperts.of(m, gather_max=plan.gather_max)
+            return indexed_experts(m, plan.gather_max)
         return None

@@ -16,7 +16,7 @@ forms run the formats on the ops torch ships (aten's native_functions.yaml, torc
                          scales_and_zeros [I/G, O, 2] in bfloat16 with zero 0, since tinygemm computes
                          (u - 8) * scale + zero, our formula with zero 0. Not bit-equal to the reference: tinygemm's
                          scales are bfloat16, so each group's float16 scale is rounded to 8 bits of mantissa (relative
-                         error at most 2^-9), and its dequantized weight is rounded to bfloat16 as the reference's is.
+                         error at most 2^-8), and its dequantized weight is rounded to bfloat16 as the reference's is.
                          Groups of 32, 64, 128 or 256; out widths a multiple of 8. Every row count (tinygemm runs
                          tensor cores; with many rows cuBLAS on a dequantized weight may be faster: not measured yet).
   fp8   Fp8ScaledLinear  torch._scaled_mm with row-wise scales (quant_fp8.py's docstring has the arithmetic): the
@@ -249,6 +249,15 @@ class IndexedQuantExperts(Laid, QuantExperts):
         if keep_TK is None and (torch.compiler.is_compiling() or x_TD.shape[0] <= self.gather_max):
             return moe_indexed_q(x_TD, expert_ids_TK, gates_TK, self)
         return super().forward(x_TD, expert_ids_TK, gates_TK, keep_TK)
+
+
+class IndexedFp8Experts(IndexedQuantExperts, Fp8Experts):
+    """IndexedQuantExperts over fp8 experts: past gather_max, Fp8Experts' reference (its own dequantization)."""
+
+
+def indexed_experts(m: QuantExperts, gather_max: int) -> IndexedQuantExperts:
+    """A layer's quantized experts (int8, int4 or fp8) as IndexedQuantExperts."""
+    return (IndexedFp8Experts if isinstance(m, Fp8Experts) else IndexedQuantExperts).of(m, gather_max=gather_max)
 
 
 def describe_forms(quantization: dict | None) -> str:
