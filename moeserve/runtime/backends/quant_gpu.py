@@ -50,7 +50,7 @@ from moeserve.runtime.backends.layout import Laid
 from moeserve.runtime.quant import QuantExperts, QuantLinear, dequantize, unpack_int4
 from moeserve.runtime.quant_fp8 import Fp8Experts, Fp8Linear, fp8_unavailable, quantize_rows_fp8
 
-# Not measured on a GPU yet (the next session with one: bench/gpu_quant.py): _weight_int8pack_mm's CUDA kernel runs
+# Not measured on a GPU yet (`python -m moeserve.bench.quant_gpu` there): _weight_int8pack_mm's CUDA kernel runs
 # no tensor core, so its time grows with the rows where a GEMM's does not.
 INT8PACK_MAX_ROWS = 16
 TINYGEMM_GROUPS = (32, 64, 128, 256)  # int4mm.cu's qGroupSize
