@@ -17,15 +17,15 @@ from moeserve.convert import add_convert, add_quantize
 from moeserve.papers_cli import add_paper_commands
 from moeserve.config import MANIFEST_FILE, PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
-from moeserve.runtime import BACKENDS, COMPILE_MODES, QUANT_FORMATS
+from moeserve.runtime import BACKENDS, COMPILE_MODES, GPU_QUANT_FORMATS, QUANT_FORMATS
 from moeserve.serve.config import EXCHANGES, SCHEDULERS, BatchConfig, RayServeOptions, ServeConfig
 
 BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
 CALIBRATE_HELP = ("measure again which weight layout and dispatch path are fastest on this machine for this model's "
                   "shapes (measured once and cached otherwise; MOESERVE_CALIBRATION=off skips it)")
-QUANTIZE_HELP = ("quantize the weights as they load: int8 (a scale per output channel) or int4 (groups of 32); "
-                 "the embedding, norms and routers stay in full precision. `moeserve quantize` writes a quantized "
-                 "checkpoint once instead")
+QUANTIZE_HELP = ("quantize the weights as they load: int8 (a scale per output channel) or int4 (groups of 32), or fp8 "
+                 "(e4m3, a scale per output channel; GPUs of compute capability 8.9+ only); the embedding, norms and "
+                 "routers stay in full precision. `moeserve quantize` writes an int8 or int4 checkpoint once instead")
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
                                                 PermissionError)
 COMPILE_HELP = ("the decode step as one compiled graph per batch size (torch.compile; CUDA graphs on a GPU): on, off, "
@@ -306,7 +306,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     g.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
-    g.add_argument("--quantize", choices=QUANT_FORMATS, help=QUANTIZE_HELP)
+    g.add_argument("--quantize", choices=QUANT_FORMATS + GPU_QUANT_FORMATS, help=QUANTIZE_HELP)
     g.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     g.add_argument("--compile", default="auto", choices=COMPILE_MODES, help=COMPILE_HELP)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -349,7 +349,7 @@ def _add_serve(sub) -> None:
     sv.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU or GPU is fast at it), float32, bfloat16")
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
     sv.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
-    sv.add_argument("--quantize", choices=QUANT_FORMATS, help=QUANTIZE_HELP)
+    sv.add_argument("--quantize", choices=QUANT_FORMATS + GPU_QUANT_FORMATS, help=QUANTIZE_HELP)
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     sv.add_argument("--compile", default="auto", choices=COMPILE_MODES, help=COMPILE_HELP)
@@ -497,7 +497,7 @@ def _add_score(sub) -> None:
                    "and CPUs with fast bf16)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: auto: a GPU if there is one)")
     s.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
-    s.add_argument("--quantize", choices=QUANT_FORMATS, help=QUANTIZE_HELP)
+    s.add_argument("--quantize", choices=QUANT_FORMATS + GPU_QUANT_FORMATS, help=QUANTIZE_HELP)
     s.add_argument("--batch-size", type=int, default=64, metavar="N", help="most rows per forward pass (default: 64)")
     s.add_argument("--batch-tokens", type=_batch_tokens, default=None, metavar="N|auto",
                    help="most tokens per forward pass, padding included. auto (the default): chosen from the run's "

@@ -31,7 +31,10 @@ TOKENIZERS = ("byte", "hf", "none")
 
 def _quantization_ok(q: Any) -> bool:
     """int8 per output channel (no group), or int4 in groups of a multiple of 32, optionally with a list of weights
-    kept at int8 (runtime/quant.QuantSpec, which checks the names)."""
+    kept at int8 (runtime/quant.QuantSpec, which checks the names); or fp8 (runtime/quant_fp8.py), a GPU format
+    quantized at load."""
+    if q == {"format": "fp8"}:
+        return True
     if not isinstance(q, dict) or not {"bits", "group"} <= set(q) <= {"bits", "group", "int8"} \
             or isinstance(q["bits"], bool):
         return False
@@ -97,7 +100,7 @@ class MoEConfig:
     vq_alpha: float = 0.1  # weight of the VQ loss; the paper sweeps (0.05, 0.15)
 
     # --- Weight-only quantization (runtime/quant.py) ---
-    # {"bits": 8, "group": null} or {"bits": 4, "group": 32[, "int8": ["wv", "output"]]}; null = float
+    # {"bits": 8, "group": null}, {"bits": 4, "group": 32[, "int8": ["wv", "output"]]} or {"format": "fp8"}; null = float
     quantization: dict[str, Any] | None = None
 
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)
@@ -229,7 +232,8 @@ class MoEConfig:
             fail("extra", self.extra, "a JSON object")
         if self.quantization is not None and not _quantization_ok(self.quantization):
             fail("quantization", self.quantization,
-                 '{"bits": 8, "group": null} or {"bits": 4, "group": a multiple of 32[, "int8": [names]]}, or null')
+                 '{"bits": 8, "group": null}, {"bits": 4, "group": a multiple of 32[, "int8": [names]]}, '
+                 '{"format": "fp8"}, or null')
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from moeserve.runtime.loading import load_model, verifying
 from moeserve.runtime.model import ExpertsFactory, Transformer
 from moeserve.runtime.output import StreamEvent
 from moeserve.runtime.quant import QuantSpec, quantize_model_
+from moeserve.runtime.quant_fp8 import check_fp8, quantize_model_fp8_
 from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.scores import bits_per_byte
 from moeserve.runtime.steps import Completion, Sequence, StepEngine, check_request
@@ -153,16 +154,22 @@ class Engine:
              quantize: str | QuantSpec | None = None) -> "Engine":
         """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`; with
         `experts_factory`, without its experts, which the factory's modules compute (loading.load_model).
-        `quantize` ('int8', 'int4' or a QuantSpec): its weights quantized as they load (runtime/quant.py)."""
+        `quantize` ('int8', 'int4' or a QuantSpec): its weights quantized as they load (runtime/quant.py); 'fp8' on a
+        GPU that has fp8 arithmetic (runtime/quant_fp8.py; elsewhere Fp8Unavailable, before any weight is read)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         resolve_mode(calibration)  # bad modes are named before the weights are read
         if compile not in COMPILE_MODES:
             raise EngineError(f"compile mode {compile!r}: expected one of {', '.join(COMPILE_MODES)}")
-        spec = QuantSpec.parse(quantize) if isinstance(quantize, str) else quantize
+        fp8 = quantize == "fp8"
+        if fp8:
+            check_fp8(dev)
+        spec = None if fp8 else QuantSpec.parse(quantize) if isinstance(quantize, str) else quantize
         with verifying(path, verify):
             model, ckpt = load_model(path, device=dev, dtype=dt, verify=False, experts_factory=experts_factory)
-            if spec is not None:
+            if fp8:
+                quantize_model_fp8_(model)
+            elif spec is not None:
                 quantize_model_(model, spec)
             tokenizer = load_checkpoint_tokenizer(ckpt.path, ckpt.config)
             return cls(model, tokenizer, name=Path(path).name or str(path), path=ckpt.path, plan=plan,

@@ -23,6 +23,7 @@ from moeserve.runtime.experts import Experts, FeedForward
 from moeserve.runtime.kv_cache import CacheRows, StepRows
 from moeserve.runtime.moe import MoEAux, MoELayer
 from moeserve.runtime.quant import QuantExperts, QuantSpec, quantize_
+from moeserve.runtime.quant_fp8 import is_fp8_config, quantize_fp8_
 
 ExpertsFactory = Callable[[int], nn.Module]  # layer id -> that MoE layer's experts (MoELayer's `experts`)
 HEAD_ROWS = 128  # rows of logits a scoring call holds at once (Transformer._target_logprobs)
@@ -165,7 +166,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
-        if cfg.quantization is not None:  # a quantized checkpoint's model: its tensors are assigned by the loader
+        if is_fp8_config(cfg.quantization):  # a quantized model's config: its tensors are assigned by the loader
+            quantize_fp8_(self, weights=False)
+        elif cfg.quantization is not None:
             quantize_(self, QuantSpec.from_dict(cfg.quantization), weights=False)
 
     @classmethod

@@ -319,6 +319,8 @@ def describe(quantization: dict | None) -> str:
     """A config's `quantization` in words: int8, int4 (group 32), int4 (group 32; wv, output at int8), or float."""
     if quantization is None:
         return "float"
+    if quantization == {"format": "fp8"}:  # quant_fp8.py's GPU format
+        return "fp8"
     spec = QuantSpec.from_dict(quantization)
     inner = [f"group {spec.group}"] if spec.group else []
     inner += [f"{', '.join(spec.int8)} at int8"] if spec.int8 else []

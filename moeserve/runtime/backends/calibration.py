@@ -57,6 +57,8 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.backends.experts import (InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped,
                                               moe_sorted_fp32)
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
+from moeserve.runtime.backends.quant_gpu import describe_forms, quantized_ops_unavailable
+from moeserve.runtime.quant_fp8 import check_fp8, is_fp8_config
 
 VERSION = 9  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
@@ -80,6 +82,9 @@ ROUTINGS = 8  # routings cycled through per token count: at one token, top_k of 
 MAX_S = 20.0  # a model so large that the ladder takes longer stops at the count it has reached
 MIN_ROUNDS, MAX_ROUNDS = 3, 25
 TIE = 1.02  # within 2% of the best score, the simpler configuration wins
+# A quantized model on a GPU: up to this many tokens its experts are indexed per token (quant_gpu.py), each
+# assignment's expert dequantized: what one decode row reads anyway, as the float default's gather_max of 1
+QUANT_GATHER_MAX = 1
 
 # configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first: what a tie
 # goes to. The C kernel reads the weights where they lie (a checkpoint's mapped pages: no copy at load), so it
@@ -123,6 +128,9 @@ class DispatchPlan:
     # past those counts, torch's GEMMs in float32 on upcast weights: a bf16 model on a CPU without bf16 arithmetic
     upcast_experts: bool = False
     upcast_dense: bool = False
+    # quantized weights on torch's quantized ops where they take them, the experts indexed per token up to gather_max
+    # tokens (quant_gpu.py): a GPU's layout of a quantized model
+    quant_ops: bool = False
 
     def describe(self) -> str:
         grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
@@ -134,7 +142,9 @@ class DispatchPlan:
                 f"{f'; torch GEMMs past {self.kernel_max_tokens} tokens (experts)' if self.kernel_experts and self.kernel_max_tokens is not None else ''}"
                 f"{f', {self.dense_kernel_max_tokens} (dense)' if self.kernel_dense and self.dense_kernel_max_tokens is not None else ''}"
                 f"{' in float32 on upcast weights' if self.upcast_experts or self.upcast_dense else ''}"
-                f"{'; compiled decode: grouped_mm' if self.decode_grouped else ''} ({self.source})")
+                f"{'; compiled decode: grouped_mm' if self.decode_grouped else ''}"
+                f"{'; quantized weights on torch quantized ops, experts indexed' if self.quant_ops else ''}"
+                f" ({self.source})")
 
 
 def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "not measured") -> DispatchPlan:
@@ -148,11 +158,19 @@ def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "
 
 
 def quantized_plan(cfg: MoEConfig, device: torch.device | str, dtype: torch.dtype) -> DispatchPlan:
-    """A quantized model's plan, not measured: its weights have one fast form, the C kernel's integer GEMMs on a CPU
-    (quant_kernel.py), at every row count; torch dequantizing them (QuantLinear's own forward) where the kernel does
-    not run or its widths are not multiples of 32."""
+    """A quantized model's plan, not measured: on a CPU the C kernel's integer GEMMs (quant_kernel.py), at every row
+    count; on a GPU torch's quantized ops (quant_gpu.py: _weight_int8pack_mm, tinygemm, _scaled_mm) with the experts
+    indexed per token for a decode step's row; torch dequantizing the weights (QuantLinear's own forward) where
+    neither runs (the CPU kernel's widths are multiples of 32; tinygemm takes bfloat16 on compute capability 8.0+).
+    fp8 weights anywhere but a GPU with fp8 arithmetic: Fp8Unavailable."""
+    if is_fp8_config(cfg.quantization):
+        check_fp8(device)
     if torch.device(device).type != "cpu":
-        return DispatchPlan(False, False, False, 0, "quantized", "quantized weights on a GPU: dequantized by torch")
+        why = quantized_ops_unavailable(cfg.quantization, device, dtype)
+        reason = (f"quantized weights on a GPU: {describe_forms(cfg.quantization)}" if why is None else
+                  f"quantized weights on a GPU: dense layers dequantized by torch ({why}); experts indexed and "
+                  "dequantized per token for few rows, each hit expert dequantized once for many")
+        return DispatchPlan(False, False, False, QUANT_GATHER_MAX, "quantized", reason, quant_ops=True)
     why = cpu_kernel.unavailable_for(dtype)
     widths = [cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.head_dim]
     if why is None and any(w % 32 for w in widths):

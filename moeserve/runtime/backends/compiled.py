@@ -13,7 +13,8 @@ every time, so here it is made shape-static:
   (a symbolic length), and on CUDA one graph is recorded per (bucket, span), so a step reads the keys its rows
   can see, never the whole cache, and a long context costs a short conversation little (docs/benchmarks.md);
 - the experts run a path with no host sync and fixed shapes (backends/experts.py: GraphExperts) on plain
-  weights (oneDNN-packed weights are opaque to the compiler);
+  weights (oneDNN-packed weights are opaque to the compiler); quantized experts are indexed per token
+  (quant_gpu.IndexedQuantExperts), and a quantized model's linear maps on a GPU run torch's quantized ops;
 - the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
 
 Same tokens as eager in fp32 (tests/runtime/test_compiled.py); the logits differ by float rounding
@@ -39,7 +40,9 @@ from moeserve.runtime.experts import Experts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
+from moeserve.runtime.backends.quant_gpu import indexed_experts
 from moeserve.runtime.quant import QuantExperts
+from moeserve.runtime.quant_fp8 import Fp8Experts
 
 log = logging.getLogger("moeserve.runtime")
 
@@ -219,6 +222,13 @@ class CompiledBackend(EagerBackend):
     def experts(self, plan: DispatchPlan) -> dict:
         return dict(pack=False, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
                     decode_grouped=plan.decode_grouped, graph=True)
+
+    def form(self, m: nn.Module, plan: DispatchPlan) -> nn.Module | None:
+        """The plan's forms, and quantized experts indexed per token whatever the plan (on a CPU, too): the
+        reference's dispatch reads its counts on the host, which a traced step cannot."""
+        if type(m) in (QuantExperts, Fp8Experts):
+            return indexed_experts(m, plan.gather_max)
+        return super().form(m, plan)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         if not self.graph_decode:

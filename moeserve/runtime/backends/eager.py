@@ -1,6 +1,7 @@
 """The torch backend: the model's own modules on torch's kernels, the reference every other backend is tested
 against, with the layouts of the calibration's plan that stay in torch: experts with fused gate-up weights run by
-token count (backends/experts.py), and oneDNN-packed weights where they were measured faster (packing.py)."""
+token count (backends/experts.py), oneDNN-packed weights where they were measured faster (packing.py), and a
+quantized model's weights on torch's quantized ops where the plan says (a GPU: quant_gpu.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.experts import lay_out_experts
 from moeserve.runtime.backends.layout import Laid, lay_out_
 from moeserve.runtime.backends.packing import PackedLinear, pack_weight
+from moeserve.runtime.backends.quant_gpu import indexed_experts, linear_form
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.model import TiedHead
 from moeserve.runtime.moe import MoELayer
+from moeserve.runtime.quant import QuantExperts, QuantLinear
+from moeserve.runtime.quant_fp8 import Fp8Experts, Fp8Linear
 
 
 class TableMoELayer(Laid, MoELayer):
@@ -73,4 +77,8 @@ class EagerBackend(TorchBackend):
         """The inference form of module m under `plan`, or None to keep it."""
         if plan.pack_dense and is_linear(m):
             return PackedLinear.of(m, packed=pack_weight(m.weight), weight=m.weight)
+        if plan.quant_ops and type(m) in (QuantLinear, Fp8Linear):
+            return linear_form(m, self.dtype)
+        if plan.quant_ops and type(m) in (QuantExperts, Fp8Experts):
+            return indexed_experts(m, plan.gather_max)
         return None
