@@ -257,17 +257,19 @@ def float_ckpt(tmp_path_factory):
 PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A"]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-uniform"])
 def test_an_engine_on_the_quantized_ops_is_the_reference_within_rounding(float_ckpt, fmt):
     """The plan a GPU gets (quant_ops), run on a CPU with the ops' CPU twins: each linear map laid out on its op where
-    the shape fits (the LM head's 259 outputs do not fit tinygemm's tiles: reference), the experts indexed; the
-    logits of the weight-only reference within bfloat16's rounding."""
+    the shape fits (an int4 LM head's 259 outputs do not fit tinygemm's tiles: reference; int4 keeps wv and the head
+    at int8 by default), the experts indexed; the logits of the weight-only reference within bfloat16's rounding."""
+    spec = QuantSpec(4, 32) if fmt == "int4-uniform" else QuantSpec.parse(fmt)
     plan = DispatchPlan(gather_max=1, quant_ops=True)
-    engine = Engine.load(float_ckpt, dtype="bfloat16", device="cpu", quantize=fmt, plan=plan)
-    ref = Engine.load(float_ckpt, dtype="bfloat16", device="cpu", quantize=fmt, plan=DispatchPlan(gather_max=0))
+    engine = Engine.load(float_ckpt, dtype="bfloat16", device="cpu", quantize=spec, plan=plan)
+    ref = Engine.load(float_ckpt, dtype="bfloat16", device="cpu", quantize=spec, plan=DispatchPlan(gather_max=0))
     attention, head = engine.model.layers[0].attention, engine.model.output
     assert type(attention.wq) is (Int8PackLinear if fmt == "int8" else Int4PackLinear)
-    assert type(head) is (Int8PackLinear if fmt == "int8" else QuantLinear)
+    assert type(attention.wv) is (Int4PackLinear if fmt == "int4-uniform" else Int8PackLinear)
+    assert type(head) is (QuantLinear if fmt == "int4-uniform" else Int8PackLinear)
     assert all(isinstance(layer.experts, IndexedQuantExperts) for layer in engine.model.moe_layers)
     ids = torch.tensor([engine.encode(p)[:8] for p in PROMPTS if len(engine.encode(p)) >= 8])
     got, want = engine.forward(ids), ref.forward(ids)
