@@ -100,7 +100,8 @@ class MoEConfig:
     vq_alpha: float = 0.1  # weight of the VQ loss; the paper sweeps (0.05, 0.15)
 
     # --- Weight-only quantization (runtime/quant.py) ---
-    # {"bits": 8, "group": null}, {"bits": 4, "group": 32[, "int8": ["wv", "output"]]} or {"format": "fp8"}; null = float
+    # {"bits": 8, "group": null}, {"bits": 4, "group": 32[, "int8": ["wk", "wv", "output"]]} or {"format": "fp8"};
+    # null = float
     quantization: dict[str, Any] | None = None
 
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)

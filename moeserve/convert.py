@@ -90,7 +90,8 @@ def add_quantize(sub) -> None:
 def add_int8_weights(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8-weights", metavar="NAMES", help="int4: the weights kept at int8, comma-separated among "
                         "wq, wk, wv, wo, w1, w2, w3 (the dense FFNs') and output (the LM head), or none (default: "
-                        "wv,output, as llama.cpp's Q4_0 files keep attn_v and the output at higher precision)")
+                        "wk,wv,output, as llama.cpp's Q4_0 files of 8-expert models keep attn_k, attn_v and the "
+                        "output at higher precision)")
 
 
 def int8_weights(text: str | None) -> tuple[str, ...] | None:

@@ -37,13 +37,14 @@ from torch import nn
 
 from moeserve.checkpoint import load_expert_slice, read_config
 from moeserve.runtime.backends.cpu import CpuKernelBackend
-from moeserve.runtime.backends.expert_shards import ExpertShard
+from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard
 from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dtype
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
 )
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.output import EventCallback
+from moeserve.runtime.quant import QuantSpec, describe
 from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.scheduler import Sequence, default_prefill_chunk
 from moeserve.runtime.steps import check_request
@@ -58,9 +59,12 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
     read as safetensors slices (checkpoint.load_expert_slice). Every rank of the group must call it together: a VQ
     layer's code table is built through the exchange while the backend lays the model out."""
     cfg = read_config(checkpoint)
-    if cfg.quantization is not None:
-        raise ExpertParallelError(f"{checkpoint} is quantized ({cfg.quantization}); expert parallelism loads expert "
-                                  f"slices unquantized: serve the unquantized checkpoint")
+    spec = None
+    if cfg.quantization is not None:  # int8 / int4 checkpoints: each rank reads its experts' integers and scales
+        if "bits" not in cfg.quantization:
+            raise ExpertParallelError(f"{checkpoint}: {describe(cfg.quantization)} weights are quantized at load on "
+                                      f"one GPU; expert parallelism serves int8 and int4 checkpoints")
+        spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts")
     if not cfg.moe_layer_ids:
         raise ExpertParallelError(f"{checkpoint} has no MoE layer: nothing to split across ranks")
     dev = resolve_device(device or group.device)
@@ -71,8 +75,13 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
     _, tensors = load_expert_slice(checkpoint, mine.start, mine.stop, dtype=dt)
 
     def experts(layer_id: int) -> ExpertParallelExperts:
-        w = {n: tensors.get(f"layers.{layer_id}.ffn.experts.{n}") for n in ("w1", "w2", "w3")}
-        shard = ExpertShard(list(mine), *(t.to(dev) if t is not None else None for t in (w["w1"], w["w2"], w["w3"])))
+        prefix = f"layers.{layer_id}.ffn.experts."
+        if spec is not None:
+            mine_t = {k.removeprefix(prefix): t.to(dev) for k, t in tensors.items() if k.startswith(prefix)}
+            shard = QuantExpertShard.of_tensors(list(mine), spec, cfg.expert_act, mine_t)
+        else:
+            w = [tensors.get(prefix + n) for n in ("w1", "w2", "w3")]
+            shard = ExpertShard(list(mine), *(t.to(dev) if t is not None else None for t in w))
         ep = ExpertParallelExperts(group, cfg.n_experts, shard)
         with torch.device(dev):  # the model is being built on the meta device; the kernel's first use self-checks
             ep.prepare_inference()

@@ -22,7 +22,8 @@ model out, which every rank does at load, so each rank holds the whole table and
 exchange at serving time. Paths that would call experts past this module are refused by name: the compiled
 decode step (a collective with host-side splits: compiled.model_uncompilable names it), the CPU kernel's
 whole-step decode (it needs the layer's experts as FusedExperts, which these are not: ep_rank.load_rank_engine
-checks) and weight quantization (the expert slice is loaded unquantized: load_rank_engine refuses).
+checks). A quantized checkpoint's ranks load their slice's integers and scales as stored (QuantExpertShard), and
+the exchange moves activations only, so it is the same for every weight format.
 
 On GPUs (NCCL) the exchange here still reads the counts back to the host to size the row buffers, which a CUDA
 graph cannot hold. A capturable step replaces the two variable all-to-alls by fixed-size ones: per batch bucket,
@@ -43,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError, UserError
-from moeserve.runtime.backends.expert_shards import ExpertShard, contiguous_ranges
+from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard, contiguous_ranges
 from moeserve.runtime.experts import Experts, combine, dispatch
 
 __all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "LockstepError", "join_group"]
@@ -53,7 +54,7 @@ ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 class ExpertParallelError(UserError):
     """An expert-parallel group or rank asked for something it cannot be: a bad address, rank or world size, more
-    ranks than experts, or a feature that would call the experts past the exchange (compile, quantize)."""
+    ranks than experts, or a feature that would call the experts past the exchange (compile)."""
 
 
 class LockstepError(MoeServeError, RuntimeError):
@@ -137,7 +138,7 @@ class ExpertParallelExperts(nn.Module):
     this rank's contiguous slice (`local`, global ids group.experts_of(E)) and exchanges the routed rows with the
     other ranks' slices (module docstring). Every rank must call it together, with its own tokens or none."""
 
-    def __init__(self, group: EPGroup, n_experts: int, local: ExpertShard):
+    def __init__(self, group: EPGroup, n_experts: int, local: ExpertShard | QuantExpertShard):
         super().__init__()
         want = list(group.experts_of(n_experts))
         if local.expert_ids != want:

@@ -76,7 +76,7 @@ def serve_requests(ckpt: str, group) -> dict:
     ep.thread.join(WAIT_S)
     model = ep.engine.model
     return {"completions": done, "scores": row_scores, "stopped": not ep.thread.is_alive(),
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters": sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()),
             "experts": [e.local.expert_ids for e in ep.experts], **stats_record(ep)}
 
 

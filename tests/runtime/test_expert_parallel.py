@@ -23,10 +23,14 @@ from moeserve.runtime.expert_parallel import (
 )
 from moeserve.runtime.experts import Experts, moe_reference
 from moeserve.runtime.model import Transformer
+from moeserve.runtime.quant import QuantSpec, quantize_model_
 
 HERE = Path(__file__).parent
 ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
-           "vq-mixed": dict(router="vq", vq_mode="mixed"), "vq-discrete": dict(router="vq", vq_mode="discrete")}
+           "vq-mixed": dict(router="vq", vq_mode="mixed"), "vq-discrete": dict(router="vq", vq_mode="discrete"),
+           # quantized checkpoints: each rank reads its experts' integers and scales (int4 keeping wk, wv and the head
+           # at int8)
+           "softmax-int4": dict(router="softmax", quantize="int4"), "xmoe-int8": dict(router="xmoe", quantize="int8")}
 BUSY_S = 2.0
 RUN_TIMEOUT_S = 120  # the whole two-rank run; a hang fails the tests after it rather than stalling CI
 
@@ -37,9 +41,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def checkpoint(root: Path, name: str, **kw) -> Path:
+def checkpoint(root: Path, name: str, quantize: str | None = None, **kw) -> Path:
     torch.manual_seed(0)
     model = Transformer(preset("tiny", **kw))  # context 64, byte tokenizer, 2 MoE layers of 4 experts, top-2
+    if quantize is not None:
+        quantize_model_(model, QuantSpec.parse(quantize))
     if kw["router"] == "vq":  # codes from real activations, so tokens spread over several experts
         with torch.no_grad():
             for layer in model.moe_layers:
@@ -121,7 +127,7 @@ def test_two_ranks_answer_as_one_process(ranks, reference, name):
 def test_each_rank_holds_only_its_experts(ranks, reference, name):
     model = reference[name].model
     cfg = model.cfg
-    whole = sum(p.numel() for p in model.parameters())
+    whole = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())  # quantized: buffers
     expert_params = sum(t.numel() for k, t in model.state_dict().items() if ".ffn.experts." in k)
     for rank, mine in ((0, [0, 1]), (1, [2, 3])):
         got = ranks[rank][name]

@@ -99,17 +99,17 @@ def test_bad_formats_are_named(bad, message):
         bad()
 
 
-def test_int4_keeps_wv_and_the_head_at_int8_by_default():
+def test_int4_keeps_wk_wv_and_the_head_at_int8_by_default():
     spec = QuantSpec.parse("int4")
-    assert spec == QuantSpec(4, 32, ("wv", "output"))
-    assert spec.for_weight("wv") == spec.for_weight("output") == QuantSpec(8)
+    assert spec == QuantSpec(4, 32, ("wk", "wv", "output"))
+    assert spec.for_weight("wk") == spec.for_weight("wv") == spec.for_weight("output") == QuantSpec(8)
     assert spec.for_weight("wq") == spec.for_weight("experts") == QuantSpec(4, 32)
     assert QuantSpec.parse("int4", 64, ()) == QuantSpec(4, 64)  # --int8-weights none: every weight at int4
-    assert spec.as_dict() == {"bits": 4, "group": 32, "int8": ["wv", "output"]}
+    assert spec.as_dict() == {"bits": 4, "group": 32, "int8": ["wk", "wv", "output"]}
     assert QuantSpec(4, 32).as_dict() == {"bits": 4, "group": 32}  # uniform configs are what they were
     assert QuantSpec.from_dict(spec.as_dict()) == spec and QuantSpec.from_dict({"bits": 8, "group": None}) == \
         QuantSpec(8)
-    assert describe(spec.as_dict()) == "int4 (group 32; wv, output at int8)"
+    assert describe(spec.as_dict()) == "int4 (group 32; wk, wv, output at int8)"
     torch.manual_seed(0)
     model = Transformer(preset("tiny"))
     quantize_model_(model, spec)
@@ -124,7 +124,7 @@ def test_int4_keeps_wv_and_the_head_at_int8_by_default():
 
 def test_config_validates_quantization():
     assert MoEConfig(quantization={"bits": 4, "group": 64}).quantization == {"bits": 4, "group": 64}
-    keep = {"bits": 4, "group": 32, "int8": ["wv", "output"]}
+    keep = {"bits": 4, "group": 32, "int8": ["wk", "wv", "output"]}
     assert MoEConfig(quantization=keep).quantization == keep
     for bad in ({"bits": 4, "group": None}, {"bits": 8, "group": 32}, {"bits": 3, "group": None}, {"bits": 8},
                 {"bits": True, "group": None}, "int8", {"bits": 8, "group": None, "int8": []},
@@ -333,6 +333,6 @@ def test_score_with_quantize_records_it_and_a_resume_must_match(float_ckpt, tmp_
     cfg, info = ScoreConfig(inp, out), scan_input(inp)
     int4 = _identity(cfg, info, ModelFacts.of(engine))
     int8 = _identity(cfg, info, ModelFacts.of(Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int8")))
-    assert int4["settings"]["quantization"] == {"bits": 4, "group": 32, "int8": ["wv", "output"]}
-    assert _differences(int4, int8) == ["quantization: {'bits': 4, 'group': 32, 'int8': ['wv', 'output']} in the run, "
-                                        "{'bits': 8, 'group': None} now"]
+    assert int4["settings"]["quantization"] == {"bits": 4, "group": 32, "int8": ["wk", "wv", "output"]}
+    assert _differences(int4, int8) == ["quantization: {'bits': 4, 'group': 32, 'int8': ['wk', 'wv', 'output']} in the "
+                                        "run, {'bits': 8, 'group': None} now"]

@@ -260,7 +260,7 @@ PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A"]
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4-uniform"])
 def test_an_engine_on_the_quantized_ops_is_the_reference_within_rounding(float_ckpt, fmt):
     """The plan a GPU gets (quant_ops), run on a CPU with the ops' CPU twins: each linear map laid out on its op where
-    the shape fits (an int4 LM head's 259 outputs do not fit tinygemm's tiles: reference; int4 keeps wv and the head
+    the shape fits (an int4 LM head's 259 outputs do not fit tinygemm's tiles: reference; int4 keeps wk, wv and the head
     at int8 by default), the experts indexed; the logits of the weight-only reference within bfloat16's rounding."""
     spec = QuantSpec(4, 32) if fmt == "int4-uniform" else QuantSpec.parse(fmt)
     plan = DispatchPlan(gather_max=1, quant_ops=True)

@@ -209,7 +209,7 @@ def _step_model(spec: QuantSpec, dtype: torch.dtype, quant_head: bool, seed: int
               "gate": mk(E, D).to(dtype)}
         for name, shape in (("wq", (H * Dh, D)), ("wk", (G * Dh, D)), ("wv", (G * Dh, D)), ("wo", (D, H * Dh)),
                             ("w1", (E, F_, D)), ("w3", (E, F_, D)), ("w2", (E, D, F_))):
-            ly[name] = quantize(mk(*shape), spec.for_weight(name if name in ("wq", "wk", "wv", "wo") else "experts"))
+            ly[name] = quantize(mk(*shape), spec.for_weight(name if name in ATTENTION else "experts"))
         layers.append(ly)
     head = mk(V, D)
     return dict(nL=nL, D=D, H=H, G=G, Dh=Dh, E=E, K=K, F=F_, V=V, P=P, spec=spec, dtype=dtype, layers=layers,
@@ -274,11 +274,11 @@ def _reference_step(m: dict, tokens, slots, pos, kc: list, vc: list):
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-recipe"])
 def test_a_decode_step_on_quantized_weights_equals_its_torch_composition(fmt, B, dtype):
     """Logits, expert choices and the caches written, against the step composed in torch from the same quantized
-    weights (quantized head too for int8; a float head beside int4 layers; int4 with wv and the head kept at int8,
+    weights (quantized head too for int8; a float head beside int4 layers; int4 with wk, wv and the head kept at int8,
     the formats mixed within a layer). Within float32 rounding but for an activation rounded to the neighbouring
     int8 step (see test_quantized_experts_equal_the_reference); in bf16 within a few bf16 roundings carried
     through two layers."""
-    spec = QuantSpec(4, 32, ("wv", "output")) if fmt == "int4-recipe" else SPECS[fmt]
+    spec = QuantSpec(4, 32, ("wk", "wv", "output")) if fmt == "int4-recipe" else SPECS[fmt]
     m = _step_model(spec, dtype, quant_head=fmt != "int4-g32", seed=B)
     step = _kernel_step(m)
     S = 4

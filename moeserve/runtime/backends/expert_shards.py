@@ -18,7 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.runtime.backends import cpu_kernel
+from moeserve.runtime.backends.quant_kernel import KernelQuantExperts
 from moeserve.runtime.experts import Dispatch, Experts, combine, compute, dispatch
+from moeserve.runtime.quant import QuantExperts, QuantSpec
 
 ShardCall = Callable[[Tensor, list[int]], Tensor]  # shard(x_ND of its experts, rows per expert) -> y_ND
 
@@ -62,6 +64,49 @@ class ExpertShard(nn.Module):
             return self.kernel(x_ND, torch.tensor(counts, dtype=torch.int64))
         d = Dispatch(x_ND, counts, tok_N=x_ND.new_empty(0), gates_N=x_ND.new_empty(0))
         return compute(d, self.w1, self.w2, self.w3, expert_ids=self.expert_ids)
+
+
+class QuantExpertShard(nn.Module):
+    """Some of a layer's experts on quantized weights (runtime/quant.py): the slice an expert-parallel rank loads of a
+    quantized checkpoint, its `experts` a QuantExperts of just these (global ids `expert_ids`). Called as ExpertShard
+    is; each row goes through its expert with gate 1, so the rows' outputs are the experts' own and the caller's
+    combine weighs them."""
+
+    def __init__(self, expert_ids: Sequence[int], experts: QuantExperts):
+        super().__init__()
+        if len(expert_ids) != experts.n_experts:
+            raise ValueError(f"{len(expert_ids)} expert ids for {experts.n_experts} stacked experts")
+        self.expert_ids, self.experts = list(expert_ids), experts
+        self.kernel: KernelQuantExperts | None = None
+
+    @classmethod
+    def of_tensors(cls, expert_ids: Sequence[int], spec: QuantSpec, act: str, tensors: dict[str, Tensor]
+                   ) -> "QuantExpertShard":
+        """From a checkpoint's slice: tensors "w1_qweight", "w1_scale", ... ([E_local, ...] each, as stored)."""
+        E = len(expert_ids)
+        q1 = tensors["w1_qweight"]
+        F_, D = q1.shape[1], q1.shape[2] * (2 if spec.bits == 4 else 1)
+        experts = QuantExperts(E, D, F_, act, spec, device=q1.device)
+        for name, buf in experts.named_buffers():
+            if name not in tensors or tensors[name].shape != buf.shape or tensors[name].dtype != buf.dtype:
+                raise ValueError(f"a {spec.name} expert slice needs {name} {buf.dtype} {list(buf.shape)}")
+            setattr(experts, name, tensors[name])
+        return cls(expert_ids, experts)
+
+    def prepare_inference(self) -> bool:
+        """The C kernel's quantized layer (quant_kernel.KernelQuantExperts) where it runs, as the single-process
+        model's experts use it; whether it does."""
+        e = self.experts
+        F_, D = e.w1_qweight.shape[1], e.w2_qweight.shape[1]
+        if e.w1_qweight.device.type == "cpu" and cpu_kernel.unavailable_reason() is None and D % 32 == F_ % 32 == 0:
+            self.kernel = KernelQuantExperts.of(e)
+        return self.kernel is not None
+
+    def forward(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+        ids_N1 = torch.repeat_interleave(torch.arange(len(counts), device=x_ND.device),
+                                         torch.tensor(counts, device=x_ND.device))[:, None]
+        ones = x_ND.new_ones(x_ND.shape[0], 1)
+        return (self.kernel.moe if self.kernel is not None else self.experts)(x_ND, ids_N1, ones)
 
 
 class ShardedExperts(nn.Module):
