@@ -6,7 +6,9 @@
    block and taking integer dot products (llama.cpp's Q8_0 x Q8_0: VNNI's vpdpbusd where the CPU has it, maddubs +
    madd on plain AVX2), each block's integer sum scaled in float32. So the latter, for both formats. int8 then
    streams at memory's pace; int4 on AVX512 takes four blocks a 512-bit step (Q4X below), which made it match
-   memory at one row; from four rows on it is compute-bound. The AVX2 int4 kernel is still one block a step.
+   memory at one row; from four rows on it is compute-bound. int4 on AVX2 (Q4Y) takes four blocks a step too, as two
+   pairs on 256-bit vectors, which brought it to memory's pace at one row (it had been one block a step, compute-bound
+   at about two thirds of that; docs/bench/log.md).
 
    The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
      - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
@@ -16,7 +18,8 @@
      - int8: y = scale[o] * sum_b d_b s_b;  int4: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
        (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end; Q4X's
        int4: 16 lanes, each an exact int32 part of one block's s_b times that block's d_b scale_b, added by
-       _mm512_reduce_add_ps at the end), rounded once to bf16 for a bf16 x.
+       _mm512_reduce_add_ps at the end; Q4Y's: 8 lanes, each an exact int32 part of one block's s_b times d_b scale_b,
+       added left to right at the end), rounded once to bf16 for a bf16 x.
    Only the float32 order of the last step differs from a torch reference, so the two agree to float rounding.
    Each row of x has its own accumulators, in the same order whatever n, the thread count or the block is: a row's
    result does not depend on which other rows share the call (batch invariance, as gemm.c). */
@@ -343,7 +346,8 @@ static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m2
         const float *dq = x->dq + j0 * nbs * 4;                                                        \
         const int *c = (const int *)(x->c + j0 * nbs);                                                 \
         const __m256i m15 = _mm256_set1_epi8(15);                                                      \
-        const __m256i at01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), at23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3); \
+        const __m256i at01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                               \
+        const __m256i at23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);                               \
         unsigned short hbuf[per == 1 ? 4 : nbs], htail[4];                                            \
         u8 ntail[64];                                                                                  \
         for (long o = o0; o < o1; o++) {                                                               \
