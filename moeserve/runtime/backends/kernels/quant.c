@@ -102,7 +102,7 @@ struct qx qx_rows(const struct qx *p, long r0) {
 }
 
 /* One block b of a row (32 floats at xb): q and d (see the top), and int4's correction lanes, so that
-   sum (u - 8) q comes out of the unsigned u directly. Without Q4X, c[b] is 8 lanes, lane k -8 (q[4k] + .. +
+   sum (u - 8) q comes out of the unsigned u directly. Without Q4X or Q4Y, c[b] is 8 lanes, lane k -8 (q[4k] + .. +
    q[4k + 3]). With Q4X, per four blocks b = 4g + k (k < 4) one 16-lane c and 128 bytes of q4: lane 4i + k of the
    first 64 bytes holds q[4i .. 4i + 3] of block 4g + k, of the second q[16 + 4i .. 16 + 4i + 3], and c's lane
    4i + k is -8 times the sum of both. With Q4Y, per pair of blocks b = 2p + k (k < 2) 8 lanes of c and 64 bytes
