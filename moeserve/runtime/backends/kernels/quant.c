@@ -385,8 +385,10 @@ static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m2
                                                 h0, _mm256_loadu_si256(qj + 1));                       \
                     const __m256i a1 = dot_pair(_mm256_loadu_si256((const __m256i *)(cj + 8)), l1,         \
                                                 _mm256_loadu_si256(qj + 2), h1, _mm256_loadu_si256(qj + 3)); \
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(s01, _mm256_loadu_ps(dj)), acc[j]); \
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(s23, _mm256_loadu_ps(dj + 8)), acc[j]); \
+                    const __m256 sd0 = _mm256_mul_ps(s01, _mm256_loadu_ps(dj));                        \
+                    const __m256 sd1 = _mm256_mul_ps(s23, _mm256_loadu_ps(dj + 8));                    \
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), sd0, acc[j]);                     \
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), sd1, acc[j]);                     \
                 }                                                                                      \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8((v8)acc[j]));                \
