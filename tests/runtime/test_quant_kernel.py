@@ -98,6 +98,16 @@ for spec in (QuantSpec(8), QuantSpec(4, 32), QuantSpec(4, 64)):
             tol = (1e-5, 1e-6 * want.abs().max().item()) if dtype == torch.float32 else (2**-7, 1e-6)
             ok.append(torch.allclose(y, want, rtol=tol[0], atol=tol[1]))
             ok.append(torch.equal(linear_q(x[-1:], qw, sc, spec).double(), y[-1:]))
+# widths whose blocks are 1, 3, 4, 7 and 9 (the int4 kernels' steps of four blocks and pairs of blocks, and their
+# partial last steps), groups of 32, 64 and 96, 1 to 9 rows
+for I, groups in ((32, (32,)), (96, (32, 96)), (128, (32, 64)), (224, (32,)), (288, (32, 96))):
+    for spec in (QuantSpec(8), *(QuantSpec(4, G) for G in groups)):
+        qw, sc = quantize(torch.randn(13, I, generator=g), spec)
+        x = torch.randn(9, I, generator=g)
+        want = reference_linear_q(x, qw, sc, spec).double()
+        ys = [linear_q(x[:n], qw, sc, spec).double() for n in range(1, 10)]
+        ok.append(all(torch.allclose(y, want[:len(y)], rtol=1e-5, atol=1e-6 * want.abs().max().item()) for y in ys))
+        ok.append(all(torch.equal(y, ys[-1][:len(y)]) for y in ys))
 print(all(ok), len(ok))
 """
 
@@ -106,16 +116,16 @@ print(all(ok), len(ok))
 def test_both_sides_of_the_build(tmp_path):
     """-march=native on this CPU (vpdpbusd where it has AVX512-VNNI), the AVX2 side (maddubs + madd) built with
     -mno-avx512f, and the plain-C side built with -mno-avx2: each against the reference in a fresh process and
-    cache."""
+    cache, at widths of 1 to 10 blocks (the partial last steps of the int4 kernels) and 1 to 9 rows."""
     if "avx2" not in cpu_flags():
         pytest.skip("the vector paths need AVX2")
     native = _probe({"MOESERVE_CACHE": str(tmp_path / "native")}, BOTH_SIDES)
-    assert native == "None\nTrue 36"
+    assert native == "None\nTrue 62"
     if "avx512f" in cpu_flags():
         avx2 = _probe({"MOESERVE_CACHE": str(tmp_path / "avx2"), cpu_kernel.CFLAGS_ENV: "-mno-avx512f"}, BOTH_SIDES)
-        assert avx2 == "None\nTrue 36"
+        assert avx2 == "None\nTrue 62"
     plain = _probe({"MOESERVE_CACHE": str(tmp_path / "plain"), cpu_kernel.CFLAGS_ENV: "-mno-avx2"}, BOTH_SIDES)
-    assert plain == "None\nTrue 36"  # the plain-C lanes (no AVX2) of the same arithmetic
+    assert plain == "None\nTrue 62"  # the plain-C lanes (no AVX2) of the same arithmetic
 
 
 def _experts(E: int, D: int, F: int, act: str, spec: QuantSpec, g: torch.Generator) -> QuantExperts:

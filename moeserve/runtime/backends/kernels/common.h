@@ -72,7 +72,8 @@ INTERNAL void attend_decode_bf16_rows(const bf16 *q, const bf16 *kn, const bf16 
 
 /* quant.c: activations quantized per 32-element block (its comment has the arithmetic): n rows of I at q + j I,
    their scales at d + j nbs (nbs: the blocks rounded up to a multiple of 4, the extra ones 0), int4's correction
-   lanes at c + j nbs, and where the build has AVX512 the int4 kernel's copy of q at q4 + j 32 nbs (see quant.c).
+   lanes at c + j nbs, and where the build has AVX2 or AVX512 the int4 kernel's copy of q at q4 + j 32 nbs (see
+   quant.c).
    qx_bytes(n, I) bytes hold them (qx_at lays them out, qx_rows(p, r) is rows r.. of p); quantize_rows(_b) fills
    thread t of T's rows (a barrier must follow before share_q reads them). */
 typedef signed char i8;
@@ -81,6 +82,7 @@ struct qx {
     i32x8 *c;
     float *d;
     i8 *q, *q4;
+    float *dq; /* AVX2's int4 (quant.c's Q4Y): each block's d four times, at dq + j 4 nbs; else NULL */
     long I, nbs;
 };
 INTERNAL struct qx qx_rows(const struct qx *p, long r0);

@@ -6,7 +6,9 @@
    block and taking integer dot products (llama.cpp's Q8_0 x Q8_0: VNNI's vpdpbusd where the CPU has it, maddubs +
    madd on plain AVX2), each block's integer sum scaled in float32. So the latter, for both formats. int8 then
    streams at memory's pace; int4 on AVX512 takes four blocks a 512-bit step (Q4X below), which made it match
-   memory at one row; from four rows on it is compute-bound. The AVX2 int4 kernel is still one block a step.
+   memory at one row; from four rows on it is compute-bound. int4 on AVX2 (Q4Y) takes four blocks a step too, as two
+   pairs on 256-bit vectors, which brought it to memory's pace at one row (it had been one block a step, compute-bound
+   at about two thirds of that; docs/bench/log.md).
 
    The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
      - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
@@ -16,7 +18,8 @@
      - int8: y = scale[o] * sum_b d_b s_b;  int4: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
        (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end; Q4X's
        int4: 16 lanes, each an exact int32 part of one block's s_b times that block's d_b scale_b, added by
-       _mm512_reduce_add_ps at the end), rounded once to bf16 for a bf16 x.
+       _mm512_reduce_add_ps at the end; Q4Y's: 8 lanes, each an exact int32 part of one block's s_b times d_b scale_b,
+       added left to right at the end), rounded once to bf16 for a bf16 x.
    Only the float32 order of the last step differs from a torch reference, so the two agree to float rounding.
    Each row of x has its own accumulators, in the same order whatever n, the thread count or the block is: a row's
    result does not depend on which other rows share the call (batch invariance, as gemm.c). */
@@ -60,12 +63,20 @@ static inline float lanes8(v8 acc) { /* left to right, as finish() */
 #else
 #define Q4X 0
 #endif
+/* Q4Y: AVX2 (with F16C and FMA) where there is no Q4X: int4 takes four blocks a step on 256-bit vectors (see ROWS_Q4
+   below), from its own copy q4 of the activations' integers laid out per pair of blocks, the correction lanes c per
+   pair, and each block's d spread over four lanes (dq). */
+#if !Q4X && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define Q4Y 1
+#else
+#define Q4Y 0
+#endif
 
 static inline long blocks_stored(long I) { return (I / 32 + 3) / 4 * 4; }
 
 long qx_bytes(long n, long I) {
     const long nbs = blocks_stored(I);
-    return n * (I + nbs * (long)(sizeof(float) + sizeof(i32x8) + (Q4X ? 32 : 0))) + 128;
+    return n * (I + nbs * (long)(sizeof(float) + sizeof(i32x8) + (Q4X || Q4Y ? 32 : 0) + (Q4Y ? 16 : 0))) + 128;
 }
 
 struct qx qx_at(void *mem, long n, long I) {
@@ -73,8 +84,10 @@ struct qx qx_at(void *mem, long n, long I) {
     char *p = (char *)(((unsigned long)mem + 63) & ~63ul); /* the correction lanes first: 64-byte aligned */
     struct qx r = {.c = (i32x8 *)p, .I = I, .nbs = nbs};
     p += n * nbs * sizeof(i32x8);
-    r.q4 = Q4X ? (i8 *)p : 0;
-    p += Q4X ? n * nbs * 32 : 0;
+    r.q4 = Q4X || Q4Y ? (i8 *)p : 0;
+    p += Q4X || Q4Y ? n * nbs * 32 : 0;
+    r.dq = Q4Y ? (float *)p : 0;
+    p += Q4Y ? n * nbs * 16 : 0;
     r.d = (float *)p;
     r.q = (i8 *)(r.d + n * nbs);
     return r;
@@ -84,19 +97,23 @@ struct qx qx_rows(const struct qx *p, long r0) {
     struct qx r = *p;
     r.c += r0 * p->nbs, r.d += r0 * p->nbs, r.q += r0 * p->I;
     if (r.q4) r.q4 += r0 * p->nbs * 32;
+    if (r.dq) r.dq += r0 * p->nbs * 4;
     return r;
 }
 
 /* One block b of a row (32 floats at xb): q and d (see the top), and int4's correction lanes, so that
-   sum (u - 8) q comes out of the unsigned u directly. Without Q4X, c[b] is 8 lanes, lane k -8 (q[4k] + .. +
+   sum (u - 8) q comes out of the unsigned u directly. Without Q4X or Q4Y, c[b] is 8 lanes, lane k -8 (q[4k] + .. +
    q[4k + 3]). With Q4X, per four blocks b = 4g + k (k < 4) one 16-lane c and 128 bytes of q4: lane 4i + k of the
    first 64 bytes holds q[4i .. 4i + 3] of block 4g + k, of the second q[16 + 4i .. 16 + 4i + 3], and c's lane
-   4i + k is -8 times the sum of both. */
-static void quantize_block(const float *xb, long b, i8 *q, float *d, i32x8 *c, i8 *q4) {
+   4i + k is -8 times the sum of both. With Q4Y, per pair of blocks b = 2p + k (k < 2) 8 lanes of c and 64 bytes
+   of q4: q[0 .. 15] of block 2p + k at 16 k, q[16 .. 31] at 32 + 16 k, and c's lane 4k + i is -8 times the sum of
+   q[4i .. 4i + 3] and q[16 + 4i .. 16 + 4i + 3]; dq[4b .. 4b + 3] = d[b]. */
+static void quantize_block(const float *xb, long b, i8 *q, float *d, i32x8 *c, i8 *q4, float *dq) {
 #if Q4X
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const float dd = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.0f;
     d[b] = dd;
+    (void)dq;
     __m512i v0 = _mm512_setzero_si512(), v1 = v0;
     if (dd > 0) {
         const __m512 dv = _mm512_set1_ps(dd); /* true divisions, as torch's; rounded half to even */
@@ -145,38 +162,51 @@ static void quantize_block(const float *xb, long b, i8 *q, float *d, i32x8 *c, i
             s4[(k + l) / 4] += v[l];
         }
     }
-    (void)q4;
+#if Q4Y
+    i8 *qp = q4 + b / 2 * 64 + b % 2 * 16;
+    memcpy(qp, qb, 16), memcpy(qp + 32, qb + 16, 16);
+    int *cp = (int *)c + b / 2 * 8 + b % 2 * 4;
+    for (int i = 0; i < 4; i++) cp[i] = -8 * (s4[i] + s4[4 + i]), dq[4 * b + i] = dd;
+#else
+    (void)q4, (void)dq;
     i32x8 cl;
     for (int l = 0; l < 8; l++) cl[l] = -8 * s4[l];
     c[b] = cl;
 #endif
+#endif
 }
 
 /* the blocks past a row's last, up to nbs: zeros (they add nothing) */
-static void pad_row(long nb, long nbs, float *d, i32x8 *c, i8 *q4) {
+static void pad_row(long nb, long nbs, float *d, i32x8 *c, i8 *q4, float *dq) {
     for (long b = nb; b < nbs; b++) {
         d[b] = 0.0f;
 #if Q4X
+        (void)dq;
         const long g = b / 4, k = b % 4;
         for (int i = 0; i < 4; i++) {
             ((int *)c)[g * 16 + 4 * i + k] = 0;
             memset(q4 + g * 128 + (4 * i + k) * 4, 0, 4);
             memset(q4 + g * 128 + 64 + (4 * i + k) * 4, 0, 4);
         }
+#elif Q4Y
+        memset(q4 + b / 2 * 64 + b % 2 * 16, 0, 16), memset(q4 + b / 2 * 64 + 32 + b % 2 * 16, 0, 16);
+        memset((int *)c + b / 2 * 8 + b % 2 * 4, 0, 16), memset(dq + 4 * b, 0, 16);
 #else
-        (void)q4;
+        (void)q4, (void)dq;
         c[b] = (i32x8){0};
 #endif
     }
 }
 
-#define ROW_PTRS(j) p->q + (j) * p->I, p->d + (j) * nbs, p->c + (j) * nbs, Q4X ? p->q4 + (j) * nbs * 32 : 0
+#define ROW_PTRS(j) p->q + (j) * p->I, p->d + (j) * nbs, p->c + (j) * nbs, p->q4 ? p->q4 + (j) * nbs * 32 : 0, \
+                    p->dq ? p->dq + (j) * nbs * 4 : 0
 
 void quantize_rows(const float *x, long ldx, long n, struct qx *p, int t, int T) {
     const long nb = p->I / 32, nbs = p->nbs;
     for (long j = t; j < n; j += T) {
         for (long b = 0; b < nb; b++) quantize_block(x + j * ldx + b * 32, b, ROW_PTRS(j));
-        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, Q4X ? p->q4 + j * nbs * 32 : 0);
+        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, p->q4 ? p->q4 + j * nbs * 32 : 0,
+                p->dq ? p->dq + j * nbs * 4 : 0);
     }
 }
 
@@ -188,7 +218,8 @@ void quantize_rows_b(const bf16 *x, long ldx, long n, struct qx *p, int t, int T
             for (int k = 0; k < 32; k++) buf[k] = bf16_float(x[j * ldx + b * 32 + k]);
             quantize_block(buf, b, ROW_PTRS(j));
         }
-        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, Q4X ? p->q4 + j * nbs * 32 : 0);
+        pad_row(nb, nbs, p->d + j * nbs, p->c + j * nbs, p->q4 ? p->q4 + j * nbs * 32 : 0,
+                p->dq ? p->dq + j * nbs * 4 : 0);
     }
 }
 
@@ -283,7 +314,88 @@ static inline void store(float *yf, bf16 *yb, long at, float s) {
         }                                                                                              \
     }
 
-#if !Q4X
+#if Q4Y
+#ifndef Q4_PF
+#define Q4_PF 4096 /* bytes ahead, as Q4X's */
+#endif
+/* 8 lanes: c + the sums over four of l's bytes times ql's and four of h's times qh's (u unsigned, q signed; the
+   int16 pairs of maddubs are at most 2 * 15 * 127 each, so their sum of two cannot saturate either) */
+static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m256i qh) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(c, l, ql), h, qh);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(c, l, ql), h, qh);
+#else
+    const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(l, ql), _mm256_maddubs_epi16(h, qh));
+    return _mm256_add_epi32(c, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+#endif
+}
+/* Q4Y: four blocks a step (64 bytes of nibbles) as two pairs. A pair's 32 bytes hold block 2p's 16 in the low
+   128-bit lane and 2p + 1's in the high one, so their low nibbles (elements 0..15 of each) and high nibbles
+   (16..31) meet q4's pair layout as they lie: lane 4k + i of dot_pair is the exact sum over eight of block
+   2p + k's elements of (u - 8) q (from c). Per lane, in float32: acc += float(lane) (scale_b d_b), the four scales
+   converted by F16C and spread over the pairs' lanes by a permute, the d's read spread (dq); at the row's end the
+   8 lanes added left to right. The last step of a row whose blocks are not a multiple of 4 reads its nibbles and
+   scales from a copy padded with zeros (nothing past the row is read), its missing blocks having q = c = d = 0.
+   The same for every x row whatever N, so a row's result does not depend on N. */
+#define ROWS_Q4(N)                                                                                     \
+    static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
+                       float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
+        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs, full = nb / 4, ng4 = nbs / 4; \
+        const i8 *q = x->q4 + j0 * nbs * 32;                                                           \
+        const float *dq = x->dq + j0 * nbs * 4;                                                        \
+        const int *c = (const int *)(x->c + j0 * nbs);                                                 \
+        const __m256i m15 = _mm256_set1_epi8(15);                                                      \
+        const __m256i at01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                               \
+        const __m256i at23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);                               \
+        unsigned short hbuf[per == 1 ? 4 : nbs], htail[4];                                            \
+        u8 ntail[64];                                                                                  \
+        for (long o = o0; o < o1; o++) {                                                               \
+            const u8 *wr = w + o * ldw;                                                                \
+            const unsigned short *hs = sc + o * ng;                                                    \
+            if (per > 1) {                                                                             \
+                for (long b = 0; b < nb; b++) hbuf[b] = hs[b / per];                                   \
+                for (long b = nb; b < nbs; b++) hbuf[b] = 0;                                           \
+                hs = hbuf;                                                                             \
+            }                                                                                          \
+            __m256 acc[N];                                                                             \
+            for (int j = 0; j < N; j++) acc[j] = _mm256_setzero_ps();                                  \
+            for (long g = 0; g < ng4; g++) {                                                           \
+                const long b = 4 * g;                                                                  \
+                const u8 *wg = wr + g * 64;                                                            \
+                const unsigned short *hg = hs + b;                                                     \
+                _mm_prefetch((const char *)(wg + Q4_PF), _MM_HINT_T0);                                 \
+                if (g >= full) { /* the row's last, partial, step */                                  \
+                    memset(ntail, 0, 64), memcpy(ntail, wg, (nb - b) * 16), wg = ntail;                \
+                    if (per == 1) {                                                                    \
+                        memset(htail, 0, 8), memcpy(htail, hg, (nb - b) * 2), hg = htail;              \
+                    }                                                                                  \
+                }                                                                                      \
+                const __m256i n0 = _mm256_loadu_si256((const __m256i *)wg);                            \
+                const __m256i n1 = _mm256_loadu_si256((const __m256i *)(wg + 32));                     \
+                const __m256i l0 = _mm256_and_si256(n0, m15), h0 = _mm256_and_si256(_mm256_srli_epi16(n0, 4), m15); \
+                const __m256i l1 = _mm256_and_si256(n1, m15), h1 = _mm256_and_si256(_mm256_srli_epi16(n1, 4), m15); \
+                const __m256 s4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)hg))); \
+                const __m256 s01 = _mm256_permutevar8x32_ps(s4, at01), s23 = _mm256_permutevar8x32_ps(s4, at23); \
+                for (int j = 0; j < N; j++) {                                                          \
+                    const __m256i *qj = (const __m256i *)(q + j * nbs * 32 + g * 128);                 \
+                    const int *cj = c + j * nbs * 8 + g * 16;                                          \
+                    const float *dj = dq + j * nbs * 4 + g * 16;                                       \
+                    const __m256i a0 = dot_pair(_mm256_loadu_si256((const __m256i *)cj), l0, _mm256_loadu_si256(qj), \
+                                                h0, _mm256_loadu_si256(qj + 1));                       \
+                    const __m256i a1 = dot_pair(_mm256_loadu_si256((const __m256i *)(cj + 8)), l1,         \
+                                                _mm256_loadu_si256(qj + 2), h1, _mm256_loadu_si256(qj + 3)); \
+                    const __m256 sd0 = _mm256_mul_ps(s01, _mm256_loadu_ps(dj));                        \
+                    const __m256 sd1 = _mm256_mul_ps(s23, _mm256_loadu_ps(dj + 8));                    \
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), sd0, acc[j]);                     \
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), sd1, acc[j]);                     \
+                }                                                                                      \
+            }                                                                                          \
+            for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8((v8)acc[j]));                \
+        }                                                                                              \
+    }
+
+#elif !Q4X
 #define ROWS_Q4(N)                                                                                     \
     static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
                        float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
