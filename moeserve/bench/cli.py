@@ -9,6 +9,7 @@ from typing import Callable
 
 from moeserve.config import PRESETS
 from moeserve.convert import add_int8_weights
+from moeserve.runtime import GPU_QUANT_FORMATS, QUANT_FORMATS
 from moeserve.export import MODES
 
 
@@ -69,6 +70,9 @@ def add_bench(sub, calibrate_help: str) -> None:
     be.add_argument("--calibrate", action="store_true", help=calibrate_help)
     be.add_argument("--compile", action="store_true",
                     help="also time the Engine with its compiled decode step (torch.compile; see serve --compile)")
+    be.add_argument("--quantize", nargs="+", choices=QUANT_FORMATS + GPU_QUANT_FORMATS, metavar="FORMAT",
+                    help="also time the Engine with its weights quantized at load in each format (int8, int4; fp8 "
+                    "on GPUs), compiled with --compile")
     _report_files(be)
     be.set_defaults(func=_main("moeserve.bench.engine"))
     bg = bsub.add_parser("gpu", help="the GPU acceptance run: the cuda tests, bench engine at batch 1 and 32 on the "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.bench.quant import weight_bytes_per_token
 from moeserve.bench.report import BenchError, run_bench
 from moeserve.checkpoint import parameter_counts
 from moeserve.runtime.backends.calibration import interleaved_ms
@@ -104,7 +105,7 @@ def decode_weight_bytes(engine: Engine) -> int:
 def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16, repeats: int = 5,
                  backends: tuple[str, ...] = ("eager", "grouped_mm"), checkpoint: Path | None = None,
                  calibration: str | None = None, compiled: bool = False, model: str = "tiny", device: str = "cpu",
-                 batch: int = 1, progress=print) -> dict:
+                 batch: int = 1, quantize: tuple[str, ...] = (), progress=print) -> dict:
     """Runs of the implementations are interleaved (one of each per round, after a warm-up of each),
     so that drift in the machine's speed hits all of them alike; the median round is reported. The
     Engine runs the dispatch plan calibrated for this machine (reported); a dtype torch does not run
@@ -112,7 +113,10 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     on`: its compile time is reported, and kept out of the timed rounds by the warm-up), and on CUDA in bf16
     again with its experts as one grouped GEMM (DispatchPlan.decode_grouped): which of the two ways is faster
     is measured per batch size, not assumed. `batch` prompts of `prompt_len` random tokens each, decoded
-    together (no padding: the same length)."""
+    together (no padding: the same length). `quantize`: the Engine again with its weights quantized at load in
+    each of these formats (int8, int4, fp8: runtime/quant.py), compiled where `compiled` is, in the same rounds;
+    their tokens differ from the float model's by the quantization (same_tokens says whether), and their bandwidth
+    counts the quantized bytes a token reads."""
     from transformers import MixtralForCausalLM
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -168,6 +172,13 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                     grouped.executor.warm_up(batch)
                     impls[f"moeserve Engine, compiled decode, {GROUPED}"] = lambda n=new_tokens: ours(grouped, n)
                     engines[f"moeserve Engine, compiled decode, {GROUPED}"] = grouped
+            quantized_bytes = {}
+            for fmt in quantize:
+                name = f"moeserve Engine, {fmt}" + (", compiled decode" if compiled else "")
+                q = Engine.load(path, dtype=dtype, device=device, quantize=fmt, compile="on" if compiled else "off")
+                q.executor.warm_up(batch)
+                impls[name] = lambda n=new_tokens, q=q: ours(q, n)
+                engines[name], quantized_bytes[name] = q, weight_bytes_per_token(q.model)
             ids = prompts.to(device)
             for backend in backends:
                 hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend)
@@ -217,9 +228,10 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 if name in engines:  # every run's decode tokens, warm-up's included: a compiled row's must replay
                     row["decode_paths"] = dict(engines[name].executor.decode_tokens)
                 if batch == 1:  # a decode step reads each weight once for one token: bandwidth-bound
-                    row["weights_gb_per_s"] = round(weight_bytes * decode_tps / 1e9, 1)
-                    row["pct_of_copy_bandwidth"] = round(100 * weight_bytes * decode_tps / 1e9 / bandwidth, 1)
-                    row["pct_of_read_bandwidth"] = round(100 * weight_bytes * decode_tps / 1e9 / read, 1)
+                    wb = quantized_bytes.get(name, weight_bytes)
+                    row["weights_gb_per_s"] = round(wb * decode_tps / 1e9, 1)
+                    row["pct_of_copy_bandwidth"] = round(100 * wb * decode_tps / 1e9 / bandwidth, 1)
+                    row["pct_of_read_bandwidth"] = round(100 * wb * decode_tps / 1e9 / read, 1)
                 if name != "moeserve Engine":
                     ours_flat = [t for row_ in tokens["moeserve Engine"] for t in row_]
                     theirs = [t for row_ in tokens[name] for t in row_]
@@ -308,5 +320,5 @@ def main(args) -> int:
     report = run_bench(args, "engine", lambda progress: bench_engine(
         args.dtypes, args.new_tokens, args.prompt_len, args.repeats, checkpoint=args.checkpoint,
         calibration="redo" if args.calibrate else None, compiled=args.compile, model=args.model, device=args.device,
-        batch=args.batch, progress=progress))
+        batch=args.batch, quantize=tuple(args.quantize or ()), progress=progress))
     return 2 if report is None else 0
