@@ -148,19 +148,22 @@ class Rebalance:
     load: list[list[int]]  # [L][E] rows routed to each expert in the window, summed over the group
     before: list[float]  # imbalance the window measured: rows each rank computed, under the placement then in force
     owners_only: list[float]  # what the window's load gives with no replicas (= before in the first window)
-    after: list[float]  # what the window's load gives under the new placement (predicted: the equal split)
-    replicas: list[list[list[int]]]  # [L][R] the new placement
+    after: list[float]  # what the window's load gives under the placement now in force (predicted: equal split)
+    replicas: list[list[list[int]]]  # [L][R] the placement now in force (the new one, or the one kept)
     moved: int  # expert copies whose weights travelled (each layer's and rank's new copies)
 
 
 @dataclass
 class Replication:
     """The rebalance of one rank's MoE layers: `after_step` once per lockstep step with work (every rank does the
-    same, so they rebalance together), `rebalance` every `every` of them. `room` replica slots per rank and layer."""
+    same, so they rebalance together), `rebalance` every `every` of them. `room` replica slots per rank and layer.
+    A layer keeps the copies it has unless the new placement's imbalance, on the window's load, is lower than theirs
+    by more than `keep_within`: a window's noise alone moves no weights."""
 
     layers: list["ExpertParallelExperts"]
     room: int
     every: int
+    keep_within: float = 0.02
     steps: int = 0
     history: list[Rebalance] = field(default_factory=list)
     _seen: list[tuple[Tensor, int]] = field(default_factory=list)  # each layer's counters at the last rebalance
@@ -194,6 +197,9 @@ class Replication:
         for ep, row in zip(self.layers, window):
             load, computed = row[:E], row[E:]
             placement = place_replicas(load, ep.ranges, self.room) if sum(load) else ep.placement
+            if imbalance(rank_rows(load, ep.ranges, ep.placement)) <= imbalance(
+                    rank_rows(load, ep.ranges, placement)) + self.keep_within:
+                placement = ep.placement
             report.moved += ep.set_replicas(placement)
             report.load.append(load)
             report.before.append(imbalance(computed))
