@@ -13,7 +13,10 @@ number of MoE-layer calls. The protocol, once per loop iteration ("step"):
      or leave the loop when every rank has been asked to stop and has nothing left;
   4. else run the step, count the forward passes it really made (a sequence may end in a prefill and skip the
      decode), and make up the difference to the agreed maximum with empty passes: each MoE layer called on 0
-     tokens, which takes part in exactly the exchanges a real forward makes (the same modules decide them).
+     tokens, which takes part in exactly the exchanges a real forward makes (the same modules decide them);
+  5. with redundant experts (RankOptions.redundant_experts), every `rebalance_every` steps with work: the
+     rebalance (expert_replicas.py), an all-reduce of the window's expert load and the new copies' weights, taken
+     by every rank together since the count of steps with work is agreed.
 
 Every forward pass of a model makes the same sequence of exchanges whatever its tokens (one per MoE layer, two for
 a VQ mixed layer whose discrete path is not a table), so any real pass lines up with any other rank's real or
@@ -42,6 +45,7 @@ from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dt
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
 )
+from moeserve.runtime.expert_replicas import Replication
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.output import EventCallback
 from moeserve.runtime.quant import QuantSpec, describe
@@ -148,11 +152,20 @@ class RankOptions:
     dtype: str = "float32"
     calibration: str | None = None  # Engine.load's; every rank should use the same plan (calibrate once per machine)
     verify: bool = True  # check the checkpoint's hashes while loading
+    # replica slots per rank and MoE layer for other ranks' hot experts (expert_replicas.py; 0: off). Each costs up
+    # to one expert's weights per layer, and outputs do not change; it evens out the ranks' expert work
+    redundant_experts: int = 0
+    # steps with work between two placements of the copies: each costs one all-reduce of [L, E + R] counts, and
+    # moves the weights of the copies that changed; fewer steps follow the load sooner, on a noisier window
+    rebalance_every: int = 64
 
     def __post_init__(self) -> None:
         if self.slots < 1 or (self.prefill_chunk is not None and self.prefill_chunk < 1) or not self.idle_sleep_s >= 0:
             raise ExpertParallelError(f"slots = {self.slots}, prefill_chunk = {self.prefill_chunk}, idle_sleep_s = "
                                       f"{self.idle_sleep_s}: expected >= 1, >= 1 (or None) and >= 0")
+        if self.redundant_experts < 0 or self.rebalance_every < 1:
+            raise ExpertParallelError(f"redundant_experts = {self.redundant_experts}, rebalance_every = "
+                                      f"{self.rebalance_every}: expected >= 0 and >= 1")
 
 
 @dataclass
@@ -182,6 +195,9 @@ class EPRank:
         self.steps = engine.step_engine(o.slots, o.max_len, o.prefill_chunk or default_prefill_chunk(engine.device))
         self.lockstep = Lockstep(group, engine.model)
         self.stats = RankStats()
+        # the copies of hot experts, placed every rebalance_every steps with work (None: off)
+        self.replication = (Replication(self.experts, o.redundant_experts, o.rebalance_every)
+                            if o.redundant_experts else None)
         self._inbox: queue.SimpleQueue[Sequence | _ScoreJob] = queue.SimpleQueue()
         self._futures: dict[Sequence, Future] = {}
         self._scores: list[_ScoreJob] = []
@@ -273,6 +289,8 @@ class EPRank:
                     self._score_slice(job)
                 made = self.lockstep.calls
                 self.stats.empty_passes += self.lockstep.pad()
+                if self.replication is not None and most:  # between steps, every rank together (`most` is agreed)
+                    self.replication.after_step()
             self.stats.model_calls += made
             for seq in ended:
                 self._resolve(seq)

@@ -25,6 +25,13 @@ whole-step decode (it needs the layer's experts as FusedExperts, which these are
 checks). A quantized checkpoint's ranks load their slice's integers and scales as stored (QuantExpertShard), and
 the exchange moves activations only, so it is the same for every weight format.
 
+With redundant experts (expert_replicas.py: off by default), a rank also holds copies of other ranks' hot experts
+in slots after its own, the same placement on every rank. Each sender splits an expert's rows over its copies and
+sends them in the order of each rank's slots (its own experts, then its copies), so the counts all-to-all is
+[slots] per rank instead of [E_local], and a receiver computes its own experts and its copies as two shards. A copy
+is its owner's weights, so a row's result is the owner's: bit-identical where the expert computes each row alone
+(the C kernel), within float rounding where a GEMM's blocking depends on how many rows it gets (torch).
+
 On GPUs (NCCL) the exchange here still reads the counts back to the host to size the row buffers, which a CUDA
 graph cannot hold. A capturable step replaces the two variable all-to-alls by fixed-size ones: per batch bucket,
 buffers of [R, capacity, D] rows (capacity = the bucket's T*K, the most one rank can send another), padded, with
@@ -45,6 +52,7 @@ from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError, UserError
 from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard, contiguous_ranges
+from moeserve.runtime.expert_replicas import as_bytes, copies_of, shard_like, shard_tensors, split_rows
 from moeserve.runtime.experts import Experts, combine, dispatch
 
 __all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "LockstepError", "join_group"]
@@ -131,6 +139,7 @@ class ExchangeStats:
     all_to_all_s: float = 0.0  # in the three all_to_all_single calls, summed
     rows_sent: int = 0  # to other ranks (not counting rows for this rank's own experts)
     rows_received: int = 0  # from other ranks
+    rows_computed: int = 0  # by this rank's experts and replicas, its own rows included (its share of the load)
 
 
 class ExpertParallelExperts(nn.Module):
@@ -147,6 +156,12 @@ class ExpertParallelExperts(nn.Module):
         self.group, self.n_experts, self.local = group, n_experts, local
         self.ranges = contiguous_ranges(n_experts, group.world_size)
         self.stats = ExchangeStats()
+        # rows this rank routed to each expert, in all (on the host: the model may be being built on the meta device)
+        self.routed_E = torch.zeros(n_experts, dtype=torch.int64, device="cpu")
+        # redundant copies (expert_replicas.py), the same on every rank: per rank, the other ranks' experts it holds
+        self.placement: list[list[int]] = [[] for _ in range(group.world_size)]
+        self.replicas: ExpertShard | QuantExpertShard | None = None  # this rank's: placement[rank], stacked
+        self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
 
     @classmethod
     def of(cls, experts: Experts, group: EPGroup) -> "ExpertParallelExperts":
@@ -163,32 +178,114 @@ class ExpertParallelExperts(nn.Module):
 
     def exchange(self, x_ND: Tensor, counts: list[int]) -> Tensor:
         """The experts' outputs for rows sorted by expert (`counts` [E] of each), in the same order, whichever rank
-        computed them. Each rank calls it once per layer call, with zero rows if it has none."""
-        R, g, dev = self.group.world_size, self.group.group, self.group.device
-        E_local = len(self.local.expert_ids)
-        to_rank = [sum(counts[r.start:r.stop]) for r in self.ranges]  # rows this rank sends each rank
+        computed them. Each rank calls it once per layer call, with zero rows if it has none. With replicas, each
+        expert's rows are split over its copies (expert_replicas.split_rows) and sent in the order of the ranks'
+        slots (their own experts, then their replicas)."""
+        R, g, dev, me = self.group.world_size, self.group.group, self.group.device, self.group.rank
+        counts_E = torch.tensor(counts, dtype=torch.int64, device="cpu")
+        self.routed_E += counts_E
+        if self._copies is None:  # every expert on its owner alone: the sorted rows are already in send order
+            send_S, order_N = counts_E, None
+            slots = [len(r) for r in self.ranges]
+        else:
+            send_S, order_N = self._route(counts)
+            slots = [len(r) + len(ids) for r, ids in zip(self.ranges, self.placement)]
+        to_rank = [int(t.sum()) for t in send_S.split(slots)]  # rows this rank sends each rank
+        S_me = slots[me]
         t0 = time.perf_counter()
-        recv_RE = torch.empty(R * E_local, dtype=torch.int64, device=dev)
-        dist.all_to_all_single(recv_RE, torch.tensor(counts, dtype=torch.int64, device=dev),
-                               [E_local] * R, [len(r) for r in self.ranges], group=g)
-        recv_RE = recv_RE.view(R, E_local).cpu()
-        from_rank = recv_RE.sum(1).tolist()  # rows each rank sends here
+        recv_RS = torch.empty(R * S_me, dtype=torch.int64, device=dev)
+        dist.all_to_all_single(recv_RS, send_S.to(dev), [S_me] * R, slots, group=g)
+        recv_RS = recv_RS.view(R, S_me).cpu()
+        from_rank = recv_RS.sum(1).tolist()  # rows each rank sends here
         x_in = x_ND.new_empty(sum(from_rank), x_ND.shape[1])
-        dist.all_to_all_single(x_in, x_ND.contiguous(), from_rank, to_rank, group=g)
+        x_send = x_ND if order_N is None else x_ND[order_N.to(x_ND.device)]
+        dist.all_to_all_single(x_in, x_send.contiguous(), from_rank, to_rank, group=g)
         t1 = time.perf_counter()
-        order = expert_major(recv_RE)
-        y_in = self.local(x_in if order is None else x_in[order], recv_RE.sum(0).tolist())
+        order = expert_major(recv_RS)
+        y_in = self._compute(x_in if order is None else x_in[order], recv_RS.sum(0).tolist())
         if order is not None:
             y_in = torch.empty_like(y_in).index_copy_(0, order.to(y_in.device), y_in)
         t2 = time.perf_counter()
-        y_ND = x_ND.new_empty(x_ND.shape[0], y_in.shape[1])
-        dist.all_to_all_single(y_ND, y_in.contiguous(), to_rank, from_rank, group=g)
-        s, me = self.stats, self.group.rank
+        y_send = x_ND.new_empty(x_ND.shape[0], y_in.shape[1])
+        dist.all_to_all_single(y_send, y_in.contiguous(), to_rank, from_rank, group=g)
+        s = self.stats
         s.calls += 1
         s.all_to_all_s += (t1 - t0) + (time.perf_counter() - t2)
         s.rows_sent += sum(to_rank) - to_rank[me]
         s.rows_received += sum(from_rank) - from_rank[me]
-        return y_ND
+        s.rows_computed += sum(from_rank)
+        if order_N is None:
+            return y_send
+        return torch.empty_like(y_send).index_copy_(0, order_N.to(y_send.device), y_send)
+
+    def _route(self, counts: list[int]) -> tuple[Tensor, Tensor]:
+        """(rows this rank sends to each (rank, slot), every rank's slots in turn; the sorted rows' indices in that
+        order): expert e's rows split over its copies, the split's remainder rotating with the call count."""
+        blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, slot) -> (first row, rows)
+        start, turn = 0, self.stats.calls + self.group.rank
+        for e, (n, copies) in enumerate(zip(counts, self._copies)):
+            for copy, part in zip(copies, split_rows(n, len(copies), (turn + e) % len(copies))):
+                blocks[copy] = (start, part)
+                start += part
+        send, index = [], []
+        for r, (rg, ids) in enumerate(zip(self.ranges, self.placement)):
+            for slot in range(len(rg) + len(ids)):
+                first, n = blocks[(r, slot)]
+                send.append(n)
+                if n:
+                    index.append(torch.arange(first, first + n, device="cpu"))
+        order_N = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64, device="cpu")
+        return torch.tensor(send, dtype=torch.int64, device="cpu"), order_N
+
+    def _compute(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+        """This rank's slots on their rows (sorted by slot): its own experts, then its replicas."""
+        E_local = len(self.local.expert_ids)
+        n_local = sum(counts[:E_local])
+        y_ND = self.local(x_ND[:n_local], counts[:E_local])
+        if n_local == x_ND.shape[0]:
+            return y_ND
+        return torch.cat([y_ND, self.replicas(x_ND[n_local:], counts[E_local:])])
+
+    def set_replicas(self, placement: list[list[int]]) -> int:
+        """Hold the copies `placement` gives this rank (per rank, the sorted ids of other ranks' experts it holds),
+        their weights sent by their owners, and route rows to every copy from the next call. Every rank calls it
+        together with the same placement (expert_replicas.Replication); nothing is exchanged when it is the
+        placement already in force. How many copies the group's ranks newly hold."""
+        R, me = self.group.world_size, self.group.rank
+        placement = [sorted(ids) for ids in placement]
+        if len(placement) != R or any(len(set(ids)) != len(ids) or any(
+                not 0 <= e < self.n_experts or e in self.ranges[r] for e in ids) for r, ids in enumerate(placement)):
+            raise ExpertParallelError(f"placement {placement}: expected, for each of {R} ranks, distinct ids of other "
+                                      f"ranks' experts (of {self.n_experts}, ranks' own {self.ranges})")
+        if placement == self.placement:
+            return 0
+        new = [[e for e in ids if e not in old] for ids, old in zip(placement, self.placement)]  # copies to send
+        mine = self.ranges[me]
+        out_splits = [sum(e in mine for e in ids) for ids in new]  # to each rank, its new copies of my experts
+        in_splits = [sum(e in rg for e in new[me]) for rg in self.ranges]  # from each owner, my new copies
+        send_index = torch.tensor([e - mine.start for ids in new for e in ids if e in mine], dtype=torch.int64,
+                                  device="cpu")
+        received_from = [e for rg in self.ranges for e in new[me] if e in rg]  # the order the copies arrive in
+        held = shard_tensors(self.replicas) if self.replicas is not None else {}
+        kept = self.placement[me]
+        stacked = {}
+        for name, t in shard_tensors(self.local).items():
+            got = torch.empty((sum(in_splits), *as_bytes(t[:1]).shape[1:]), dtype=torch.uint8, device=t.device)
+            dist.all_to_all_single(got, as_bytes(t[send_index.to(t.device)]) if len(send_index) else
+                                   torch.empty((0, *got.shape[1:]), dtype=torch.uint8, device=t.device),
+                                   in_splits, out_splits, group=self.group.group)
+            got = got.view(t.dtype).view(sum(in_splits), *t.shape[1:])
+            rows = [got[received_from.index(e)] if e in received_from else held[name][kept.index(e)]
+                    for e in placement[me]]
+            stacked[name] = torch.stack(rows) if rows else None
+        self.replicas = shard_like(self.local, placement[me], stacked) if placement[me] else None
+        self.placement = placement
+        self._copies = None
+        if any(placement):
+            slot = [{e: i for i, e in enumerate([*rg, *ids])} for rg, ids in zip(self.ranges, placement)]
+            self._copies = [[(r, slot[r][e]) for r in ranks] for e, ranks in enumerate(copies_of(self.ranges,
+                                                                                                  placement))]
+        return sum(map(len, new))
 
 
 def expert_major(recv_RE: Tensor) -> Tensor | None:
