@@ -12,7 +12,6 @@ Before anything is timed, each rank checks its layer's output against the in-pro
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import statistics
 import traceback
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from moeserve.bench.report import BenchError, run_bench
+from moeserve.bench.server_process import free_port
 from moeserve.bench.stats import percentile, timed_ms
 from moeserve.config import preset
 from moeserve.runtime.backends.expert_shards import ExpertShard
@@ -28,12 +28,6 @@ from moeserve.runtime.experts import combine, dispatch
 from moeserve.runtime.moe import MoELayer
 
 WAIT_S = 300  # for the ranks' reports: a rank that died or hung ends the bench instead of stalling it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, model: str, tokens: list[int], calls: int, results) -> None:
@@ -94,7 +88,7 @@ def bench_ep(ranks: int, tokens: list[int], calls: int, model: str = "small", lo
         raise BenchError(f"--tokens {tokens} and --calls {calls}: expected counts >= 1")
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     log(f"starting {ranks} ranks on gloo (127.0.0.1:{port}), {calls} calls per token count")
     procs = [ctx.Process(target=_rank, args=(r, ranks, port, model, tokens, calls, results), daemon=True)
              for r in range(ranks)]

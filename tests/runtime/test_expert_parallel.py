@@ -7,13 +7,12 @@ many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ray_
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.engine import Engine, SamplingParams
@@ -33,12 +32,6 @@ ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
            "softmax-int4": dict(router="softmax", quantize="int4"), "xmoe-int8": dict(router="xmoe", quantize="int8")}
 BUSY_S = 2.0
 RUN_TIMEOUT_S = 120  # the whole two-rank run; a hang fails the tests after it rather than stalling CI
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checkpoint(root: Path, name: str, quantize: str | None = None, **kw) -> Path:
@@ -67,27 +60,11 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ranks(checkpoints) -> dict[int, dict]:
     """Both ranks' reports (tests/runtime/ep_worker.py), from one run of two spawned processes."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(HERE))  # the spawned processes import ep_worker by name
         import ep_worker
 
-        port = free_port()
-        procs = [ctx.Process(target=ep_worker.main, args=(r, 2, port, checkpoints, BUSY_S, results), daemon=True)
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            out = dict(results.get(timeout=RUN_TIMEOUT_S) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-    for r, report in out.items():
-        assert "error" not in report, f"rank {r}:\n{report['error']}"
-    return out
+        return ep_worker.spawn(ep_worker.main, 2, (checkpoints, BUSY_S), RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,13 @@ live load mid-run gives the single-process engine's tokens (fp32), greedy and se
 
 from __future__ import annotations
 
-import multiprocessing
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.backends.expert_shards import contiguous_ranges
@@ -85,12 +84,6 @@ def test_split_rows_rotates_the_remainder():
 
 
 # ---- one process -----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_rank_has_nothing_to_replicate():
     group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, timeout_s=30)
     try:
@@ -133,27 +126,12 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ranks(checkpoints) -> dict[int, dict]:
     """Both ranks' reports (tests/runtime/replica_worker.py), from one run of two spawned processes."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(HERE))
+        mp.syspath_prepend(str(HERE))  # the spawned processes import the workers by name
+        import ep_worker
         import replica_worker
 
-        port = free_port()
-        procs = [ctx.Process(target=replica_worker.main, args=(r, 2, port, checkpoints, results), daemon=True)
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            out = dict(results.get(timeout=RUN_TIMEOUT_S) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-    for r, report in out.items():
-        assert "error" not in report, f"rank {r}:\n{report['error']}"
-    return out
+        return ep_worker.spawn(replica_worker.main, 2, (checkpoints,), RUN_TIMEOUT_S)
 
 
 def test_the_exchange_with_copies_equals_the_reference(ranks):
