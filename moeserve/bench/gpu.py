@@ -5,7 +5,8 @@ It runs, on the first CUDA device:
    bf16 within its rounding, no host sync in a replay, graphs used, ONNX Runtime CUDA and TensorRT parity where
    those are installed. Each skip comes back with its reason;
 2. `moeserve bench engine` on the 2.4B Mixtral in bf16 at batch 1 and 32: eager, compiled with indexed experts,
-   compiled with grouped_mm experts, and transformers' `generate` on the same weights in the same run;
+   compiled with grouped_mm experts, and transformers' `generate` on the same weights in the same run; at batch 1
+   also compiled on int8, int4 and fp8 weights quantized at load;
 3. decode at ~100 tokens of context for the same weights declared with a 2k and a 32k context: a step reads the
    keys its rows can see, not the whole cache, so the two should match.
 
@@ -30,12 +31,14 @@ import torch
 
 from moeserve.bench.engine import _sync, bench_engine, write_mixtral
 from moeserve.bench.report import BenchError, run_bench
+from moeserve.runtime import GPU_QUANT_FORMATS, QUANT_FORMATS
 from moeserve.runtime.engine import Engine, SamplingParams
 
 TESTS = ["tests/runtime", "tests/bench/test_engine_bench.py", "tests/export/test_tensorrt.py",
          "tests/export/test_onnx_cuda.py"]
 CONTEXTS = (2048, 32768)
 BATCHES = (1, 32)
+QUANTIZED = QUANT_FORMATS + GPU_QUANT_FORMATS  # batch 1 again on each weight format (issue 39's GPU goal)
 
 
 def run_tests(root: Path, timeout: float, paths: list[str] = TESTS) -> dict:
@@ -111,19 +114,31 @@ def live_length(path: Path, contexts=CONTEXTS, context_tokens: int = 100, new_to
             "ratio": round(last / first, 3)}
 
 
+def _quantized(impl: str) -> str | None:
+    """The weight format of a `bench engine --quantize` row ("moeserve Engine, int8, compiled decode"), or None."""
+    return next((f for f in QUANT_FORMATS if f", {f}" in impl), None)
+
+
 def goals(engine: dict) -> dict:
-    """Issue 40's performance goals against this run's numbers."""
+    """Issue 40's performance goals against this run's numbers (moeserve's fastest bf16 row against transformers'),
+    and issue 39's at batch 1: the fastest int8 row against that bf16 row."""
     out = {}
     for batch, report in engine.items():
         rows = report["results"]
-        ours = max((r for r in rows if r["impl"].startswith("moeserve")), key=lambda r: r["decode_tokens_per_s"])
-        theirs = max((r for r in rows if r["impl"].startswith("transformers")), key=lambda r: r["decode_tokens_per_s"])
+        fastest = lambda rs: max(rs, key=lambda r: r["decode_tokens_per_s"])  # noqa: E731
+        ours = fastest([r for r in rows if r["impl"].startswith("moeserve") and not _quantized(r["impl"])])
+        theirs = fastest([r for r in rows if r["impl"].startswith("transformers")])
         speedup = round(ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 2)
         goal = {"ours": ours["impl"], "theirs": theirs["impl"], "decode_speedup": speedup,
                 "decode_speedup_goal": 3.0 if batch == "1" else 2.0}
         if "pct_of_read_bandwidth" in ours:
             goal |= {"pct_of_read_bandwidth": ours["pct_of_read_bandwidth"], "pct_of_read_bandwidth_goal": 50.0}
         out[f"batch_{batch}"] = goal
+        int8 = [r for r in rows if _quantized(r["impl"]) == "int8"]
+        if batch == "1" and int8:
+            best = fastest(int8)
+            out["int8_batch_1"] = {"ours": best["impl"], "theirs": ours["impl"], "decode_speedup_goal": 1.5,
+                                   "decode_speedup": round(best["decode_tokens_per_s"] / ours["decode_tokens_per_s"], 2)}
     return out
 
 
@@ -164,7 +179,7 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
             with _kept(errors, f"engine batch {batch}"):
                 report["engine"][str(batch)] = bench_engine(
                     ["bfloat16"], new_tokens=64, repeats=3, checkpoint=checkpoint, compiled=True, device="cuda",
-                    batch=batch, progress=lambda msg: None)
+                    batch=batch, quantize=QUANTIZED if batch == 1 else (), progress=lambda msg: None)
         seconds["engine"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         with _kept(errors, "live length"):
