@@ -58,25 +58,29 @@ def ref(ckpt) -> Engine:
     return Engine.load(ckpt, dtype="float32", device="cpu")
 
 
+def deploy(url: str, ckpt: Path, serve_cfg: ServeConfig, **options) -> None:
+    options = ExpertParallelOptions(**{"ranks": 2, "cpus_per_rank": 0.5, "ingress_cpus": 0.1, "ready_timeout_s": 120,
+                                       **options})
+    serve.run(build_ep_app(ckpt, serve_cfg, options), name="moeserve", route_prefix="/", blocking=False)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the expert-parallel application did not become ready"
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def url(ckpt, tiny_chat_template):
     port = free_port()
     ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = ExpertParallelOptions(ranks=2, cpus_per_rank=0.5, ingress_cpus=0.1, ready_timeout_s=120)
-        app = build_ep_app(ckpt, ServeConfig(model_name="tiny", kv_slots=4, chat_template=tiny_chat_template), options)
-        serve.run(app, name="moeserve", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the expert-parallel application did not become ready"
-            time.sleep(0.5)
+        deploy(url, ckpt, ServeConfig(model_name="tiny", kv_slots=4, chat_template=tiny_chat_template))
         yield url
     finally:
         serve.shutdown()
@@ -172,6 +176,32 @@ def ep_server(url):
 @pytest.mark.parametrize("case", [c for c in bad_input.CASES if c.values[0].server == "live"])
 def test_bad_input_gets_the_same_answers(ep_server, case):
     bad_input.assert_answer(bad_input.send(ep_server, case), case)
+
+
+def test_an_int8_checkpoint_over_two_groups(url, tmp_path):
+    """A quantized checkpoint's ranks load their experts' integers and scales (QuantExpertShard); with R = 2 groups,
+    requests go to both groups, and the answers are the single-process engine's of the same checkpoint. (Last of
+    the Ray tests: it replaces the module's application.)"""
+    from moeserve.runtime.quant import QuantSpec, quantize_model_
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="xmoe"))
+    quantize_model_(model, QuantSpec.parse("int8"))
+    ckpt = save_checkpoint(tmp_path / "int8", model.cfg, model.state_dict())
+    serve.delete("moeserve")
+    deploy(url, ckpt, ServeConfig(model_name="tiny", kv_slots=4), groups=2, cpus_per_rank=0.4)
+    ref = Engine.load(ckpt, dtype="float32", device="cpu")
+    body = {"model": "tiny", "max_tokens": 10, "temperature": 0}
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=120),
+                            PROMPTS * 2))
+    assert [r.json()["choices"][0]["text"] for r in got] == ref.generate(PROMPTS * 2, max_new_tokens=10)
+    info = ranks()
+    assert [(r["group"], r["rank"]) for r in info] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(sum(r["served"]["sequences"] for r in info if r["group"] == g) > 0 for g in (0, 1)), info
+    whole = sum(p.numel() for p in ref.model.parameters()) + sum(b.numel() for b in ref.model.buffers())
+    experts = sum(t.numel() for k, t in ref.model.state_dict().items() if ".ffn.experts." in k)
+    assert [r["parameters"] for r in info] == [whole - experts // 2] * 4
 
 
 @pytest.mark.parametrize("argv, message", [
