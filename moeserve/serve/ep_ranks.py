@@ -93,10 +93,6 @@ class RankActor:
                 "running": len(ep.steps.running), "failed": None if ep.failed is None else repr(ep.failed),
                 "steps": ep.stats.steps, "empty_passes": ep.stats.empty_passes}
 
-    def load(self) -> int:
-        """Sequences this rank holds: queued or running (what the ingress balances on, where it asks)."""
-        return len(self.ep._futures)
-
     async def complete(self, job_id: str, rows: list[list[int]], params: list[SamplingParams], stream: bool):
         """A job's rows as sequences on this rank. Yields ("event", row, StreamEvent) as they come (only the first,
         as ("first",), when not `stream`: the time to first token), then ("done", [Completion]); or ("error",
