@@ -18,7 +18,8 @@ from moeserve.papers_cli import add_paper_commands
 from moeserve.config import MANIFEST_FILE, PRESETS, ROUTERS, ConfigError, preset
 from moeserve.export import MODES
 from moeserve.runtime import BACKENDS, COMPILE_MODES, GPU_QUANT_FORMATS, QUANT_FORMATS
-from moeserve.serve.config import EXCHANGES, SCHEDULERS, BatchConfig, RayServeOptions, ServeConfig
+from moeserve.serve.config import (EXCHANGES, PLACEMENTS, SCHEDULERS, BatchConfig, ExpertParallelOptions,
+                                   RayServeOptions, ServeConfig)
 
 BACKEND_HELP = "torch (a checkpoint directory) or onnx (a file from `moeserve export onnx`); default: auto, by the path"
 CALIBRATE_HELP = ("measure again which weight layout and dispatch path are fastest on this machine for this model's "
@@ -137,6 +138,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moeserve.serve.server import serve
 
     cfg = serve_config(args)
+    ray_only = [flag for flag, v in (("--expert-parallel", args.expert_parallel),
+                                     ("--data-parallel-groups", args.data_parallel_groups),
+                                     ("--expert-shards", args.expert_shards)) if v is not None]
+    if ray_only and not (args.ray or args.print_config):
+        raise ValueError(f"{ray_only[0]} needs --ray (it places its processes with Ray)")
     if args.chat_template is not None:  # a bad template is named before the model loads
         from moeserve.chat import ChatTemplate, ChatTemplateError
 
@@ -169,23 +175,35 @@ def _hash_ahead(path: Path) -> None:
         return
 
 
+SHARD_FLAGS = {"expert_shards": "--expert-shards", "shard_replicas": "--shard-replicas",
+               "cpus_per_shard": "--cpus-per-shard", "gpus_per_shard": "--gpus-per-shard",
+               "ingress_gpus": "--ingress-gpus", "shard_timeout_s": "--shard-timeout", "exchange": "--exchange"}
+SHARD_ARGS = {"shard_timeout_s": "shard_timeout"}  # the argparse names that differ from the field's
+
+
 def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
     from moeserve.checkpoint import read_config
 
+    given = {field: getattr(args, SHARD_ARGS.get(field, field)) for field in SHARD_FLAGS}
+    given = {field: v for field, v in given.items() if v is not None}
+    if args.data_parallel_groups is not None and args.expert_parallel is None:
+        raise ValueError("--data-parallel-groups needs --expert-parallel N (groups of N ranks)")
+    if args.expert_parallel is not None:
+        return _serve_expert_parallel(args, path, cfg, given)
+    if args.placement is not None or args.cpus_per_rank is not None:
+        raise ValueError("--placement and --cpus-per-rank are --expert-parallel's")
     if args.quantize or (path.is_dir() and read_config(path).quantization is not None):
-        raise ValueError("--ray: the expert shards hold float weights; serve a quantized model without --ray")
+        raise ValueError("--ray: the expert shards hold float weights; serve a quantized model without --ray, or "
+                         "with --expert-parallel")
     try:
         from moeserve.serve import ray_app
     except ImportError as e:
         raise ValueError(f"--ray needs Ray Serve: pip install -e '.[ray]' ({e})") from None
     if path.suffix == ".onnx" or args.backend == "onnx":
         raise ValueError("--ray serves a checkpoint directory on torch, not an ONNX export")
-    opts = RayServeOptions(expert_shards=args.expert_shards, shard_replicas=args.shard_replicas,
-                                   cpus_per_shard=args.cpus_per_shard, gpus_per_shard=args.gpus_per_shard,
-                                   ingress_gpus=args.ingress_gpus, shard_timeout_s=args.shard_timeout,
-                                   exchange=args.exchange)
+    opts = RayServeOptions(**given)
     dtype = "float32" if args.dtype == "auto" else args.dtype  # auto is resolved per device; shards share one
-    device = "cuda" if args.ingress_gpus else "cpu"
+    device = "cuda" if opts.ingress_gpus else "cpu"
     if args.print_config:
         import yaml  # a dependency of ray
 
@@ -194,6 +212,34 @@ def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
         return 0
     return ray_app.run(path, cfg, opts, dtype=dtype, device=device, access_log=not args.no_access_log,
                        log_level=args.log_level)
+
+
+def _serve_expert_parallel(args: argparse.Namespace, path: Path, cfg, shard_flags: dict) -> int:
+    """`--ray --expert-parallel N`: the flags checked (each misuse named), then the groups served (serve/ep_app.py)."""
+    if shard_flags:
+        field = next(iter(shard_flags))
+        raise ValueError(f"{SHARD_FLAGS[field]} is the shard exchange's; --expert-parallel replaces it (drop one)")
+    if args.quantize:
+        raise ValueError("--expert-parallel: quantize the checkpoint first (moeserve quantize CKPT --bits 8|4 --out "
+                         "DIR): the ranks load their experts' integers and scales as stored")
+    if path.suffix == ".onnx" or args.backend not in ("auto", "torch") or not path.is_dir():
+        raise ValueError("--expert-parallel serves a checkpoint directory on torch, not an ONNX export")
+    if args.print_config:
+        raise ValueError("--print-config is not written for --expert-parallel yet (issue 38)")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device {args.device!r} with --expert-parallel: expected auto, cpu or cuda (Ray gives "
+                         "each rank its own GPU)")
+    options = ExpertParallelOptions(ranks=args.expert_parallel, groups=args.data_parallel_groups or 1,
+                                    gpus=args.device == "cuda", cpus_per_rank=args.cpus_per_rank,
+                                    placement=args.placement or "strict-pack")
+    try:
+        from moeserve.serve import ep_app
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray Serve: pip install -e '.[ray]' ({e})") from None
+    ep_app.check_checkpoint(path, options)  # before Ray starts
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # every rank the same: rows cross in it
+    return ep_app.run_ep(path, cfg, options, dtype=dtype, gpus_if_there=args.device == "auto",
+                         access_log=not args.no_access_log, log_level=args.log_level)
 
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
@@ -379,29 +425,47 @@ def _add_serve(sub) -> None:
     sv.add_argument("--max-body-bytes", type=int, default=_serve_default("max_body_bytes"), metavar="N",
                     help=f"413 past this (default: {_serve_default('max_body_bytes') / 2**20:g} MiB)")
     ray = sv.add_argument_group("Ray Serve (pip install -e '.[ray]')")
-    ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application whose experts live in "
-                     "shard deployments (the cluster at $RAY_ADDRESS, else a local Ray)")
-    ray.add_argument("--expert-shards", type=int, default=_ray_default("expert_shards"), metavar="S",
-                     help="shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer (default: %(default)s)")
-    ray.add_argument("--shard-replicas", type=int, default=_ray_default("shard_replicas"), metavar="R",
-                     help="replicas per shard, with --exchange handles (default: %(default)s)")
-    ray.add_argument("--cpus-per-shard", type=float, default=_ray_default("cpus_per_shard"), metavar="N",
+    ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application (the cluster at "
+                     "$RAY_ADDRESS, else a local Ray): with --expert-parallel N, groups of N ranks; else the older "
+                     "shard exchange (--expert-shards)")
+    ray.add_argument("--expert-parallel", type=int, metavar="N",
+                     help="expert parallelism as vLLM and SGLang serve it: N rank actors in one Ray placement group "
+                     "(a GPU each where the cluster has them, NCCL; else CPU bundles, gloo), each with the dense "
+                     "layers, its own KV cache and scheduler, and experts [r*E/N, (r+1)*E/N) of every MoE layer, "
+                     "exchanging routed tokens inside each MoE layer (torch.distributed all-to-all); N must divide "
+                     "the experts. The ingress sends each request to the least loaded rank")
+    ray.add_argument("--data-parallel-groups", type=int, metavar="R",
+                     help="with --expert-parallel: R independent groups of N ranks (replicas) (default: 1)")
+    ray.add_argument("--cpus-per-rank", type=float, metavar="N",
+                     help="with --expert-parallel on CPUs: each rank's CPU bundle (default: 1, or what the "
+                     "ingress leaves, shared, where the cluster has fewer)")
+    ray.add_argument("--placement", choices=PLACEMENTS,
+                     help="with --expert-parallel: strict-pack keeps a group on one node; pack lets it span nodes "
+                     "where one node cannot hold it (default: strict-pack)")
+    ray.add_argument("--expert-shards", type=int, metavar="S",
+                     help="the older shard exchange: shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer, "
+                     f"called per MoE layer by one ingress that holds everything else (default: "
+                     f"{_ray_default('expert_shards')})")
+    ray.add_argument("--shard-replicas", type=int, metavar="R",
+                     help=f"replicas per shard, with --exchange handles (default: {_ray_default('shard_replicas')})")
+    ray.add_argument("--cpus-per-shard", type=float, metavar="N",
                      help="CPUs per shard replica "
                      "(default: 1, or what the ingress's CPU leaves, shared, where the cluster has fewer)")
-    ray.add_argument("--gpus-per-shard", type=float, default=_ray_default("gpus_per_shard"), metavar="N",
-                     help="GPUs per shard replica; fractional shares a GPU between shards (default: %(default)g, "
-                     "CPU actors)")
-    ray.add_argument("--ingress-gpus", type=float, default=_ray_default("ingress_gpus"), metavar="N",
-                     help="GPUs for the ingress (the dense layers and the step engine) (default: %(default)g)")
-    ray.add_argument("--exchange", default=_ray_default("exchange"), choices=EXCHANGES,
+    ray.add_argument("--gpus-per-shard", type=float, metavar="N",
+                     help="GPUs per shard replica; fractional shares a GPU between shards (default: "
+                     f"{_ray_default('gpus_per_shard'):g}, CPU actors)")
+    ray.add_argument("--ingress-gpus", type=float, metavar="N",
+                     help="GPUs for the shard exchange's ingress (the dense layers and the step engine) (default: "
+                     f"{_ray_default('ingress_gpus'):g})")
+    ray.add_argument("--exchange", choices=EXCHANGES,
                      help="how the ingress reaches the shards. sockets: they are Ray actors of the ingress, sent "
                      "their rows over a TCP connection each (the fastest; idle shards cost nothing); compiled: the "
                      "same actors behind one Ray Compiled Graph (each shard spins a core while it waits); actors: "
                      "the same actors called as Ray tasks; handles: Serve deployments called through handles, with "
-                     "replicas (default: %(default)s)")
-    ray.add_argument("--shard-timeout", type=float, default=_ray_default("shard_timeout_s"), metavar="S",
+                     f"replicas (default: {_ray_default('exchange')})")
+    ray.add_argument("--shard-timeout", type=float, metavar="S",
                      help="an expert exchange unanswered this long fails its requests with 503: a shard whose "
-                     "replicas are all gone until Serve replaces one (default: %(default)g)")
+                     f"replicas are all gone until Serve replaces one (default: {_ray_default('shard_timeout_s'):g})")
     ray.add_argument("--print-config", action="store_true",
                      help="print a Ray Serve config file for `serve deploy` on a cluster, and exit")
     sv.add_argument("--body-timeout", type=float, default=_serve_default("body_timeout_s"), metavar="S",

@@ -1,8 +1,9 @@
 """The FastAPI app: the gate, the handlers' router, the error handlers and the model's lifespan.
 
     request -> Gate (metrics, admission, body size, content type, bearer token) -> FastAPI validation
-    (strict schemas) -> handler (routes.py: model, prompt and token limits; encode) -> Batcher queue ->
-    the model's own thread -> Engine -> future / token stream -> JSON or server-sent events
+    (strict schemas) -> handler (routes.py: model, prompt and token limits; encode) -> runner (runner.py): the
+    Batcher queue -> the model's own thread -> Engine, or an expert-parallel rank (ep_router.py) -> future /
+    token stream -> JSON or server-sent events
 
 The model loads (and runs one warm-up batch) after the server starts listening, so /healthz answers
 at once and /readyz says 503 until the model can serve. Every refusal is an `ApiError`, turned into
@@ -29,6 +30,7 @@ from moeserve.serve.metrics import Metrics
 from moeserve.serve.protocol import ERROR_RESPONSES, ApiError, StreamOptions
 from moeserve.serve.completions import router as generation
 from moeserve.serve.routes import router
+from moeserve.serve.runner import Runner
 from moeserve.serve.state import ServeConfig, ServerState
 
 __all__ = ["ServeConfig", "ServerState", "create_app"]
@@ -37,9 +39,10 @@ log = logging.getLogger("moeserve.serve")
 OBJECT_FIELDS = {"stream_options": set(StreamOptions.model_fields)}  # request fields whose value is an object
 
 
-def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = None,
+def create_app(source: Engine | Callable[[], Engine | Runner], cfg: ServeConfig | None = None,
                metrics: Metrics | None = None) -> FastAPI:
-    """An app serving `source`: a loaded Engine, or a function that loads one (run after start-up)."""
+    """An app serving `source`: a loaded Engine, or a function that loads one (run after start-up), or one that
+    returns the runner its requests go to (runner.py: the expert-parallel ranks)."""
     cfg = cfg or ServeConfig()
     metrics = metrics or Metrics()
     state = ServerState(cfg, metrics)
@@ -55,7 +58,7 @@ def create_app(source: Engine | Callable[[], Engine], cfg: ServeConfig | None = 
                   "models, with Prometheus latency and expert-load metrics at /metrics.")
     app.state.serve = state
     app.add_middleware(Gate, state=state)
-    metrics.queue_depth.set_function(lambda: state.batcher.depth if state.batcher else 0)
+    metrics.queue_depth.set_function(lambda: state.runner.depth if state.runner else 0)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -128,6 +128,7 @@ class Batcher:
     def __init__(self, engine: Engine, cfg: BatchConfig, metrics=None, *, scheduler: str = "batch", slots: int = 8,
                  prefill_chunk: int | None = None):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
+        self.model = engine  # what the handlers check requests against (runner.py)
         policy = policy_of(cfg, scheduler)
         self.steps: StepEngine | None = None
         if engine.cfg.task == "lm":

@@ -19,11 +19,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from moeserve.chat import ChatTemplateError
-from moeserve.runtime.engine import Completion, Engine, SamplingParams
+from moeserve.runtime.engine import Completion, SamplingParams
 from moeserve.runtime.sampling import TokenLogprob
 from moeserve.runtime.output import StreamEvent
 from moeserve.serve.batcher import DeadlineExceeded, Job
 from moeserve.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from moeserve.serve.runner import ServedModel
 from moeserve.serve.protocol import (ApiError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                      CompletionResponse)
 from moeserve.serve.routes import _check_unicode, _encode, _inputs, _result_error, _sse, _state, _wait
@@ -38,7 +39,7 @@ STREAM_DOC = {200: {"content": {"text/event-stream": {"schema": {
 
 # ---- what a request asks for -------------------------------------------------------------------------
 def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, prompt_len: int,
-              engine: Engine, cfg: ServeConfig, param: str) -> SamplingParams:
+              engine: ServedModel, cfg: ServeConfig, param: str) -> SamplingParams:
     """The request's sampling parameters for one prompt; max_tokens None: as many as the context allows."""
     ctx = engine.cfg.max_seq_len
     limit = min(cfg.max_tokens or ctx, ctx - prompt_len)
@@ -114,7 +115,7 @@ def _mean_logprob(c: Completion) -> float:
     return sum(lp.logprob for lp in c.logprobs) / len(c.logprobs) if c.logprobs else 0.0
 
 
-def _tokenizer(engine: Engine, why: str, param: str):
+def _tokenizer(engine: ServedModel, why: str, param: str):
     if engine.tokenizer is None:
         raise ApiError("invalid_value", f"{why}; this model has none", param=param)
     return engine.tokenizer
@@ -131,7 +132,7 @@ def _head(kind: str, state: ServerState) -> dict:
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": state.name}
 
 
-def _lm_engine(state: ServerState, model: str) -> Engine:
+def _lm_engine(state: ServerState, model: str) -> ServedModel:
     engine = state.require_ready()
     state.check_model(model)
     if engine.cfg.task != "lm":
@@ -235,7 +236,7 @@ class _CompletionChunks:
     """Chunks of /v1/completions: text deltas, each with the log-probabilities of the tokens it carries
     (tokens whose text is held back, at a possible stop string, ride with the next delta: output.StreamEvent)."""
 
-    def __init__(self, engine: Engine, job: Job, logprobs: bool):
+    def __init__(self, engine: ServedModel, job: Job, logprobs: bool):
         self.tokenizer, self.logprobs = engine.tokenizer, logprobs
         self.ids = [list(r) for r in job.rows]  # each row's prompt and its tokens so far
         self.offset = [0] * len(job.rows)  # characters of each choice's text sent

@@ -135,3 +135,75 @@ class RayServeOptions:
                              f"shards x {self.shard_replicas} replicas at --cpus-per-shard {self.cpus_per_shard:g} "
                              f"--gpus-per-shard {self.gpus_per_shard:g}, and the ingress); the cluster has {cpus:g} "
                              f"CPUs and {gpus:g} GPUs")
+
+
+PLACEMENTS = ("strict-pack", "pack")
+
+
+@dataclass
+class ExpertParallelOptions:
+    """`--ray --expert-parallel N`: R groups (replicas) of N rank actors, each group in one Ray placement group."""
+
+    ranks: int = 2  # N: rank r holds experts [r*E/N, (r+1)*E/N) of every MoE layer, and its own KV cache and steps
+    groups: int = 1  # R: independent groups; a request runs on one rank of one group
+    gpus: bool = False  # a GPU per rank (NCCL), else CPU bundles (gloo)
+    cpus_per_rank: float | None = None  # CPU bundles: None = 1, or what the ingress leaves, shared, on a small cluster
+    # strict-pack: a group's ranks on one node (its collectives stay off the network); pack: across nodes if need be
+    placement: str = "strict-pack"
+    ingress_cpus: float = 0.5  # the thin ingress: HTTP, tokenising, routing; no model work
+    # a collective waiting longer than this fails its group (a rank died or hung); it must exceed any one forward
+    collective_timeout_s: float = 300.0
+    ready_timeout_s: float = 600.0  # placement, rendezvous and loading of every group, at start-up
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "groups"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                flag = "--expert-parallel" if name == "ranks" else "--data-parallel-groups"
+                raise UserError(f"{flag} {v!r}: expected an integer >= 1")
+        if self.placement not in PLACEMENTS:
+            raise UserError(f"--placement {self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
+        for name in ("cpus_per_rank", "ingress_cpus"):
+            v = getattr(self, name)
+            if v is None and name == "cpus_per_rank":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise UserError(f"{name} = {v!r}: expected a number >= 0")
+        for name in ("collective_timeout_s", "ready_timeout_s"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
+                raise UserError(f"{name} = {getattr(self, name)!r}: expected a number of seconds > 0")
+
+    @property
+    def world(self) -> int:
+        return self.ranks * self.groups
+
+    def check_experts(self, n_experts: int) -> None:
+        """N must split the experts evenly (as vLLM asks of its expert-parallel size): every rank then holds and
+        computes the same share of each layer."""
+        if n_experts % self.ranks:
+            fits = ", ".join(str(d) for d in range(1, n_experts + 1) if n_experts % d == 0)
+            raise UserError(f"--expert-parallel {self.ranks}: the model's {n_experts} experts do not split evenly "
+                            f"over {self.ranks} ranks; use a divisor of {n_experts} ({fits})")
+
+    def fitted(self, cluster_cpus: float) -> "ExpertParallelOptions":
+        """cpus_per_rank resolved for a cluster of `cluster_cpus`: 1 each where they fit beside the ingress, else
+        the rest shared (at least 0.1), so that N = 2 runs on a 2-core machine. GPU ranks take no CPU bundle."""
+        if self.cpus_per_rank is not None:
+            return self
+        if self.gpus:
+            return replace(self, cpus_per_rank=0.0)
+        share = (cluster_cpus - self.ingress_cpus) / self.world
+        return replace(self, cpus_per_rank=1.0 if share >= 1 else max(0.1, math.floor(share * 10) / 10))
+
+    def check_fits(self, cpus: float, gpus: float) -> None:
+        """A UserError naming the flags where Ray could never place the groups (they would wait forever)."""
+        need_cpus = self.ingress_cpus + self.world * (self.cpus_per_rank or 0)
+        need_gpus = self.world if self.gpus else 0
+        if need_cpus > cpus + 1e-9 or need_gpus > gpus + 1e-9:
+            raise UserError(f"{self.groups} group(s) x {self.ranks} ranks need {need_cpus:g} CPUs and {need_gpus} "
+                            f"GPUs (--cpus-per-rank {self.cpus_per_rank or 0:g}, and the ingress's "
+                            f"{self.ingress_cpus:g}); the cluster has {cpus:g} CPUs and {gpus:g} GPUs")
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's bundle of its group's placement group."""
+        return {"GPU": 1.0} if self.gpus else {"CPU": float(self.cpus_per_rank or 0.1)}

@@ -374,21 +374,29 @@ def run(checkpoint: str | Path, serve_cfg: ServeConfig, opts: RayServeOptions, *
     except ValueError:
         ray.shutdown()
         raise
+    what = f"{opts.expert_shards} expert shard(s) x {opts.shard_replicas} replica(s)"
+    return serve_until_stopped(lambda: build_app(checkpoint, serve_cfg, opts, dtype=dtype, device=device),
+                               serve_cfg, what, Path(checkpoint).name, ready_timeout_s, access_log, log_level)
+
+
+def serve_until_stopped(build: Callable[[], object], serve_cfg: ServeConfig, what: str, name: str,
+                        ready_timeout_s: float = 600.0, access_log: bool = True, log_level: str = "info") -> int:
+    """Run the application `build()` makes on the Ray this process joined, say when it is ready, serve until SIGTERM
+    or Ctrl-C, then delete it and leave Ray. 1 if it never became ready."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
-        serve.run(build_app(checkpoint, serve_cfg, opts, dtype=dtype, device=device), name=APP_NAME,
-                  route_prefix="/", blocking=False,
+        serve.run(build(), name=APP_NAME, route_prefix="/", blocking=False,
                   logging_config={"log_level": log_level.upper(), "enable_access_log": access_log})
         host = "127.0.0.1" if serve_cfg.host in ("0.0.0.0", "::") else serve_cfg.host
         url, deadline = f"http://{host}:{serve_cfg.port}", time.monotonic() + ready_timeout_s
         while not stop.wait(0.5):
             status = _readiness(url)
             if status == "ready":
-                print(f"moeserve: {serve_cfg.model_name or Path(checkpoint).name} is ready on {url} (Ray Serve, "
-                      f"{opts.expert_shards} expert shard(s) x {opts.shard_replicas} replica(s))", file=sys.stderr)
+                print(f"moeserve: {serve_cfg.model_name or name} is ready on {url} (Ray Serve, {what})",
+                      file=sys.stderr)
                 break
             if status == "failed" or time.monotonic() > deadline:
                 print(f"moeserve serve: error: the model did not load ({status}); see the replica logs "

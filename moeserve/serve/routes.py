@@ -20,11 +20,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeserve.errors import UserError
-from moeserve.runtime.engine import Engine, EngineError
+from moeserve.runtime.engine import EngineError
 from moeserve.serve.batcher import Closed, DeadlineExceeded, Job, Unavailable
 from moeserve.runtime.scores import bits_per_byte
 from moeserve.runtime.validate import check_text, check_token_ids, check_unicode
 from moeserve.runtime.windows import check_stride
+from moeserve.serve.runner import ServedModel
 from moeserve.serve.protocol import (ApiError, ClassifyItem, ClassifyResponse, ModelCard, ModelList, ScoreItem,
                                      ScoreRequest, ScoreResponse, TextsRequest, Usage)
 from moeserve.serve.state import ServeConfig, ServerState
@@ -57,7 +58,7 @@ def _check_unicode(text: str, field: str) -> None:
         raise ApiError("invalid_value", str(e), param=field) from None
 
 
-def _encode(engine: Engine, item: str | list[int], field: str, max_len: int | None) -> list[int]:
+def _encode(engine: ServedModel, item: str | list[int], field: str, max_len: int | None) -> list[int]:
     """<bos> + the item's ids (a text, or ids as given), checked; at most `max_len` tokens unless None."""
     if isinstance(item, str):
         try:

@@ -1,7 +1,9 @@
 """What the server's parts share: its configuration (config.py), and the state of the one model it serves.
 
-`ServerState` owns the model's thread (load, warm up, run the batcher) and the lifecycle flags that
-the gate (gate.py) and the handlers (routes.py) read: ready, draining, the load error.
+`ServerState` owns the model's thread (load, warm up, run the runner: runner.py) and the lifecycle flags that
+the gate (gate.py) and the handlers (routes.py) read: ready, draining, the load error. The model is an Engine in
+this process (its runner the Batcher), or a runner that sends the requests elsewhere (the expert-parallel ranks:
+ep_router.py), which the loader returns instead of an Engine.
 """
 
 from __future__ import annotations
@@ -19,19 +21,21 @@ from moeserve.serve.batcher import Batcher, Closed, Job, Place, QueueFull
 from moeserve.serve.config import ServeConfig
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.protocol import ApiError
+from moeserve.serve.runner import Runner, ServedModel
 
 log = logging.getLogger("moeserve.serve")
 PLACE = "moeserve.place"  # the ASGI scope key of an admitted request's place in the queue (serve/gate.py)
 
 
 class ServerState:
-    """What the handlers share: the engine once loaded, its batcher, and the lifecycle flags."""
+    """What the handlers share: the model once loaded (`engine`: an Engine, or the ModelFacts of a model whose
+    weights are elsewhere), the runner its requests go to, and the lifecycle flags."""
 
     def __init__(self, cfg: ServeConfig, metrics: Metrics):
         self.cfg, self.metrics = cfg, metrics
-        self.engine: Engine | None = None
+        self.engine: ServedModel | None = None
         self.chat_template: ChatTemplate | None = None
-        self.batcher: Batcher | None = None
+        self.runner: Runner | None = None
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
@@ -40,28 +44,27 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None  # the server's exit, called if the model fails to load
         self._thread: threading.Thread | None = None
 
-    def start(self, source: Engine | Callable[[], Engine]) -> None:
+    @property
+    def batcher(self) -> Batcher | None:
+        """The runner where it is this process's Batcher (the tests that hold its steps read it)."""
+        return self.runner if isinstance(self.runner, Batcher) else None
+
+    def start(self, source: Engine | Callable[[], Engine | Runner]) -> None:
         """Start the one thread that owns the model: it loads it (given a loader), warms it up, then runs
         the batcher. One thread for all model work, because each thread that runs torch ops gets its own
         OpenMP team, and a second team spinning beside the first makes both slower."""
         self._thread = threading.Thread(target=self._own_model, args=(source,), name="moeserve-model", daemon=True)
         self._thread.start()
 
-    def _own_model(self, source: Engine | Callable[[], Engine]) -> None:
+    def _own_model(self, source: Engine | Callable[[], Engine | Runner]) -> None:
         if self.cfg.threads is not None:
             torch.set_num_threads(self.cfg.threads)
         try:
-            engine = source if isinstance(source, Engine) else source()
-            self.name = self.cfg.model_name or engine.name
-            self.chat_template = self._chat_template(engine)
-            self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
-                                       engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
-            self.metrics.watch_decode(lambda: self.engine.executor.decode_tokens if self.engine else None)
-            if engine.cfg.task == "lm":
-                engine.executor.warm_up(self.cfg.kv_slots if self.cfg.scheduler == "continuous" else self.cfg.batch.max_batch_size)
-            self._warm_up(engine)
-            self.engine = engine
-            self.batcher = self._batcher(engine)
+            made = source if isinstance(source, Engine) else source()
+            runner = self._local(made) if isinstance(made, Engine) else made
+            self.name = self.cfg.model_name or runner.model.name
+            self.chat_template = self._chat_template(runner.model)
+            self.engine, self.runner = runner.model, runner
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
             log.error("moeserve: the model failed to load: %s", self.load_error)
@@ -71,9 +74,19 @@ class ServerState:
         self.ready = True
         self.metrics.ready.set(1)
         log.info("moeserve: %s is ready", self.name)
-        self.batcher.run()
+        self.runner.run()
 
-    def _chat_template(self, engine: Engine) -> ChatTemplate | None:
+    def _local(self, engine: Engine) -> Batcher:
+        """The runner of an Engine in this process, warmed up, its expert load and decode paths in the metrics."""
+        self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
+                                   engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
+        self.metrics.watch_decode(lambda: self.engine.executor.decode_tokens if self.engine else None)
+        if engine.cfg.task == "lm":
+            engine.executor.warm_up(self.cfg.kv_slots if self.cfg.scheduler == "continuous" else self.cfg.batch.max_batch_size)
+        self._warm_up(engine)
+        return self._batcher(engine)
+
+    def _chat_template(self, engine: ServedModel) -> ChatTemplate | None:
         """--chat-template, else the checkpoint's (beside an ONNX export: its directory's); a template that does
         not compile fails the start-up, as a model that does not load does."""
         where = engine.path.parent if engine.path is not None and engine.path.is_file() else engine.path
@@ -96,8 +109,8 @@ class ServerState:
 
     def stop(self, timeout: float) -> None:
         self.draining = True
-        if self.batcher is not None:
-            self.batcher.close()
+        if self.runner is not None:
+            self.runner.close()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -115,7 +128,7 @@ class ServerState:
             engine.classify(rows)
         engine.expert_load.reset()
 
-    def require_ready(self) -> Engine:
+    def require_ready(self) -> ServedModel:
         if self.draining:
             raise ApiError("shutting_down", "the server is shutting down", headers={"Retry-After": "5"})
         if not self.ready:
@@ -133,7 +146,7 @@ class ServerState:
         body says: shutting down, not ready, queue full. The gate asks before it reads the body."""
         self.require_ready()
         try:
-            return self.batcher.hold()
+            return self.runner.hold()
         except (QueueFull, Closed) as e:
             raise _refusal(e) from e
 
@@ -147,7 +160,7 @@ class ServerState:
             raise ApiError("too_much_work", f"this request asks for {work} tokens of model work ({what}); at most "
                            f"{cap} per request (the server's --max-request-tokens)", limit=cap)
         try:
-            return self.batcher.submit(job, None if scope is None else scope.get(PLACE))
+            return self.runner.submit(job, None if scope is None else scope.get(PLACE))
         except (QueueFull, Closed) as e:
             raise _refusal(e) from e
 

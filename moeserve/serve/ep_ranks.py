@@ -1,0 +1,237 @@
+"""The rank actors of `moeserve serve --ray --expert-parallel N`, and the placement group a group of them lives in.
+
+    RankGroup: a Ray placement group of N bundles ({"GPU": 1} each, or {"CPU": k}), STRICT_PACK on one node (PACK:
+               across nodes if need be), gang-scheduled: a group is placed whole or not at all
+      -> RankActor r in bundle r, for r in 0..N-1
+      -> rendezvous: rank 0's actor picks a free port on its node's address and returns tcp://ip:port; every actor
+         then joins the torch.distributed group there (gloo on CPUs, NCCL on GPUs: expert_parallel.join_group)
+         and loads its slice of the checkpoint (ep_rank.EPRank.load): the dense layers whole, its experts only
+      -> each actor runs its EPRank's step loop on a thread of its own (the lockstep: ep_rank.py)
+
+A rank actor is an async actor: its methods run on its event loop, never on the step loop's thread, so that any
+number of requests can wait on it at once. `complete` is a streaming generator (Ray's `num_returns="streaming"`):
+it yields a job's stream events as the step loop emits them, then its completions. It yields failures as values
+(`("error", kind, message)`) rather than raising them, so that the ingress tells the request's fault (422) from a
+broken group (503) without unpickling Ray's wrapped exceptions.
+
+The rendezvous port is bound on the node's address (Ray's node IP), not on every interface, and is open only
+while the group forms and its ranks are connected; torch.distributed has no authentication of its own, so the
+nodes of a group must sit on a network that only the cluster reaches (docs: README, "Ray").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from moeserve.errors import UserError
+from moeserve.runtime.ep_rank import EPRank, RankOptions
+from moeserve.runtime.expert_parallel import join_group
+from moeserve.runtime.sampling import SamplingParams
+from moeserve.serve.config import ExpertParallelOptions
+
+__all__ = ["RankActor", "RankGroup"]
+
+
+class RankActor:
+    """One rank of an expert-parallel group, as a Ray actor (RankGroup makes it). `address` (rank 0 only) and
+    `join` bring it up; `complete`, `score` and `cancel` serve; `info` says what it holds and has served."""
+
+    def __init__(self, rank: int, world: int, group_index: int):
+        self.rank, self.world, self.group_index = rank, world, group_index
+        self.ep: EPRank | None = None
+        self.jobs: dict[str, list] = {}  # job id -> its sequences' futures, for `cancel`
+        self.served = {"sequences": 0, "score_rows": 0}
+
+    def address(self) -> str:
+        """A free port on this node's address, for the group's rendezvous (rank 0's)."""
+        ip = ray.util.get_node_ip_address()
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
+
+    async def join(self, init_method: str, checkpoint: str, options: RankOptions, device: str,
+                   timeout_s: float) -> dict:
+        """Join the group at `init_method`, load this rank's slice, warm it up and start its loop (every rank of the
+        group together: the collectives wait for all). What it holds (`info`)."""
+        def up() -> EPRank:
+            group = join_group(init_method, self.rank, self.world, device=device, timeout_s=timeout_s)
+            try:
+                ep = EPRank.load(checkpoint, group, options)
+            except BaseException:
+                group.leave()
+                raise
+            ep.start(leave_group=True)
+            return ep
+
+        self.ep = await asyncio.to_thread(up)
+        # one short completion per rank, so the first request pays no first-call costs; every rank does it at
+        # once, each its own (the lockstep pads the others); its expert load is not traffic
+        tok = self.ep.engine.tokenizer
+        bos = [tok.bos_id] if tok is not None and tok.bos_id is not None else []
+        await asyncio.wrap_future(self.ep.submit(bos + [1, 2, 3], SamplingParams(max_new_tokens=2)))
+        self.ep.engine.expert_load.reset()
+        return self.info()
+
+    def info(self) -> dict:
+        """This rank's place, the weights it holds (parameters and buffers), the experts of each MoE layer it
+        computes, and the work it has served (the warm-up not counted)."""
+        ep = self.ep
+        model = ep.engine.model
+        return {"group": self.group_index, "rank": self.rank, "world": self.world, "node": ray.util.get_node_ip_address(),
+                "device": str(ep.group.device), "backend": ep.group.backend, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "parameters": sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()),
+                "experts": [e.local.expert_ids for e in ep.experts], "served": dict(self.served),
+                "running": len(ep.steps.running), "failed": None if ep.failed is None else repr(ep.failed),
+                "steps": ep.stats.steps, "empty_passes": ep.stats.empty_passes}
+
+    async def complete(self, job_id: str, rows: list[list[int]], params: list[SamplingParams], stream: bool):
+        """A job's rows as sequences on this rank. Yields ("event", row, StreamEvent) as they come (only the first,
+        as ("first",), when not `stream`: the time to first token), then ("done", [Completion]); or ("error",
+        "request" | "group" | "cancelled", message)."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        futures = []
+        try:
+            for i, (row, p) in enumerate(zip(rows, params)):
+                on_event = (lambda e, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, e)))
+                futures.append(self.ep.submit(row, p, on_event=on_event))
+        except Exception as e:
+            for f in futures:
+                f.cancel()
+            yield ("error", "request" if isinstance(e, UserError) and self.ep.failed is None else "group", str(e))
+            return
+        self.jobs[job_id] = futures
+        self.served["sequences"] += len(rows)
+        for f in futures:  # after each sequence's last event: the loop thread emits, then resolves
+            f.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+        try:
+            left, first = len(futures), True
+            while left:
+                item = await events.get()
+                if item is None:
+                    left -= 1
+                elif stream:
+                    yield ("event", *item)
+                elif first:
+                    first = False
+                    yield ("first",)
+            if any(f.cancelled() for f in futures):
+                yield ("error", "cancelled", "the request was cancelled")
+                return
+            failed = next((f.exception() for f in futures if f.exception() is not None), None)
+            if failed is not None:
+                yield ("error", "request" if isinstance(failed, UserError) and self.ep.failed is None else "group",
+                       str(failed))
+                return
+            yield ("done", [f.result() for f in futures])
+        finally:
+            self.jobs.pop(job_id, None)
+            for f in futures:
+                f.cancel()  # a no-op once done; ends the sequence at the next step if the ingress went away
+
+    def cancel(self, job_id: str) -> bool:
+        """End a job's sequences at the next step (its deadline passed, or its client left)."""
+        futures = self.jobs.get(job_id)
+        for f in futures or []:
+            f.cancel()
+        return futures is not None
+
+    async def score(self, rows: list[list[int]], stride: int | None) -> tuple:
+        """("done", [RowScore]) or ("error", kind, message), as `complete`."""
+        try:
+            future = self.ep.submit_scores(rows, stride)
+            self.served["score_rows"] += len(rows)
+            return ("done", await asyncio.wrap_future(future))
+        except Exception as e:
+            return ("error", "request" if isinstance(e, UserError) and self.ep.failed is None else "group", str(e))
+
+    def check_health(self) -> None:
+        """Raises where this rank's step failed or its loop has ended."""
+        if self.ep is None:
+            raise RuntimeError(f"rank {self.rank} is not loaded")
+        if self.ep.failed is not None:
+            raise RuntimeError(f"rank {self.rank}'s step failed: {self.ep.failed!r}")
+        if self.ep.thread is None or not self.ep.thread.is_alive():
+            raise RuntimeError(f"rank {self.rank}'s step loop is not running")
+
+
+class RankGroup:
+    """One expert-parallel group: its placement group and its N rank actors, brought up by `start` and torn
+    down as a unit by `stop`. `healthy` turns False, for good, once any of its ranks fails a request as a group
+    (a failed step, a dead actor): the ingress sends no more requests there. Restarting a group is not built yet."""
+
+    def __init__(self, index: int, checkpoint: str, options: ExpertParallelOptions, rank_options: RankOptions):
+        self.index, self.checkpoint, self.options, self.rank_options = index, checkpoint, options, rank_options
+        strategy = "STRICT_PACK" if options.placement == "strict-pack" else "PACK"
+        # named for `ray list`, uniquely: a replaced ingress's groups may still be going away
+        self.name = f"moeserve-ep-{uuid.uuid4().hex[:8]}-{index}"
+        self.pg = placement_group([options.bundle() for _ in range(options.ranks)], strategy=strategy, name=self.name)
+        actor = ray.remote(RankActor)
+        cpus = 0.0 if options.gpus else options.bundle()["CPU"]
+        self.actors = [actor.options(num_cpus=cpus, num_gpus=1 if options.gpus else 0, max_restarts=0,
+                                     name=f"{self.name}-rank-{r}", namespace="moeserve",
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                         self.pg, placement_group_bundle_index=r))
+                       .remote(r, options.ranks, index) for r in range(options.ranks)]
+        self.healthy = False
+        self.error: str | None = None
+        self.infos: list[dict] = []
+        self._joins: list | None = None
+
+    def begin(self) -> None:
+        """Placement (gang: the group's bundles all at once, or none), then the rendezvous and loading, under way."""
+        ray.get(self.pg.ready(), timeout=self.options.ready_timeout_s)
+        address = ray.get(self.actors[0].address.remote(), timeout=self.options.ready_timeout_s)
+        device = "cuda" if self.options.gpus else "cpu"
+        self._joins = [a.join.remote(address, self.checkpoint, self.rank_options, device,
+                                     self.options.collective_timeout_s) for a in self.actors]
+
+    def finish(self, deadline: float) -> None:
+        """Wait for every rank to be up (or the error that stopped one, which tears the group down)."""
+        try:
+            self.infos = ray.get(self._joins, timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            self.stop()
+            raise
+        self.healthy = True
+
+    def fail(self, why: str) -> None:
+        if self.healthy:
+            self.healthy, self.error = False, why
+
+    def stop(self) -> None:
+        """Kill the ranks and free the placement group (the group lives and dies as a unit)."""
+        self.healthy = False
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+
+
+def start_groups(checkpoint: str, options: ExpertParallelOptions, rank_options: RankOptions) -> list[RankGroup]:
+    """Every group placed, joined and loaded: all at once, each group's ranks together."""
+    groups = [RankGroup(g, checkpoint, options, rank_options) for g in range(options.groups)]
+    deadline = time.monotonic() + options.ready_timeout_s
+    try:
+        for g in groups:
+            g.begin()
+        for g in groups:
+            g.finish(deadline)
+    except Exception:
+        for g in groups:
+            g.stop()
+        raise
+    return groups

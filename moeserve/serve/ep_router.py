@@ -1,0 +1,207 @@
+"""The expert-parallel ingress's runner (runner.py): each job to the least loaded rank of a healthy group, its
+events and result relayed back.
+
+    handler -> submit(job) -> the rank with the fewest sequences in flight from here (ties: round robin), of a
+               healthy group -> RankActor.complete (a Ray streaming generator) or .score -> this runner's event
+               loop, on the server's model thread -> job.on_event / job.future
+
+A request lives on one rank (data-parallel attention: its KV cache is there); its sequences (n choices, several
+prompts) all run on that rank, so the choices of a prompt share its prefill as in one process. Load is what this
+ingress has sent each rank and not yet had back (it is the only sender), so choosing costs no call.
+
+The queue bound is the single-process server's: the sequences waiting beyond the ranks' cache slots, plus the
+places held by admitted requests, may not pass --max-queue (429 with Retry-After). A job whose deadline passes or
+whose client leaves is cancelled on its rank, which ends its sequences at the next step. A rank that fails as a
+group (a failed step, a dead actor) marks its group unhealthy: its requests end with 503 (or an error event
+mid-stream) and new ones go to the other groups; with none left, 503 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from moeserve.runtime.sampling import EngineError
+from moeserve.serve.batcher import Closed, DeadlineExceeded, Job, QueueFull, Unavailable
+from moeserve.serve.config import BatchConfig
+from moeserve.serve.runner import ModelFacts
+
+log = logging.getLogger("moeserve.serve")
+WATCH_S = 0.05  # how often a running job's deadline and client are looked at
+
+
+@dataclass(eq=False)
+class Rank:
+    """A rank actor as the router sees it: its group, and the sequences in flight there from here."""
+
+    actor: object  # a Ray actor handle of ep_ranks.RankActor
+    group: object  # its ep_ranks.RankGroup (`healthy`, `fail`)
+    rank: int
+    slots: int
+    sequences: int = 0  # in flight: sent and not yet answered
+    jobs: int = 0
+
+
+class _Place:
+    def __init__(self, router: "RankRouter"):
+        self._router: RankRouter | None = router
+
+    def release(self) -> bool:
+        router, self._router = self._router, None
+        if router is None:
+            return False
+        with router._lock:
+            router._held -= 1
+        return True
+
+
+class RankRouter:
+    """Runner over the ranks of R expert-parallel groups (module docstring)."""
+
+    def __init__(self, model: ModelFacts, ranks: list[Rank], cfg: BatchConfig, metrics=None):
+        self.model, self.ranks, self.cfg, self.metrics = model, ranks, cfg, metrics
+        self.loop = asyncio.new_event_loop()
+        self._lock = threading.RLock()  # submit releases the held place under it
+        self._held = 0
+        self._closed = False
+        self._running: set[concurrent.futures.Future] = set()
+        self._order = itertools.count()  # round robin among equally loaded ranks
+
+    @property
+    def depth(self) -> int:
+        """Sequences waiting on the ranks beyond their cache slots (an estimate: what this ingress has sent)."""
+        return sum(max(0, r.sequences - r.slots) for r in self.ranks)
+
+    def check_room(self) -> None:
+        if self._closed:
+            raise Closed("the server is shutting down")
+        depth = self.depth + self._held
+        if depth >= self.cfg.max_queue:
+            raise QueueFull(depth, max(1, math.ceil(depth / max(1, sum(r.slots for r in self.ranks)))))
+
+    def hold(self) -> _Place:
+        with self._lock:
+            self.check_room()
+            self._held += 1
+        return _Place(self)
+
+    def submit(self, job: Job, place: _Place | None = None) -> concurrent.futures.Future:
+        with self._lock:
+            if place is None or not place.release():
+                self.check_room()
+            rank = self._choose(job)
+            if rank is None:
+                job.future.set_exception(Unavailable("no expert-parallel group is serving (a rank failed, and "
+                                                     "restarting a group is not built yet)"))
+                return job.future
+            rank.sequences += len(job.rows)
+            rank.jobs += 1
+        running = asyncio.run_coroutine_threadsafe(self._run(job, rank), self.loop)
+        with self._lock:
+            self._running.add(running)
+        running.add_done_callback(self._ended)
+        return job.future
+
+    def _choose(self, job: Job) -> Rank | None:
+        live = [r for r in self.ranks if r.group.healthy]
+        if not live:
+            return None
+        turn, n = next(self._order), len(self.ranks)
+        return min(live, key=lambda r: (r.sequences, (self.ranks.index(r) - turn) % n))
+
+    def _ended(self, running: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._running.discard(running)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def run(self) -> None:
+        """The event loop that relays every job, until closed with nothing running."""
+        async def until_closed() -> None:
+            while not (self._closed and not self._running):
+                await asyncio.sleep(WATCH_S)
+
+        try:
+            self.loop.run_until_complete(until_closed())
+        finally:
+            self.loop.close()
+
+    # ---- on the loop -------------------------------------------------------------------------------------------
+    async def _run(self, job: Job, rank: Rank) -> None:
+        now = time.monotonic()
+        if self.metrics:
+            self.metrics.queue_seconds.observe(now - job.arrival)
+            self.metrics.prompt_tokens.inc(sum(len(r) for r in job.rows))
+        try:
+            if job.dropped(now):
+                raise DeadlineExceeded("the request's deadline passed while it was queued")
+            if job.kind == "complete":
+                result = await self._complete(job, rank)
+                if self.metrics:
+                    self.metrics.generation_tokens.inc(sum(c.completion_tokens for c in result))
+            elif job.kind == "score":
+                result = self._outcome(rank, await rank.actor.score.remote(job.rows, job.stride))
+            else:
+                raise EngineError(f"{self.model.name} is a {self.model.cfg.task} model; expert-parallel ranks serve "
+                                  "language models")
+        except Exception as e:
+            if not isinstance(e, (DeadlineExceeded, EngineError, Unavailable)):
+                rank.group.fail(f"rank {rank.rank}: {type(e).__name__}: {e}")
+                log.warning("expert-parallel group %d failed: %s", rank.group.index, e)
+                e = Unavailable(f"expert-parallel rank {rank.rank} of group {rank.group.index} failed "
+                                f"({type(e).__name__})")
+            if not job.future.done():
+                job.future.set_exception(e)
+        else:
+            if not job.future.done():
+                job.future.set_result(result)
+        finally:
+            with self._lock:
+                rank.sequences -= len(job.rows)
+                rank.jobs -= 1
+
+    async def _complete(self, job: Job, rank: Rank) -> list:
+        job_id = uuid.uuid4().hex
+        stream = job.on_event is not None
+        items = rank.actor.complete.options(num_returns="streaming").remote(job_id, job.rows, job.params, stream)
+        watch = asyncio.ensure_future(self._watch(job, rank, job_id))
+        try:
+            async for ref in items:
+                item = await ref
+                if item[0] in ("event", "first") and job.first_token_at is None:
+                    job.first_token_at = time.monotonic()
+                    if self.metrics:
+                        self.metrics.ttft.observe(job.first_token_at - job.arrival)
+                if item[0] == "event":
+                    job.on_event(item[1], item[2])
+                elif item[0] != "first":
+                    return self._outcome(rank, item)
+            raise Unavailable(f"expert-parallel rank {rank.rank} ended a request without an answer")
+        finally:
+            watch.cancel()
+
+    async def _watch(self, job: Job, rank: Rank, job_id: str) -> None:
+        """Cancel the job on its rank once its deadline passes or its client leaves."""
+        while not job.dropped(time.monotonic()):
+            await asyncio.sleep(WATCH_S)
+        await rank.actor.cancel.remote(job_id)
+
+    def _outcome(self, rank: Rank, item: tuple):
+        if item[0] == "done":
+            return item[1]
+        _, kind, message = item
+        if kind == "request":
+            raise EngineError(message)
+        if kind == "cancelled":
+            raise DeadlineExceeded("the request's deadline passed while it was running")
+        rank.group.fail(message)
+        raise Unavailable(f"expert-parallel group {rank.group.index} failed ({message}); retry")
