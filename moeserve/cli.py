@@ -190,8 +190,9 @@ def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
         raise ValueError("--data-parallel-groups needs --expert-parallel N (groups of N ranks)")
     if args.expert_parallel is not None:
         return _serve_expert_parallel(args, path, cfg, given)
-    if args.placement is not None or args.cpus_per_rank is not None:
-        raise ValueError("--placement and --cpus-per-rank are --expert-parallel's")
+    if any(v is not None for v in (args.placement, args.cpus_per_rank, args.redundant_experts, args.rebalance_every)):
+        raise ValueError("--placement, --cpus-per-rank, --redundant-experts and --rebalance-every are "
+                         "--expert-parallel's")
     if args.quantize or (path.is_dir() and read_config(path).quantization is not None):
         raise ValueError("--ray: the expert shards hold float weights; serve a quantized model without --ray, or "
                          "with --expert-parallel")
@@ -229,9 +230,13 @@ def _serve_expert_parallel(args: argparse.Namespace, path: Path, cfg, shard_flag
     if args.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {args.device!r} with --expert-parallel: expected auto, cpu or cuda (Ray gives "
                          "each rank its own GPU)")
+    if args.rebalance_every is not None and not args.redundant_experts:
+        raise ValueError("--rebalance-every is --redundant-experts's: give it K copies to place")
     options = ExpertParallelOptions(ranks=args.expert_parallel, groups=args.data_parallel_groups or 1,
                                     gpus=args.device == "cuda", cpus_per_rank=args.cpus_per_rank,
-                                    placement=args.placement or "strict-pack")
+                                    placement=args.placement or "strict-pack",
+                                    redundant_experts=args.redundant_experts or 0,
+                                    rebalance_every=args.rebalance_every or 64)
     try:
         from moeserve.serve import ep_app
     except ImportError as e:
@@ -439,6 +444,12 @@ def _add_serve(sub) -> None:
     ray.add_argument("--cpus-per-rank", type=float, metavar="N",
                      help="with --expert-parallel on CPUs: each rank's CPU bundle (default: 1, or what the "
                      "ingress leaves, shared, where the cluster has fewer)")
+    ray.add_argument("--redundant-experts", type=int, metavar="K",
+                     help="with --expert-parallel: room on each rank for K copies of other ranks' experts a MoE layer, "
+                     "the hottest placed from the live load every --rebalance-every steps, each expert's tokens "
+                     "split over its copies (default: 0, off)")
+    ray.add_argument("--rebalance-every", type=int, metavar="M",
+                     help="with --redundant-experts: steps with work between two placements (default: 64)")
     ray.add_argument("--placement", choices=PLACEMENTS,
                      help="with --expert-parallel: strict-pack keeps a group on one node; pack lets it span nodes "
                      "where one node cannot hold it (default: strict-pack)")

@@ -154,13 +154,17 @@ class ExpertParallelOptions:
     # a collective waiting longer than this fails its group (a rank died or hung); it must exceed any one forward
     collective_timeout_s: float = 300.0
     ready_timeout_s: float = 600.0  # placement, rendezvous and loading of every group, at start-up
+    # room on each rank for copies of other ranks' hot experts, placed from the live load (runtime/expert_replicas.py)
+    redundant_experts: int = 0
+    rebalance_every: int = 64  # steps with work between two placements
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "groups"):
+        for name, flag, least in (("ranks", "--expert-parallel", 1), ("groups", "--data-parallel-groups", 1),
+                                  ("redundant_experts", "--redundant-experts", 0),
+                                  ("rebalance_every", "--rebalance-every", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                flag = "--expert-parallel" if name == "ranks" else "--data-parallel-groups"
-                raise UserError(f"{flag} {v!r}: expected an integer >= 1")
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise UserError(f"{flag} {v!r}: expected an integer >= {least}")
         if self.placement not in PLACEMENTS:
             raise UserError(f"--placement {self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
         for name in ("cpus_per_rank", "ingress_cpus"):

@@ -68,7 +68,9 @@ class EPIngress:
     def _start(self) -> RankRouter:
         model = check_checkpoint(self.checkpoint, self.options)
         c = self.serve_cfg
-        rank_options = RankOptions(slots=c.kv_slots, prefill_chunk=c.prefill_chunk, dtype=self.dtype)
+        rank_options = RankOptions(slots=c.kv_slots, prefill_chunk=c.prefill_chunk, dtype=self.dtype,
+                                   redundant_experts=self.options.redundant_experts,
+                                   rebalance_every=self.options.rebalance_every)
         self.groups = start_groups(self.checkpoint, self.options, rank_options)
         ranks = [Rank(actor, g, r, c.kv_slots) for g in self.groups for r, actor in enumerate(g.actors)]
         return RankRouter(model, ranks, c.batch, self.metrics)

@@ -214,6 +214,9 @@ def test_an_int8_checkpoint_over_two_groups(url, tmp_path):
     (["--data-parallel-groups", "2"], "--data-parallel-groups needs --expert-parallel"),
     (["--expert-parallel", "2", "--quantize", "int8"], "--expert-parallel: quantize the checkpoint first"),
     (["--expert-parallel", "2", "--print-config"], "--print-config is not written for --expert-parallel yet"),
+    (["--expert-parallel", "2", "--redundant-experts", "-1"], "--redundant-experts -1: expected an integer >= 0"),
+    (["--expert-parallel", "2", "--rebalance-every", "8"], "--rebalance-every is --redundant-experts's"),
+    (["--redundant-experts", "1"], "--redundant-experts and --rebalance-every are --expert-parallel's"),
 ])
 def test_bad_flags_are_named_errors(ckpt, capsys, argv, message):
     assert cli.main(["serve", str(ckpt), "--ray", *argv]) == 2
