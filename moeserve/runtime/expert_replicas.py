@@ -34,16 +34,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard
-
-if TYPE_CHECKING:
-    from moeserve.runtime.expert_parallel import ExpertParallelExperts
 
 __all__ = ["Rebalance", "Replication", "copies_of", "imbalance", "place_replicas", "rank_rows", "split_rows"]
 
@@ -160,7 +157,7 @@ class Replication:
     A layer keeps the copies it has unless the new placement's imbalance, on the window's load, is lower than theirs
     by more than `keep_within`: a window's noise alone moves no weights."""
 
-    layers: list["ExpertParallelExperts"]
+    layers: list[nn.Module]  # expert_parallel.ExpertParallelExperts (which imports this module: not named here)
     room: int
     every: int
     keep_within: float = 0.02
