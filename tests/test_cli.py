@@ -122,7 +122,8 @@ def test_serve_names_a_bad_chat_template_before_loading(tmp_path, content, why):
 
 def test_serve_flags_default_to_the_config_dataclasses():
     """No flag restates a default: `moeserve serve` with none gives exactly ServeConfig(), and --help shows it."""
-    from moeserve.cli import build_parser, serve_config
+    from moeserve.cli import build_parser
+    from moeserve.cli_serve import serve_config
     from moeserve.serve.config import BatchConfig, RayServeOptions, ServeConfig
 
     assert serve_config(build_parser().parse_args(["serve"])) == ServeConfig()
@@ -134,9 +135,9 @@ def test_serve_flags_default_to_the_config_dataclasses():
     assert f"port (default: {cfg.port})" in text
     assert f"(default: {cfg.kv_slots})" in text and f"(default: {cfg.batch.max_batch_tokens})" in text
     assert f"batch (default: {cfg.batch.wait_s * 1000:g})" in text and "(default: 1 MiB)" in text
+    # the shard flags parse to None when not given (so --expert-parallel can name one given beside it), and the
+    # options then take RayServeOptions' own defaults
     args, ray = build_parser().parse_args(["serve"]), RayServeOptions()
     assert (args.expert_shards, args.shard_replicas, args.cpus_per_shard, args.gpus_per_shard, args.ingress_gpus,
-            args.exchange, args.shard_timeout) == (ray.expert_shards, ray.shard_replicas, ray.cpus_per_shard,
-                                                   ray.gpus_per_shard, ray.ingress_gpus, ray.exchange,
-                                                   ray.shard_timeout_s)
-    assert f"every MoE layer (default: {ray.expert_shards})" in text
+            args.exchange, args.shard_timeout) == (None,) * 7
+    assert f"holds everything else (default: {ray.expert_shards})" in text
