@@ -199,7 +199,9 @@ def test_one_group_answers_503_at_once_until_it_is_back(url, ckpt):
         assert time.monotonic() - killed_at < 60, "the group was not back within 60 s"
         if len(refused) == 1:  # while it is down: the detail says so, and Serve's health check still passes
             ready = httpx.get(f"{url}/readyz", timeout=5)
-            assert ready.status_code in (200, 503), ready.text
+            groups = ready.json()["groups"]
+            assert ready.status_code == 503 and ready.json()["status"] == "unavailable", ready.text
+            assert groups[0]["state"] == "restarting" and "rank" in groups[0]["last_error"], groups
             ingress().check_health.remote().result()
         time.sleep(0.2)
     back_s = time.monotonic() - killed_at
