@@ -174,6 +174,8 @@ class RankStats:
     model_calls: int = 0  # forward passes of this rank's own work
     empty_passes: int = 0  # forward passes made only to keep step with the others
     idle_steps: int = 0  # steps in which no rank had work
+    iterations: int = 0  # loop iterations completed, idle or not: the counter a health check watches advance
+    last_step_at: float | None = None  # time.monotonic() at the end of the last iteration (None: none yet)
 
 
 @dataclass
@@ -297,6 +299,8 @@ class EPRank:
         except BaseException as e:
             self._fail(e)
             raise
+        self.stats.iterations += 1
+        self.stats.last_step_at = time.monotonic()
         if most == 0:
             self.stats.idle_steps += 1
             if all_finished:
@@ -305,6 +309,24 @@ class EPRank:
         else:
             self.stats.steps += 1
         return True
+
+    @property
+    def has_work(self) -> bool:
+        """Sequences or scoring queued or running on this rank (read from any thread: an estimate)."""
+        return not (self._inbox.empty() and self.steps.idle and not self._scores)
+
+    def unhealthy(self, stall_s: float) -> str | None:
+        """Why this rank cannot serve, or None: its step failed, its loop has ended, or the loop has not finished
+        an iteration for `stall_s` although it has work (a collective waiting on a dead or hung peer)."""
+        if self.failed is not None:
+            return f"rank {self.group.rank}'s last step failed: {self.failed!r}"
+        if self.thread is None or not self.thread.is_alive():
+            return f"rank {self.group.rank}'s step loop is not running"
+        since = self.stats.last_step_at
+        if since is not None and self.has_work and time.monotonic() - since > stall_s:
+            return (f"rank {self.group.rank}'s step loop has not advanced for {time.monotonic() - since:.1f} s "
+                    f"(> {stall_s:g} s) with work queued, after {self.stats.iterations} iterations")
+        return None
 
     def _admit(self) -> None:
         while True:

@@ -157,11 +157,25 @@ class ExpertParallelOptions:
     # room on each rank for copies of other ranks' hot experts, placed from the live load (runtime/expert_replicas.py)
     redundant_experts: int = 0
     rebalance_every: int = 64  # steps with work between two placements
+    # a group whose rank fails is torn down and started again (serve/ep_groups.py). How often every rank is asked
+    # whether it is healthy: the longest a dead rank goes unnoticed when no request finds it first
+    probe_every_s: float = 0.5
+    # a rank whose step loop has not advanced for this long with work queued is unhealthy (a collective waits on a
+    # dead or hung peer): it must exceed any one step of the model
+    stall_s: float = 60.0
+    # restarts: the first after a group that served is immediate; after a start that failed, or a group that failed
+    # within restart_stable_s of coming up, the next waits restart_backoff_s, doubling up to restart_backoff_max_s;
+    # after restart_attempts such failures in a row the group is given up and the ingress's health check fails
+    restart_backoff_s: float = 2.0
+    restart_backoff_max_s: float = 60.0
+    restart_stable_s: float = 60.0
+    restart_attempts: int = 8
 
     def __post_init__(self) -> None:
         for name, flag, least in (("ranks", "--expert-parallel", 1), ("groups", "--data-parallel-groups", 1),
                                   ("redundant_experts", "--redundant-experts", 0),
-                                  ("rebalance_every", "--rebalance-every", 1)):
+                                  ("rebalance_every", "--rebalance-every", 1),
+                                  ("restart_attempts", "restart_attempts", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise UserError(f"{flag} {v!r}: expected an integer >= {least}")
@@ -173,7 +187,8 @@ class ExpertParallelOptions:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise UserError(f"{name} = {v!r}: expected a number >= 0")
-        for name in ("collective_timeout_s", "ready_timeout_s"):
+        for name in ("collective_timeout_s", "ready_timeout_s", "probe_every_s", "stall_s", "restart_backoff_s",
+                     "restart_backoff_max_s", "restart_stable_s"):
             if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
                 raise UserError(f"{name} = {getattr(self, name)!r}: expected a number of seconds > 0")
 

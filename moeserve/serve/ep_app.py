@@ -9,8 +9,10 @@ SGLang serve it, placed by Ray.
             (runtime/ep_rank.py)
 
 The ingress makes the groups when its model "loads" (ServerState's model thread), so /readyz says 503 until every
-group is placed, joined and warmed up. The rank actors and placement groups are the ingress replica's: they
-share its fate, and Serve's restart of the ingress makes them again.
+group is placed, joined and warmed up. A group whose rank fails is torn down and started again by the ingress
+(ep_groups.py), and /readyz lists each group's state; Serve's health check of the ingress fails only once a group
+has been given up after repeated failed restarts. The rank actors and placement groups are the ingress replica's:
+they share its fate, and Serve's restart of the ingress makes them again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from moeserve.runtime.ep_rank import RankOptions
 from moeserve.serve import ray_metrics
 from moeserve.serve.app import create_app
 from moeserve.serve.config import ExpertParallelOptions
-from moeserve.serve.ep_ranks import RankGroup, start_groups
+from moeserve.serve.ep_groups import GroupSupervisor
 from moeserve.serve.ep_router import Rank, RankRouter
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.ray_app import ingress_max_ongoing, serve_until_stopped
@@ -58,7 +60,7 @@ class EPIngress:
 
     def __init__(self, checkpoint: str, serve_cfg: ServeConfig, options: ExpertParallelOptions, dtype: str):
         self.checkpoint, self.serve_cfg, self.options, self.dtype = checkpoint, serve_cfg, options, dtype
-        self.groups: list[RankGroup] = []
+        self.supervisor: GroupSupervisor | None = None
 
     def __serve_build_asgi_app__(self):
         self.metrics = Metrics(twins=ray_metrics.twin)
@@ -71,24 +73,34 @@ class EPIngress:
         rank_options = RankOptions(slots=c.kv_slots, prefill_chunk=c.prefill_chunk, dtype=self.dtype,
                                    redundant_experts=self.options.redundant_experts,
                                    rebalance_every=self.options.rebalance_every)
-        self.groups = start_groups(self.checkpoint, self.options, rank_options)
-        ranks = [Rank(actor, g, r, c.kv_slots) for g in self.groups for r, actor in enumerate(g.actors)]
-        return RankRouter(model, ranks, c.batch, self.metrics)
+        supervisor = GroupSupervisor(self.checkpoint, self.options, rank_options)
+        groups = supervisor.start()
+        ranks = [Rank(actor, g, r, c.kv_slots) for g in groups for r, actor in enumerate(g.actors)]
+        router = RankRouter(model, ranks, c.batch, self.metrics, health=supervisor.health)
+        supervisor.on_up = router.replace_group
+        self.supervisor = supervisor
+        return router
 
     def ranks(self) -> list[dict]:
-        """Every rank's RankActor.info, now: what it holds and has served."""
-        return ray.get([a.info.remote() for g in self.groups for a in g.actors], timeout=60)
+        """Every serving rank's RankActor.info, now: what it holds and has served."""
+        groups = [g for g in self.supervisor.groups if g.healthy] if self.supervisor else []
+        return ray.get([a.info.remote() for g in groups for a in g.actors], timeout=60)
+
+    def groups(self) -> list[dict]:
+        """Each group's state, restarts and last error (GroupSupervisor.health)."""
+        return self.supervisor.health() if self.supervisor else []
 
     def check_health(self) -> None:
-        """Serve's health check: unhealthy once every group has failed (restarting a group is not built yet)."""
-        if self.groups and not any(g.healthy for g in self.groups):
-            raise RuntimeError("every expert-parallel group has failed: " + "; ".join(str(g.error) for g in self.groups))
+        """Serve's health check. A failed rank (a failed step, an ended or stalled loop, a dead actor) is found by
+        the supervisor's watch, which restarts its group; this fails only once a group has been given up."""
+        if self.supervisor is not None:
+            self.supervisor.check()
 
     def __del__(self):
         if getattr(self, "copier", None) is not None:
             self.copier.stop()
-        for g in self.groups:
-            g.stop()
+        if getattr(self, "supervisor", None) is not None:
+            self.supervisor.stop()
 
 
 def build_ep_app(checkpoint: str | Path, serve_cfg: ServeConfig, options: ExpertParallelOptions, *,

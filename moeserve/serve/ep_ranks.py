@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 import uuid
 
@@ -91,7 +92,8 @@ class RankActor:
                 "parameters": sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()),
                 "experts": [e.local.expert_ids for e in ep.experts], "served": dict(self.served),
                 "running": len(ep.steps.running), "failed": None if ep.failed is None else repr(ep.failed),
-                "steps": ep.stats.steps, "empty_passes": ep.stats.empty_passes}
+                "steps": ep.stats.steps, "empty_passes": ep.stats.empty_passes, "iterations": ep.stats.iterations,
+                "last_step_age_s": None if ep.stats.last_step_at is None else time.monotonic() - ep.stats.last_step_at}
 
     async def complete(self, job_id: str, rows: list[list[int]], params: list[SamplingParams], stream: bool):
         """A job's rows as sequences on this rank. Yields ("event", row, StreamEvent) as they come (only the first,
@@ -153,20 +155,21 @@ class RankActor:
         except Exception as e:
             return ("error", "request" if isinstance(e, UserError) and self.ep.failed is None else "group", str(e))
 
-    def check_health(self) -> None:
-        """Raises where this rank's step failed or its loop has ended."""
+    def check_health(self, stall_s: float = 60.0) -> None:
+        """Raises where this rank cannot serve: not loaded, its last step failed, its loop ended, or its loop has not
+        advanced for `stall_s` although it has work (EPRank.unhealthy)."""
         if self.ep is None:
             raise RuntimeError(f"rank {self.rank} is not loaded")
-        if self.ep.failed is not None:
-            raise RuntimeError(f"rank {self.rank}'s step failed: {self.ep.failed!r}")
-        if self.ep.thread is None or not self.ep.thread.is_alive():
-            raise RuntimeError(f"rank {self.rank}'s step loop is not running")
+        why = self.ep.unhealthy(stall_s)
+        if why is not None:
+            raise RuntimeError(why)
 
 
 class RankGroup:
     """One expert-parallel group: its placement group and its N rank actors, brought up by `start` and torn
-    down as a unit by `stop`. `healthy` turns False, for good, once any of its ranks fails a request as a group
-    (a failed step, a dead actor): the ingress sends no more requests there. Restarting a group is not built yet."""
+    down as a unit by `stop`. `healthy` turns False, for good, once any of its ranks fails as a group (a failed
+    step, a dead actor, a stalled loop): the ingress sends no more requests there, and `on_fail` (the supervisor's,
+    ep_groups.py) tears it down and starts a new group in its place."""
 
     def __init__(self, index: int, checkpoint: str, options: ExpertParallelOptions, rank_options: RankOptions):
         self.index, self.checkpoint, self.options, self.rank_options = index, checkpoint, options, rank_options
@@ -185,6 +188,9 @@ class RankGroup:
         self.error: str | None = None
         self.infos: list[dict] = []
         self._joins: list | None = None
+        self.up_at: float | None = None  # time.monotonic() once every rank is up
+        self.on_fail = None  # called once with this group when it fails (GroupSupervisor.failed)
+        self._fail_lock = threading.Lock()  # the router's loop and the supervisor's watch may both see it fail
 
     def begin(self) -> None:
         """Placement (gang: the group's bundles all at once, or none), then the rendezvous and loading, under way."""
@@ -201,11 +207,17 @@ class RankGroup:
         except Exception:
             self.stop()
             raise
-        self.healthy = True
+        self.healthy, self.up_at = True, time.monotonic()
 
     def fail(self, why: str) -> None:
-        if self.healthy:
-            self.healthy, self.error = False, why
+        """Take no more requests; the first failure of a serving group calls `on_fail` (its teardown and restart)."""
+        with self._fail_lock:
+            first, self.healthy = self.healthy, False
+            if first:
+                self.error = why
+        if first:
+            if self.on_fail is not None:
+                self.on_fail(self)
 
     def stop(self) -> None:
         """Kill the ranks and free the placement group (the group lives and dies as a unit)."""

@@ -12,8 +12,9 @@ ingress has sent each rank and not yet had back (it is the only sender), so choo
 The queue bound is the single-process server's: the sequences waiting beyond the ranks' cache slots, plus the
 places held by admitted requests, may not pass --max-queue (429 with Retry-After). A job whose deadline passes or
 whose client leaves is cancelled on its rank, which ends its sequences at the next step. A rank that fails as a
-group (a failed step, a dead actor) marks its group unhealthy: its requests end with 503 (or an error event
-mid-stream) and new ones go to the other groups; with none left, 503 at once.
+group (a failed step, a dead actor) marks its group unhealthy (RankGroup.fail), which tears the group down and starts
+it again (ep_groups.py): its requests end with 503 (or an error event mid-stream) and new ones go to the other groups;
+with none serving, 503 at once until one is back. A restarted group's ranks replace the old ones (`replace_group`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class _Place:
 class RankRouter:
     """Runner over the ranks of R expert-parallel groups (module docstring)."""
 
-    def __init__(self, model: ModelFacts, ranks: list[Rank], cfg: BatchConfig, metrics=None):
+    def __init__(self, model: ModelFacts, ranks: list[Rank], cfg: BatchConfig, metrics=None, health=None):
         self.model, self.ranks, self.cfg, self.metrics = model, ranks, cfg, metrics
+        self.health = health  # () -> each group's state (GroupSupervisor.health), for /readyz; None: not known
         self.loop = asyncio.new_event_loop()
         self._lock = threading.RLock()  # submit releases the held place under it
         self._held = 0
@@ -98,8 +100,8 @@ class RankRouter:
                 self.check_room()
             rank = self._choose(job)
             if rank is None:
-                job.future.set_exception(Unavailable("no expert-parallel group is serving (a rank failed, and "
-                                                     "restarting a group is not built yet)"))
+                job.future.set_exception(Unavailable("no expert-parallel group is serving (a rank failed; its group "
+                                                     "is being restarted)"))
                 return job.future
             rank.sequences += len(job.rows)
             rank.jobs += 1
@@ -115,6 +117,15 @@ class RankRouter:
             return None
         turn, n = next(self._order), len(self.ranks)
         return min(live, key=lambda r: (r.sequences, (self.ranks.index(r) - turn) % n))
+
+    def replace_group(self, group) -> None:
+        """A restarted group's ranks in place of its old ones (GroupSupervisor.on_up). Jobs still on the old ranks
+        keep their Rank and end there."""
+        slots = next((r.slots for r in self.ranks), 1)
+        with self._lock:
+            self.ranks = sorted([r for r in self.ranks if r.group.index != group.index]
+                                + [Rank(actor, group, r, slots) for r, actor in enumerate(group.actors)],
+                                key=lambda r: (r.group.index, r.rank))
 
     def _ended(self, running: concurrent.futures.Future) -> None:
         with self._lock:
@@ -141,24 +152,22 @@ class RankRouter:
         if self.metrics:
             self.metrics.queue_seconds.observe(now - job.arrival)
             self.metrics.prompt_tokens.inc(sum(len(r) for r in job.rows))
+        failed: set[int] = set()  # the groups that failed this job before its first token
         try:
-            if job.dropped(now):
-                raise DeadlineExceeded("the request's deadline passed while it was queued")
-            if job.kind == "complete":
-                result = await self._complete(job, rank)
-                if self.metrics:
-                    self.metrics.generation_tokens.inc(sum(c.completion_tokens for c in result))
-            elif job.kind == "score":
-                result = self._outcome(rank, await rank.actor.score.remote(job.rows, job.stride))
-            else:
-                raise EngineError(f"{self.model.name} is a {self.model.cfg.task} model; expert-parallel ranks serve "
-                                  "language models")
+            while True:
+                try:
+                    result = await self._attempt(job, rank)
+                    break
+                except _GroupFailed as e:
+                    log.warning("expert-parallel group %d failed: %s", rank.group.index, e)
+                    rank.group.fail(str(e))
+                    failed.add(rank.group.index)
+                    # nothing of it has reached the client (no token yet): it may start again on another group
+                    moved = self._move(job, rank, failed) if job.first_token_at is None else None
+                    if moved is None:
+                        raise Unavailable(f"expert-parallel group {rank.group.index} failed ({e}); retry") from None
+                    rank = moved
         except Exception as e:
-            if not isinstance(e, (DeadlineExceeded, EngineError, Unavailable)):
-                rank.group.fail(f"rank {rank.rank}: {type(e).__name__}: {e}")
-                log.warning("expert-parallel group %d failed: %s", rank.group.index, e)
-                e = Unavailable(f"expert-parallel rank {rank.rank} of group {rank.group.index} failed "
-                                f"({type(e).__name__})")
             if not job.future.done():
                 job.future.set_exception(e)
         else:
@@ -168,6 +177,39 @@ class RankRouter:
             with self._lock:
                 rank.sequences -= len(job.rows)
                 rank.jobs -= 1
+
+    async def _attempt(self, job: Job, rank: Rank):
+        """The job on `rank` once; _GroupFailed where the rank failed as a group (a dead actor, a failed step)."""
+        try:
+            if job.dropped(time.monotonic()):
+                raise DeadlineExceeded("the request's deadline passed while it was queued")
+            if job.kind == "complete":
+                result = await self._complete(job, rank)
+                if self.metrics:
+                    self.metrics.generation_tokens.inc(sum(c.completion_tokens for c in result))
+                return result
+            if job.kind == "score":
+                return self._outcome(await rank.actor.score.remote(job.rows, job.stride))
+            raise EngineError(f"{self.model.name} is a {self.model.cfg.task} model; expert-parallel ranks serve "
+                              "language models")
+        except (DeadlineExceeded, EngineError, Unavailable, _GroupFailed):
+            raise
+        except Exception as e:  # the actor died, or Ray could not reach it
+            raise _GroupFailed(f"rank {rank.rank}: {type(e).__name__}: {_last_line(e)}") from e
+
+    def _move(self, job: Job, rank: Rank, failed: set[int]) -> Rank | None:
+        """Another serving group's least loaded rank for a job whose group failed before its first token (its load
+        moved there), or None."""
+        with self._lock:
+            live = [r for r in self.ranks if r.group.healthy and r.group.index not in failed]
+            if not live:
+                return None
+            moved = min(live, key=lambda r: r.sequences)
+            rank.sequences -= len(job.rows)
+            rank.jobs -= 1
+            moved.sequences += len(job.rows)
+            moved.jobs += 1
+        return moved
 
     async def _complete(self, job: Job, rank: Rank) -> list:
         job_id = uuid.uuid4().hex
@@ -184,7 +226,7 @@ class RankRouter:
                 if item[0] == "event":
                     job.on_event(item[1], item[2])
                 elif item[0] != "first":
-                    return self._outcome(rank, item)
+                    return self._outcome(item)
             raise Unavailable(f"expert-parallel rank {rank.rank} ended a request without an answer")
         finally:
             watch.cancel()
@@ -193,9 +235,12 @@ class RankRouter:
         """Cancel the job on its rank once its deadline passes or its client leaves."""
         while not job.dropped(time.monotonic()):
             await asyncio.sleep(WATCH_S)
-        await rank.actor.cancel.remote(job_id)
+        try:
+            await rank.actor.cancel.remote(job_id)
+        except Exception:  # the rank is gone: so is the job
+            pass
 
-    def _outcome(self, rank: Rank, item: tuple):
+    def _outcome(self, item: tuple):
         if item[0] == "done":
             return item[1]
         _, kind, message = item
@@ -203,5 +248,14 @@ class RankRouter:
             raise EngineError(message)
         if kind == "cancelled":
             raise DeadlineExceeded("the request's deadline passed while it was running")
-        rank.group.fail(message)
-        raise Unavailable(f"expert-parallel group {rank.group.index} failed ({message}); retry")
+        raise _GroupFailed(message)
+
+
+class _GroupFailed(Exception):
+    """A rank failed as a group (RankGroup.fail); the router retries the job elsewhere or answers 503."""
+
+
+def _last_line(e: BaseException) -> str:
+    """The last line of an error's text (Ray's wrapped errors carry the remote traceback before it)."""
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else ""

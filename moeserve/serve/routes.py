@@ -132,7 +132,13 @@ async def healthz() -> dict:
 async def readyz(request: Request) -> JSONResponse:
     state = _state(request)
     if state.ready and not state.draining:
-        return JSONResponse({"status": "ready", "model": state.name})
+        health = getattr(state.runner, "health", None)  # the expert-parallel groups' states (ep_groups.py)
+        if health is None:
+            return JSONResponse({"status": "ready", "model": state.name})
+        groups = health()
+        serving = any(g["state"] == "serving" for g in groups)
+        return JSONResponse({"status": "ready" if serving else "unavailable", "model": state.name, "groups": groups},
+                            status_code=200 if serving else 503)
     status = "draining" if state.draining else "failed" if state.load_error else "loading"
     return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
 

@@ -247,3 +247,32 @@ def test_nccl_exchange_on_one_gpu():
             assert ep(x[:0], ids[:0], gates[:0]).shape == (0, 32)
     finally:
         group.leave()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failed loop raises, by design
+def test_a_rank_says_when_its_loop_stalls_fails_or_ends(solo_group, checkpoints):
+    """EPRank.unhealthy (what RankActor.check_health raises): None while the loop advances; named once the loop
+    has not finished an iteration for stall_s with work queued (here: its engine's lock held, as a collective
+    waiting on a dead peer would hold the step), once a step has failed, and once the loop has ended."""
+    import time
+
+    ep = EPRank.load(checkpoints["softmax"], solo_group, RankOptions(slots=2))
+    ep.start()
+    ep.submit([1, 2, 3], SamplingParams(max_new_tokens=2)).result(30)
+    assert ep.unhealthy(0.3) is None and ep.stats.iterations > 0
+    with ep.engine.lock:  # the loop cannot finish an iteration
+        time.sleep(0.05)
+        assert ep.unhealthy(0.3) is None  # no work: an idle rank that waits is not stalled
+        future = ep.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+        time.sleep(0.4)
+        assert "has not advanced" in ep.unhealthy(0.3)
+    future.result(30)
+    assert ep.unhealthy(0.3) is None
+    ep.lockstep.agree = lambda *a: (_ for _ in ()).throw(RuntimeError("peer gone"))
+    failed = ep.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(Exception, match="peer gone"):
+        failed.result(30)
+    assert "last step failed" in ep.unhealthy(60) and "peer gone" in ep.unhealthy(60)
+    ep.thread.join(30)
+    ep.failed = None
+    assert "not running" in ep.unhealthy(60)
