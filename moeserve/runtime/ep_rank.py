@@ -380,12 +380,12 @@ class EPRank:
         self._scores.clear()
 
 
-def run_rank(checkpoint: str, init_method: str, rank: int, world_size: int,
-             options: RankOptions | None = None) -> EPRank:
-    """What a rank's process does: join the group at `init_method`, load this rank's slice of `checkpoint`, and
-    serve on a thread of its own until stopped. Returns the rank at once, serving: `submit` to it, `stop()` it and
-    join `rank.thread`; the group is left when the loop ends."""
-    group = join_group(init_method, rank, world_size)
+def run_rank(checkpoint: str, init_method: str, rank: int, world_size: int, options: RankOptions | None = None, *,
+             device: str = "cpu", timeout_s: float = 300.0) -> EPRank:
+    """What a rank's process does: join the group at `init_method` (join_group's device and timeout), load this
+    rank's slice of `checkpoint`, and serve on a thread of its own until stopped. Returns the rank at once, serving:
+    `submit` to it, `stop()` it and join `rank.thread`; the group is left when the loop ends."""
+    group = join_group(init_method, rank, world_size, device=device, timeout_s=timeout_s)
     try:
         ep = EPRank.load(checkpoint, group, options)
     except BaseException:

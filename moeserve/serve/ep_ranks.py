@@ -32,8 +32,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moeserve.errors import UserError
-from moeserve.runtime.ep_rank import EPRank, RankOptions
-from moeserve.runtime.expert_parallel import join_group
+from moeserve.runtime.ep_rank import EPRank, RankOptions, run_rank
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.serve.config import ExpertParallelOptions
 
@@ -63,17 +62,8 @@ class RankActor:
                    timeout_s: float) -> dict:
         """Join the group at `init_method`, load this rank's slice, warm it up and start its loop (every rank of the
         group together: the collectives wait for all). What it holds (`info`)."""
-        def up() -> EPRank:
-            group = join_group(init_method, self.rank, self.world, device=device, timeout_s=timeout_s)
-            try:
-                ep = EPRank.load(checkpoint, group, options)
-            except BaseException:
-                group.leave()
-                raise
-            ep.start(leave_group=True)
-            return ep
-
-        self.ep = await asyncio.to_thread(up)
+        self.ep = await asyncio.to_thread(run_rank, checkpoint, init_method, self.rank, self.world, options,
+                                          device=device, timeout_s=timeout_s)
         # one short completion per rank, so the first request pays no first-call costs; every rank does it at
         # once, each its own (the lockstep pads the others); its expert load is not traffic
         tok = self.ep.engine.tokenizer

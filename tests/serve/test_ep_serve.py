@@ -17,6 +17,7 @@ import torch
 
 from ..conftest import wait_for_ray_to_exit
 from moeserve import cli
+from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.engine import Engine, SamplingParams
@@ -36,14 +37,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray clust
 PROMPTS = ["def f(x):", "import os\n", "class A:", "x = [i for i", "# a comment", "return (a +"]
 SEEDED = dict(max_tokens=10, temperature=0.9, top_p=0.95, seed=7)
 TEXTS = ["hello world", "def g():\n    return 1\n" * 8]  # the second is past the context of 64: 3 windows
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
