@@ -76,7 +76,8 @@ def deploy(url: str, ckpt: Path, serve_cfg: ServeConfig, **options) -> None:
 @pytest.fixture(scope="module")
 def url(ckpt, tiny_chat_template):
     port = free_port()
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 500})  # Ray's export within a second of a change
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -206,6 +207,22 @@ def test_metrics_per_rank_and_group(url):
     assert set(calls) == {"0", "1"} and calls["0"] == calls["1"] > 0  # the lockstep: every rank at each layer call
     assert set(rank_series(got, "moeserve_ep_exchanged_rows_total")) == {"0", "1"}
     assert got[("moeserve_ep_expert_imbalance", ("group", "0"))] >= 1
+
+    from .test_ray_serve import ray_export  # and the same values in Ray's metrics export, once Ray has them
+
+    def exported(samples: dict, name: str) -> dict[str, float]:
+        return {dict(k[1:])["rank"]: v for k, v in samples.items()
+                if k[0] == name and dict(k[1:]).get("group") == "0" and dict(k[1:]).get("application") == "moeserve"}
+
+    deadline = time.monotonic() + 30
+    while True:
+        samples = ray_export()
+        ray_got = (exported(samples, "ray_moeserve_ep_computed_rows_total"),
+                   exported(samples, "ray_moeserve_ep_all_to_all_seconds_count"))
+        if ray_got == (computed, calls):
+            break
+        assert time.monotonic() < deadline, (ray_got, computed, calls)
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
