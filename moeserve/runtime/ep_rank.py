@@ -310,6 +310,23 @@ class EPRank:
             self.stats.steps += 1
         return True
 
+    def counters(self) -> dict:
+        """What this rank has done, for a server's metrics (serve/ep_metrics.py), read from any thread (each number
+        exact, together a snapshot within one layer call): its exchanges summed over its MoE layers (`calls`,
+        `all_to_all_s`, `all_to_all_buckets` as ExchangeStats's, `rows_sent`, `rows_received`, `rows_computed`),
+        `rows_routed` (rows this rank's tokens sent to experts, its own included: a token counts once per expert),
+        and now: `queued` (sequences and scoring jobs waiting for a slot or a step) and `running` (sequences
+        holding a cache slot: prefilling or decoding). The warm-up counts in the exchange counters."""
+        stats = [e.stats for e in self.experts]
+        sched = self.steps.scheduler
+        return {"calls": sum(s.calls for s in stats), "all_to_all_s": sum(s.all_to_all_s for s in stats),
+                "all_to_all_buckets": [sum(b) for b in zip(*(s.all_to_all_buckets for s in stats))],
+                "rows_sent": sum(s.rows_sent for s in stats), "rows_received": sum(s.rows_received for s in stats),
+                "rows_computed": sum(s.rows_computed for s in stats),
+                "rows_routed": sum(int(e.routed_E.sum()) for e in self.experts),
+                "queued": self._inbox.qsize() + len(sched.waiting) + len(self._scores),
+                "running": len(sched.prefilling) + len(sched.running)}
+
     @property
     def has_work(self) -> bool:
         """Sequences or scoring queued or running on this rank (read from any thread: an estimate)."""

@@ -41,6 +41,7 @@ changes.
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ from moeserve.runtime.experts import Experts, combine, dispatch
 
 __all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "LockstepError", "join_group"]
 
+# upper bounds (s) of the per-call all-to-all histogram (ExchangeStats.all_to_all_buckets; the served
+# moeserve_ep_all_to_all_seconds): 2 gloo ranks on 2 CPU cores take 1-3 ms a layer call (moeserve bench ep)
+A2A_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 
@@ -137,6 +141,9 @@ class ExchangeStats:
 
     calls: int = 0
     all_to_all_s: float = 0.0  # in the three all_to_all_single calls, summed
+    # per call, its all-to-all seconds counted in A2A_BUCKETS (a call of t s in the first bucket whose bound is
+    # >= t, the last one past every bound): a histogram at one bisect per layer call
+    all_to_all_buckets: list[int] = field(default_factory=lambda: [0] * (len(A2A_BUCKETS) + 1))
     rows_sent: int = 0  # to other ranks (not counting rows for this rank's own experts)
     rows_received: int = 0  # from other ranks
     rows_computed: int = 0  # by this rank's experts and replicas, its own rows included (its share of the load)
@@ -210,7 +217,9 @@ class ExpertParallelExperts(nn.Module):
         dist.all_to_all_single(y_send, y_in.contiguous(), to_rank, from_rank, group=g)
         s = self.stats
         s.calls += 1
-        s.all_to_all_s += (t1 - t0) + (time.perf_counter() - t2)
+        a2a_s = (t1 - t0) + (time.perf_counter() - t2)
+        s.all_to_all_s += a2a_s
+        s.all_to_all_buckets[bisect.bisect_left(A2A_BUCKETS, a2a_s)] += 1
         s.rows_sent += sum(to_rank) - to_rank[me]
         s.rows_received += sum(from_rank) - from_rank[me]
         s.rows_computed += sum(from_rank)

@@ -8,6 +8,10 @@ SGLang serve it, placed by Ray.
             each MoE layer with torch.distributed all-to-all (runtime/expert_parallel.py), in lockstep
             (runtime/ep_rank.py)
 
+Its /metrics adds, per rank and group, the all-to-all time, routed and computed rows, queue depth and running
+sequences, and the imbalance across ranks (ep_metrics.py), from the counters the supervisor's health probe
+brings back.
+
 The ingress makes the groups when its model "loads" (ServerState's model thread), so /readyz says 503 until every
 group is placed, joined and warmed up. A group whose rank fails is torn down and started again by the ingress
 (ep_groups.py), and /readyz lists each group's state; Serve's health check of the ingress fails only once a group
@@ -30,6 +34,7 @@ from moeserve.serve import ray_metrics
 from moeserve.serve.app import create_app
 from moeserve.serve.config import ExpertParallelOptions
 from moeserve.serve.ep_groups import GroupSupervisor
+from moeserve.serve.ep_metrics import RankCollector
 from moeserve.serve.ep_router import Rank, RankRouter
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.ray_app import ingress_max_ongoing, serve_until_stopped
@@ -78,6 +83,7 @@ class EPIngress:
         ranks = [Rank(actor, g, r, c.kv_slots) for g in groups for r, actor in enumerate(g.actors)]
         router = RankRouter(model, ranks, c.batch, self.metrics, health=supervisor.health)
         supervisor.on_up = router.replace_group
+        self.metrics.watch_collector(RankCollector(supervisor.book))  # per rank and group (ep_metrics.py)
         self.supervisor = supervisor
         return router
 

@@ -3,7 +3,8 @@ started again as a unit when one of its ranks fails.
 
     start: every group placed, joined and loaded (ep_ranks.start_groups) -> serving
     watch (a thread): every probe_every_s, each rank of each serving group is asked RankActor.check_health (a dead
-           actor answers at once with its death; a failed step, an ended loop or a loop stalled with work raise)
+           actor answers at once with its death; a failed step, an ended loop or a loop stalled with work raise);
+           a healthy rank answers with its counters, kept in `book` for the per-rank metrics (ep_metrics.py)
     a failure (the watch's, or the router's: a rank that failed a request as a group) -> RankGroup.fail: the group
            takes no more requests at once, and a thread of its own:
       -> tear down: kill its actors and remove its placement group; the requests still on its ranks end there (their
@@ -29,6 +30,7 @@ import ray
 
 from moeserve.runtime.ep_rank import RankOptions
 from moeserve.serve.config import ExpertParallelOptions
+from moeserve.serve.ep_metrics import RankBook
 from moeserve.serve.ep_ranks import RankGroup, start_groups
 
 __all__ = ["GroupSupervisor"]
@@ -61,6 +63,7 @@ class GroupSupervisor:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._watch: threading.Thread | None = None
+        self.book = RankBook()  # every serving rank's counters, from the probe (ep_metrics.py)
 
     @property
     def groups(self) -> list[RankGroup]:
@@ -84,6 +87,7 @@ class GroupSupervisor:
             if place.group is not group or self._stopped.is_set():
                 return  # an earlier group of this place, already replaced; or shutting down
             place.state, place.last_error, place.down_at = "restarting", group.error, time.monotonic()
+            self.book.forget(group.index)
             stable = group.up_at is not None and place.down_at - group.up_at >= self.options.restart_stable_s
             place.streak = 0 if stable else place.streak + 1
         log.warning("expert-parallel group %d failed (%s): tearing it down and restarting it", group.index, group.error)
@@ -143,13 +147,17 @@ class GroupSupervisor:
         asked = [(g, r, a.check_health.remote(self.options.stall_s)) for g in self.groups if g.healthy
                  for r, a in enumerate(g.actors)]
         deadline = time.monotonic() + PROBE_TIMEOUT_S
+        answers: dict[RankGroup, list] = {}
         for group, rank, ref in asked:
             if not group.healthy:
                 continue
             try:
-                ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
+                answers.setdefault(group, []).append(ray.get(ref, timeout=max(0.01, deadline - time.monotonic())))
             except Exception as e:
                 group.fail(f"rank {rank}: {type(e).__name__}: {_last_line(e)}")
+        for group, counters in answers.items():  # each healthy rank's counters: the per-rank metrics
+            if group.healthy and len(counters) == len(group.actors) and all(isinstance(c, dict) for c in counters):
+                self.book.update(group.index, counters, identity=getattr(group, "name", None))
 
     # ---- reports -------------------------------------------------------------------------------------------------
     def check(self) -> None:

@@ -145,14 +145,16 @@ class RankActor:
         except Exception as e:
             return ("error", "request" if isinstance(e, UserError) and self.ep.failed is None else "group", str(e))
 
-    def check_health(self, stall_s: float = 60.0) -> None:
+    def check_health(self, stall_s: float = 60.0) -> dict:
         """Raises where this rank cannot serve: not loaded, its last step failed, its loop ended, or its loop has not
-        advanced for `stall_s` although it has work (EPRank.unhealthy)."""
+        advanced for `stall_s` although it has work (EPRank.unhealthy). Else its counters (EPRank.counters): the
+        supervisor's probe carries the per-rank metrics, with no call of their own."""
         if self.ep is None:
             raise RuntimeError(f"rank {self.rank} is not loaded")
         why = self.ep.unhealthy(stall_s)
         if why is not None:
             raise RuntimeError(why)
+        return self.ep.counters()
 
 
 class RankGroup:

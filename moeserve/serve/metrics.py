@@ -151,6 +151,11 @@ class Metrics:
         self.registry.register(collector)
         self.collectors.append(collector)
 
+    def watch_collector(self, collector: Collector) -> None:
+        """Series read when scraped (as the experts' load), from any collector: also copied to Ray's twins."""
+        self.registry.register(collector)
+        self.collectors.append(collector)
+
     def watch_decode(self, counts: Callable[[], Mapping[str, int] | None]) -> None:
         collector = DecodeTokensCollector(counts)
         self.registry.register(collector)

@@ -4,8 +4,8 @@ Under Ray Serve a replica's own /metrics is one replica's view, behind a proxy t
 Ray collects every process's metrics at each node's metrics agent, which Prometheus scrapes (its
 targets are the nodes' `MetricsExportPort`, or the file that Ray's dashboard writes for file_sd). So
 each instrument of serve/metrics.py gets a `ray.serve.metrics` twin, recorded at the same moment
-(`metrics.Tee`), and the series that are read at scrape time (the queue depth, the experts' load) are
-copied into theirs every `interval_s` by a thread of the replica.
+(`metrics.Tee`), and the series that are read at scrape time (the queue depth, the experts' load, the
+expert-parallel ranks' series) are copied into theirs every `interval_s` by a thread of the replica.
 
 What a scraper of Ray's export sees, against the single-process server's /metrics:
 - names gain Ray's prefix: `moeserve_requests_total` is `ray_moeserve_requests_total`;
@@ -65,8 +65,38 @@ class ScrapeTimeCopier:
                 tee.twin.set(float(tee.function()) if tee.function else tee.value)
         for collector in self.metrics.collectors:
             for family in collector.collect():
+                if family.type == "histogram":
+                    self._copy_histogram(family)
+                    continue
                 for sample in family.samples:
                     self._copy(family.type, family.name, family.documentation, sample)
+
+    def _copy_histogram(self, family) -> None:
+        """A scrape-time histogram (cumulative buckets, as moeserve_ep_all_to_all_seconds): each bucket's new
+        observations observed again in its twin at the bucket's midpoint (past the last bound: twice it), so the
+        twin's buckets and count are exact and its _sum is Ray's own kind of estimate."""
+        series: dict[tuple, list[tuple[float, float]]] = {}
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                tags = tuple(sorted((k, str(v)) for k, v in sample.labels.items() if k != "le"))
+                series.setdefault(tags, []).append((float(sample.labels["le"]), sample.value))
+        for tags, buckets in series.items():
+            buckets.sort()
+            if family.name not in self.twins:
+                self.twins[family.name] = twin("histogram", family.name, family.documentation,
+                                               tuple(k for k, _ in tags), [le for le, _ in buckets])
+            lower, below = 0.0, 0.0
+            for le, cumulative in buckets:
+                n, below = cumulative - below, cumulative
+                key = (family.name, tags, le)
+                delta = n - self.seen.get(key, 0.0)
+                if delta < 0:  # the series started again from 0 (a restarted rank)
+                    delta = n
+                self.seen[key] = n
+                value = (lower + le) / 2 if le != math.inf else 2 * lower
+                for _ in range(int(delta)):
+                    self.twins[family.name].observe(value, tags=dict(tags))
+                lower = le
 
     def _copy(self, kind: str, family: str, documentation: str, sample) -> None:
         if kind not in ("counter", "gauge") or math.isnan(sample.value) or (
@@ -81,6 +111,9 @@ class ScrapeTimeCopier:
             return
         key = (family, tuple(sorted(tags.items())))
         delta = sample.value - self.seen.get(key, 0.0)
+        if delta < 0:  # the series started again from 0 (a restarted rank): all of it is new
+            delta = sample.value
+            self.seen[key] = sample.value
         if delta > 0:
             self.twins[family].inc(delta, tags=tags)
             self.seen[key] = sample.value

@@ -69,7 +69,8 @@ def deploy(url: str, ckpt: Path, serve_cfg: ServeConfig, **options) -> None:
 @pytest.fixture(scope="module")
 def url(ckpt, tiny_chat_template):
     port = free_port()
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 500})  # Ray's export within a second of a change
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -159,6 +160,62 @@ def test_metrics_count_the_ranks_work(url):
     assert after[("moeserve_generation_tokens_total",)] - before.get(("moeserve_generation_tokens_total",), 0) == 5
     assert after[("moeserve_time_to_first_token_seconds_count",)] > 0
     assert after[("moeserve_queue_depth",)] == 0
+
+
+def test_metrics_per_rank_and_group(url):
+    """The ranks' counters, brought back by the supervisor's health probe (serve/ep_metrics.py): both ranks' series,
+    the rows their tokens routed all computed by some rank, the all-to-all histogram, and the imbalance."""
+    from .test_server import parse
+
+    def rank_series(got: dict, name: str) -> dict[str, float]:
+        return {dict(k[1:])["rank"]: v for k, v in got.items() if k[0] == name and dict(k[1:]).get("group") == "0"}
+
+    def settled() -> dict:
+        """/metrics once both ranks are idle and two probes apart show the same counters."""
+        deadline, last = time.monotonic() + 30, None
+        while True:
+            got = parse(httpx.get(f"{url}/metrics", timeout=10).text)
+            now = [rank_series(got, n) for n in ("moeserve_ep_routed_rows_total", "moeserve_ep_computed_rows_total")]
+            busy = rank_series(got, "moeserve_ep_running_sequences"), rank_series(got, "moeserve_ep_queue_depth")
+            if now == last and all(set(b) == {"0", "1"} and not any(b.values()) for b in busy):
+                return got
+            assert time.monotonic() < deadline, (now, busy)
+            last = now
+            time.sleep(1.0)  # two probes (probe_every_s 0.5)
+
+    before = settled()
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=60),
+                                PROMPTS[:4]))
+    assert all(a.status_code == 200 for a in answers)
+    got = settled()
+    routed, computed = (rank_series(got, n) for n in ("moeserve_ep_routed_rows_total",
+                                                      "moeserve_ep_computed_rows_total"))
+    assert set(routed) == set(computed) == {"0", "1"}
+    assert all(v > 0 for v in (*routed.values(), *computed.values())), (routed, computed)
+    assert sum(routed.values()) > sum(rank_series(before, "moeserve_ep_routed_rows_total").values())
+    assert sum(computed.values()) == sum(routed.values())  # every routed row computed once, on some rank
+    calls = rank_series(got, "moeserve_ep_all_to_all_seconds_count")
+    assert set(calls) == {"0", "1"} and calls["0"] == calls["1"] > 0  # the lockstep: every rank at each layer call
+    assert set(rank_series(got, "moeserve_ep_exchanged_rows_total")) == {"0", "1"}
+    assert got[("moeserve_ep_expert_imbalance", ("group", "0"))] >= 1
+
+    from .test_ray_serve import ray_export  # and the same values in Ray's metrics export, once Ray has them
+
+    def exported(samples: dict, name: str) -> dict[str, float]:
+        return {dict(k[1:])["rank"]: v for k, v in samples.items()
+                if k[0] == name and dict(k[1:]).get("group") == "0" and dict(k[1:]).get("application") == "moeserve"}
+
+    deadline = time.monotonic() + 30
+    while True:
+        samples = ray_export()
+        ray_got = (exported(samples, "ray_moeserve_ep_computed_rows_total"),
+                   exported(samples, "ray_moeserve_ep_all_to_all_seconds_count"))
+        if ray_got == (computed, calls):
+            break
+        assert time.monotonic() < deadline, (ray_got, computed, calls)
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
