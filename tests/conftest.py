@@ -48,6 +48,25 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def wait_ready(url: str, timeout_s: float) -> float | None:
+    """Seconds until a Ray Serve application's /readyz says 200 with every group it lists serving (an
+    expert-parallel app lists its groups; the shard app lists none), or None after timeout_s."""
+    import time
+
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            r = httpx.get(f"{url}/readyz", timeout=5)
+            if r.status_code == 200 and all(g.get("state") == "serving" for g in r.json().get("groups", [])):
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return None
+
+
 def wait_for_ray_to_exit(timeout_s: float = 30.0) -> None:
     """After ray.shutdown(): wait until this machine's Ray processes (raylet, GCS, workers) are gone, so that
     their teardown does not take the CPU from the timing-sensitive tests that run next."""

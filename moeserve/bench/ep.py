@@ -15,6 +15,7 @@ import multiprocessing
 import statistics
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -28,6 +29,25 @@ from moeserve.runtime.experts import combine, dispatch
 from moeserve.runtime.moe import MoELayer
 
 WAIT_S = 300  # for the ranks' reports: a rank that died or hung ends the bench instead of stalling it
+
+
+def spawn_ranks(target: Callable, world: int, args: tuple, timeout_s: float) -> dict[int, Any]:
+    """{rank: what it reported} from `target(rank, world, port, *args, results)` run in one spawned process a rank,
+    each putting (rank, report) on `results`; the ranks join a group at a free port of this host. A rank that sends
+    nothing within timeout_s ends the wait (queue.Empty); every process is joined or killed on the way out."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(results.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
 
 
 def _rank(rank: int, world: int, port: int, model: str, tokens: list[int], calls: int, results) -> None:
@@ -86,21 +106,8 @@ def bench_ep(ranks: int, tokens: list[int], calls: int, model: str = "small", lo
         raise BenchError(f"--ranks {ranks}: expected 1..{cfg.n_experts} (the layer's experts)")
     if not tokens or min(tokens) < 1 or calls < 1:
         raise BenchError(f"--tokens {tokens} and --calls {calls}: expected counts >= 1")
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    log(f"starting {ranks} ranks on gloo (127.0.0.1:{port}), {calls} calls per token count")
-    procs = [ctx.Process(target=_rank, args=(r, ranks, port, model, tokens, calls, results), daemon=True)
-             for r in range(ranks)]
-    for p in procs:
-        p.start()
-    try:
-        out = dict(results.get(timeout=WAIT_S) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    log(f"starting {ranks} ranks on gloo (127.0.0.1), {calls} calls per token count")
+    out = spawn_ranks(_rank, ranks, (model, tokens, calls), WAIT_S)
     failed = {r: tb for r, tb in out.items() if isinstance(tb, str)}
     if failed:
         raise RuntimeError(f"rank {min(failed)} failed:\n{failed[min(failed)]}")

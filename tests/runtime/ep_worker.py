@@ -3,13 +3,12 @@ spawned process: the test modules are imported by path). Everything it reports i
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 import traceback
 
 import torch
 
-from moeserve.bench.server_process import free_port
+from moeserve.bench.ep import spawn_ranks
 from moeserve.runtime.engine import SamplingParams
 from moeserve.runtime.ep_rank import EPRank, RankOptions
 from moeserve.runtime.expert_parallel import ExpertParallelExperts, join_group
@@ -33,19 +32,7 @@ def spawn(main, world: int, args: tuple, timeout_s: float) -> dict[int, dict]:
     """Each rank's report from `main(rank, world, port, *args, results)`, one spawned process a rank joining a group
     at a free port of this host; a rank that reports an error fails the caller, one that hangs fails after
     timeout_s."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=main, args=(r, world, port, *args, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        out = dict(results.get(timeout=timeout_s) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    out = spawn_ranks(main, world, args, timeout_s)
     for r, report in out.items():
         assert "error" not in report, f"rank {r}:\n{report['error']}"
     return out

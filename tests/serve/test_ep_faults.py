@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from ..conftest import wait_for_ray_to_exit
+from ..conftest import wait_for_ray_to_exit, wait_ready
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.model import Transformer
@@ -67,20 +67,6 @@ def deploy(url: str, ckpt: Path, groups: int, cpus_per_rank: float) -> None:
     serve_cfg = ServeConfig(model_name="tiny", kv_slots=4, request_timeout_s=DEADLINE_S)
     serve.run(build_ep_app(ckpt, serve_cfg, options), name="moeserve", route_prefix="/", blocking=False)
     assert wait_ready(url, 120) is not None, "the expert-parallel application did not become ready"
-
-
-def wait_ready(url: str, timeout_s: float) -> float | None:
-    """Seconds until /readyz says 200 (every group serving), or None."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            r = httpx.get(f"{url}/readyz", timeout=5)
-            if r.status_code == 200 and all(g["state"] == "serving" for g in r.json().get("groups", [{}])):
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return None
 
 
 def ingress():

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from ..conftest import wait_for_ray_to_exit
+from ..conftest import wait_for_ray_to_exit, wait_ready
 from moeserve import cli
 from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
@@ -55,15 +55,7 @@ def deploy(url: str, ckpt: Path, serve_cfg: ServeConfig, **options) -> None:
     options = ExpertParallelOptions(**{"ranks": 2, "cpus_per_rank": 0.5, "ingress_cpus": 0.1, "ready_timeout_s": 120,
                                        **options})
     serve.run(build_ep_app(ckpt, serve_cfg, options), name="moeserve", route_prefix="/", blocking=False)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the expert-parallel application did not become ready"
-        time.sleep(0.5)
+    assert wait_ready(url, 120) is not None, "the expert-parallel application did not become ready"
 
 
 @pytest.fixture(scope="module")

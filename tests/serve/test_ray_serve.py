@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from ..conftest import wait_for_ray_to_exit
+from ..conftest import wait_for_ray_to_exit, wait_ready
 from moeserve.checkpoint import read_config, save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.engine import Engine, SamplingParams
@@ -75,15 +75,7 @@ def deploy(url: str, ckpt: Path, shards: int, serve_cfg: ServeConfig | None = No
     opts = RayServeOptions(expert_shards=shards, cpus_per_shard=0.1, ingress_cpus=0.1, **options)
     app = app or build_app(ckpt, serve_cfg or ServeConfig(model_name="tiny"), opts)
     serve.run(app, name=name, route_prefix="/", blocking=False)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the sharded application did not become ready"
-        time.sleep(0.5)
+    assert wait_ready(url, 120) is not None, "the sharded application did not become ready"
 
 
 @pytest.mark.cuda
