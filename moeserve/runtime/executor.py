@@ -39,7 +39,9 @@ class ExpertLoad:
     def add(self, aux: list[MoEAux]) -> None:
         if not aux or any(a.counts is None for a in aux):
             return
-        counts = torch.stack([a.counts for a in aux]).to(self._counts.device, non_blocking=True)
+        counts = torch.stack([a.counts for a in aux])
+        if counts.device != self._counts.device:
+            counts = counts.to(self._counts.device, non_blocking=True)
         with self._lock:
             self._counts += counts
 

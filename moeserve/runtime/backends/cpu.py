@@ -153,6 +153,7 @@ class CpuKernelBackend(EagerBackend):
                 layer.experts = KernelQuantMoE.of(layer.experts, kernel=KernelQuantExperts.of(layer.experts))
             lay_out_router(layer)
         self.step = self._step(plan)
+        self.moe_layers = self.model.moe_layers  # decode's, once: the property walks the blocks
 
     def experts(self, plan: DispatchPlan) -> dict:
         if not plan.kernel_experts:
@@ -212,5 +213,5 @@ class CpuKernelBackend(EagerBackend):
         logits_BV, ids, gates, counts = self.step(ids_B.long().contiguous(), rows[:len(slots)], rows[len(slots):],
                                                   cache.k, cache.v, self.cfg.head_dim**-0.5)
         aux = [MoEAux(c if layer.count_load else None, Routing(i, g))
-               for layer, c, i, g in zip(self.model.moe_layers, counts.unbind(0), ids.unbind(0), gates.unbind(0))]
+               for layer, c, i, g in zip(self.moe_layers, counts, ids, gates)]
         return ModelOutput(logits_BV[:, None], aux)
