@@ -30,19 +30,20 @@ TOKENIZERS = ("byte", "hf", "none")
 
 
 def _quantization_ok(q: Any) -> bool:
-    """int8 per output channel (no group), or int4 in groups of a multiple of 32, optionally with a list of weights
-    kept at int8 (runtime/quant.QuantSpec, which checks the names); or fp8 (runtime/quant_fp8.py), a GPU format
-    quantized at load."""
+    """int8 per output channel (no group), or int4 in groups of a multiple of 32, optionally with lists of weights
+    kept at int8 and int6 (runtime/quant.QuantSpec, which checks the names); or fp8 (runtime/quant_fp8.py), a GPU
+    format quantized at load."""
     if q == {"format": "fp8"}:
         return True
-    if not isinstance(q, dict) or not {"bits", "group"} <= set(q) <= {"bits", "group", "int8"} \
+    if not isinstance(q, dict) or not {"bits", "group"} <= set(q) <= {"bits", "group", "int8", "int6"} \
             or isinstance(q["bits"], bool):
         return False
-    group, int8 = q["group"], q.get("int8")
+    group, kept = q["group"], [q.get("int8"), q.get("int6")]
     if q["bits"] == 8:
-        return group is None and int8 is None
+        return group is None and kept == [None, None]
     return (q["bits"] == 4 and not isinstance(group, bool) and isinstance(group, int) and group >= 32
-            and group % 32 == 0 and (int8 is None or isinstance(int8, list) and all(isinstance(n, str) for n in int8)))
+            and group % 32 == 0
+            and all(k is None or isinstance(k, list) and all(isinstance(n, str) for n in k) for k in kept))
 
 
 class ConfigError(UserError):
@@ -100,7 +101,8 @@ class MoEConfig:
     vq_alpha: float = 0.1  # weight of the VQ loss; the paper sweeps (0.05, 0.15)
 
     # --- Weight-only quantization (runtime/quant.py) ---
-    # {"bits": 8, "group": null}, {"bits": 4, "group": 32[, "int8": ["wk", "wv", "output"]]} or {"format": "fp8"};
+    # {"bits": 8, "group": null}, {"bits": 4, "group": 32[, "int8": ["wk", "wv"], "int6": ["output"]]} or
+    # {"format": "fp8"};
     # null = float
     quantization: dict[str, Any] | None = None
 
@@ -233,7 +235,7 @@ class MoEConfig:
             fail("extra", self.extra, "a JSON object")
         if self.quantization is not None and not _quantization_ok(self.quantization):
             fail("quantization", self.quantization,
-                 '{"bits": 8, "group": null}, {"bits": 4, "group": a multiple of 32[, "int8": [names]]}, '
+                 '{"bits": 8, "group": null}, {"bits": 4, "group": a multiple of 32[, "int8": [names], "int6": [names]]}, '
                  '{"format": "fp8"}, or null')
 
     # ---- JSON -----------------------------------------------------------------------------

@@ -15,16 +15,26 @@ The formats, exactly (the C kernel and every torch path compute with these numbe
          Packing: each run of 32 elements i0 .. i0+31 of a row is 16 bytes; byte i0/2 + j holds element i0 + j in
          its low nibble and element i0 + 16 + j in its high nibble (j < 16): one shift and one mask give 16
          consecutive elements to a vector unit.
+  int6   packed [O, 3I/4] uint8, scale [O, I/G] float16, as int4 with 64 levels: w = (u - 32) * scale, u in [0, 63],
+         scale = fp16(m / -32), u = clamp(round(w / scale) + 32). Packed in chunks of 128 elements (I a multiple of
+         128), each 96 bytes: 64 bytes of the low four bits of u, laid out as int4's nibbles, then 32 bytes of the
+         high two bits. Nibble byte m (m < 64) holds two elements; crumb byte k (k < 32) holds the high bits of
+         nibble byte k's low and high element in bits 0-1 and 2-3, and of nibble byte k + 32's in bits 4-5 and 6-7:
+         one 64-bit shift and a mask bring them beside the nibbles they complete, so the kernel reads int4's
+         nibbles as int4 does and ORs the high bits in (kernels/quant.c). An int4 model's LM head is int6 by default
+         (`QuantSpec.int6`): 6.5 bits a weight, llama.cpp's Q6_K's 6.56.
 
 Leading dims pass through: stacked experts [E, O, I] quantize per expert and output row. The embedding, routers,
 norms and VQ codebooks stay in full precision (few bytes a token: one embedding row; routers decide which weights
 are read at all).
 
-An int4 model keeps some weights at int8 (`QuantSpec.int8`; by default attention's wk and wv and the LM head, as
-llama.cpp's Q4_0 files of an 8-expert model keep attn_k and attn_v at Q8_0 and the output at Q6_K): they are few
-bytes a token, and int4 errors there cost the most. Measured on the 644M Mixtral (docs/bench/log.md, "The int4
-recipe"): mean KL 0.047 with every weight at int4, 0.032 with these at int8, the same as llama.cpp's own Q4_0 file
-of those weights dequantized and scored on the same tokens (0.032).
+An int4 model keeps some weights at more bits (`QuantSpec.int8`, by default attention's wk and wv; `QuantSpec.int6`,
+by default the LM head), as llama.cpp's Q4_0 files of an 8-expert model keep attn_k and attn_v at Q8_0 and the output
+at Q6_K: they are few bytes a token, and int4 errors there cost the most. Measured on the 644M Mixtral
+(docs/bench/log.md, "The int4 recipe"), mean KL with the weights dequantized and scored on the same tokens: 0.047
+with every weight at int4, 0.0315 with these three at int8, 0.0315 with the head at int6 instead (19% fewer head
+bytes), against 0.0316 for llama.cpp's own Q4_0 file of those weights. A head whose width is not a multiple of 128
+stays at int8 (`QuantSpec.for_weight`).
 """
 
 from __future__ import annotations
@@ -46,10 +56,12 @@ _AS_INT = {torch.float32: torch.int32, torch.float16: torch.int16}
 
 FORMATS = QUANT_FORMATS
 DEFAULT_GROUP = 32
-# what an int4 model may keep at int8, by Transformer.quantizable()'s attribute names: attention's maps, the dense
-# FFNs' and the LM head ("output"); the experts are most of the bytes, so int8 there is the int8 format
+# what an int4 model may keep at int8 or int6, by Transformer.quantizable()'s attribute names: attention's maps, the
+# dense FFNs' and the LM head ("output"); the experts are most of the bytes, so int8 there is the int8 format
 INT8_KEEPABLE = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
-DEFAULT_INT8 = ("wk", "wv", "output")
+DEFAULT_INT8 = ("wk", "wv")
+DEFAULT_INT6 = ("output",)
+INT6_CHUNK = 128  # int6 packs 128 elements in 96 bytes: a width it keeps must be a multiple
 
 
 class QuantError(UserError):
@@ -59,70 +71,90 @@ class QuantError(UserError):
 @dataclass(frozen=True)
 class QuantSpec:
     """One model's weight format: bits 8 (per output channel) or 4 (groups of `group` input elements), int4 with the
-    weights named in `int8` kept at int8 (INT8_KEEPABLE's names; each module's own spec is `for_weight(name)`)."""
+    weights named in `int8` kept at int8 and those in `int6` at int6 (INT8_KEEPABLE's names; each module's own spec
+    is `for_weight(name, width)`). bits 6 is only ever such a module's own spec: no model is int6 throughout."""
 
     bits: int
     group: int | None = None
     int8: tuple[str, ...] = ()
+    int6: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.bits not in (8, 4):
+        if self.bits not in (8, 6, 4):
             raise QuantError(f"bits = {self.bits!r}: expected 8 (int8) or 4 (int4)")
         if self.bits == 8 and self.group is not None:
             raise QuantError("int8 has one scale per output channel: no group size")
-        if self.bits == 4:
+        if self.bits in (6, 4):
             g = self.group
             if isinstance(g, bool) or not isinstance(g, int) or g < 32 or g % 32:
                 raise QuantError(f"group size {g!r}: expected a multiple of 32 (32, 64, 128, ...)")
-        if not isinstance(self.int8, tuple) or any(n not in INT8_KEEPABLE for n in self.int8):
-            raise QuantError(f"weights kept at int8 {list(self.int8)!r}: expected names among "
-                             f"{', '.join(INT8_KEEPABLE)}")
-        if self.int8 and self.bits != 4:
-            raise QuantError("keeping weights at int8 is int4's: an int8 model has every weight at int8")
-        if len(set(self.int8)) != len(self.int8):
-            raise QuantError(f"weights kept at int8 {list(self.int8)!r}: a name twice")
+        for kept, names in (("int8", self.int8), ("int6", self.int6)):
+            if not isinstance(names, tuple) or any(n not in INT8_KEEPABLE for n in names):
+                raise QuantError(f"weights kept at {kept} {list(names)!r}: expected names among "
+                                 f"{', '.join(INT8_KEEPABLE)}")
+            if names and self.bits != 4:
+                raise QuantError(f"keeping weights at {kept} is int4's: an int{self.bits} model has every weight at "
+                                 f"int{self.bits}")
+            if len(set(names)) != len(names):
+                raise QuantError(f"weights kept at {kept} {list(names)!r}: a name twice")
+        if both := sorted(set(self.int8) & set(self.int6)):
+            raise QuantError(f"{', '.join(both)} kept at both int8 and int6: name each once")
 
     @classmethod
-    def parse(cls, name: str, group: int | None = None, int8: tuple[str, ...] | None = None) -> "QuantSpec":
-        """'int8' or 'int4' (group: int4's, default 32; int8: the weights int4 keeps at int8, default DEFAULT_INT8)."""
+    def parse(cls, name: str, group: int | None = None, int8: tuple[str, ...] | None = None,
+              int6: tuple[str, ...] | None = None) -> "QuantSpec":
+        """'int8' or 'int4' (group: int4's, default 32; int8 and int6: the weights int4 keeps at more bits, default
+        DEFAULT_INT8 and DEFAULT_INT6, a name given to one leaving the other's default)."""
         if name == "int8":
             if group is not None:
                 raise QuantError("--group-size is int4's: int8 has one scale per output channel")
-            if int8:
-                raise QuantError("--int8-weights is int4's: an int8 model has every weight at int8")
+            for flag, names in (("--int8-weights", int8), ("--int6-weights", int6)):
+                if names:
+                    raise QuantError(f"{flag} is int4's: an int8 model has every weight at int8")
             return cls(8)
         if name == "int4":
-            return cls(4, DEFAULT_GROUP if group is None else group, DEFAULT_INT8 if int8 is None else tuple(int8))
+            k8 = DEFAULT_INT8 if int8 is None else tuple(int8)
+            k6 = tuple(n for n in DEFAULT_INT6 if n not in k8) if int6 is None else tuple(int6)
+            if int8 is None:
+                k8 = tuple(n for n in k8 if n not in k6)
+            return cls(4, DEFAULT_GROUP if group is None else group, k8, k6)
         raise QuantError(f"format {name!r}: expected one of {', '.join(FORMATS)}")
 
     @property
     def name(self) -> str:
         return f"int{self.bits}"
 
-    def for_weight(self, name: str) -> "QuantSpec":
-        """The format of the weight quantizable() calls `name` (plain: no int8 list of its own)."""
+    def for_weight(self, name: str, in_features: int) -> "QuantSpec":
+        """The format of the weight quantizable() calls `name`, `in_features` wide (plain: no lists of its own).
+        int6 packs 128 elements at a time, so a kept weight of another width is int8 instead: the same rule at
+        quantization and at load, so the config need not say which."""
+        if name in self.int6:
+            return QuantSpec(6, self.group) if in_features % INT6_CHUNK == 0 else QuantSpec(8)
         return QuantSpec(8) if name in self.int8 else QuantSpec(self.bits, self.group)
 
     def as_dict(self) -> dict:
-        """The config's `quantization` ("int8" only where some weights are kept at int8, so a uniform model's config
-        is what it was before the key existed)."""
-        return {"bits": self.bits, "group": self.group} | ({"int8": list(self.int8)} if self.int8 else {})
+        """The config's `quantization` ("int8" and "int6" only where some weights are kept so, so a uniform model's
+        config is what it was before the keys existed)."""
+        return {"bits": self.bits, "group": self.group} | ({"int8": list(self.int8)} if self.int8 else {}) | (
+            {"int6": list(self.int6)} if self.int6 else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantSpec":
-        if not isinstance(d, dict) or not {"bits", "group"} <= set(d) <= {"bits", "group", "int8"} or \
-                not isinstance(d.get("int8", []), list):
+        if not isinstance(d, dict) or not {"bits", "group"} <= set(d) <= {"bits", "group", "int8", "int6"} or \
+                not all(isinstance(d.get(k, []), list) for k in ("int8", "int6")) or d["bits"] == 6:
             raise QuantError(f"quantization {d!r}: expected {{'bits': 8 or 4, 'group': null or an int, and "
-                             f"optionally 'int8': [names]}}")
-        return cls(d["bits"], d["group"], tuple(d.get("int8", ())))
+                             f"optionally 'int8': [names], 'int6': [names]}}")
+        return cls(d["bits"], d["group"], tuple(d.get("int8", ())), tuple(d.get("int6", ())))
 
     def check_width(self, in_features: int, what: str = "a weight") -> None:
-        if self.bits == 4 and in_features % self.group:
+        if self.bits in (6, 4) and in_features % self.group:
             raise QuantError(f"{what}: group size {self.group} does not divide its input width {in_features}")
+        if self.bits == 6 and in_features % INT6_CHUNK:
+            raise QuantError(f"{what}: int6 packs {INT6_CHUNK} elements at a time, not a divisor of {in_features}")
 
     def bytes_per_weight(self) -> float:
         """Bytes streamed per weight of this format, scales included (int8's per-row scale counted as nothing)."""
-        return 1.0 if self.bits == 8 else 0.5 + 2 / self.group
+        return 1.0 if self.bits == 8 else self.bits / 8 + 2 / self.group
 
 
 # ---- int8 ---------------------------------------------------------------------------------------
@@ -154,34 +186,83 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.cat([b & 0xF, b >> 4], dim=-2).reshape(*lead, half * 2)
 
 
-def quantize_int4(w: Tensor, group: int = DEFAULT_GROUP) -> tuple[Tensor, Tensor]:
-    """(packed uint8 [..., O, I/2], scale float16 [..., O, I/group]) of w [..., O, I]."""
-    QuantSpec(4, group).check_width(w.shape[-1])
+def _levels(w: Tensor, group: int, zero: int) -> tuple[Tensor, Tensor]:
+    """(u uint8 [..., O, I] in [0, 2 zero), scale float16 [..., O, I/group]): per group, m the element of largest
+    magnitude (signed), scale = fp16(m / -zero), u = clamp(round(w / scale) + zero); a zero group all `zero`."""
     w = w.detach().float()
     *lead, I = w.shape
     g = w.reshape(*lead, I // group, group)
     m = g.gather(-1, g.abs().argmax(-1, keepdim=True))  # the element of largest magnitude, signed
-    scale = (m / -8).to(torch.float16)
+    scale = (m / -zero).to(torch.float16)
     d = scale.float()
     safe = torch.where(d != 0, d, torch.ones_like(d))
-    u = (torch.round(g / safe) + 8).clamp_(0, 15)
-    u = torch.where(d != 0, u, torch.full_like(u, 8)).to(torch.uint8)
-    return pack_int4(u.reshape(*lead, I)), scale.squeeze(-1)
+    u = (torch.round(g / safe) + zero).clamp_(0, 2 * zero - 1)
+    u = torch.where(d != 0, u, torch.full_like(u, zero)).to(torch.uint8)
+    return u.reshape(*lead, I), scale.squeeze(-1)
+
+
+def _dequantize_levels(u: Tensor, scale: Tensor, zero: int) -> Tensor:
+    *lead, I = u.shape
+    G = I // scale.shape[-1]
+    return ((u.float() - zero).reshape(*lead, I // G, G) * scale.float()[..., None]).reshape(*lead, I)
+
+
+def quantize_int4(w: Tensor, group: int = DEFAULT_GROUP) -> tuple[Tensor, Tensor]:
+    """(packed uint8 [..., O, I/2], scale float16 [..., O, I/group]) of w [..., O, I]."""
+    QuantSpec(4, group).check_width(w.shape[-1])
+    u, scale = _levels(w, group, 8)
+    return pack_int4(u), scale
 
 
 def dequantize_int4(packed: Tensor, scale: Tensor) -> Tensor:
-    u = unpack_int4(packed)
+    return _dequantize_levels(unpack_int4(packed), scale, 8)
+
+
+# ---- int6 ---------------------------------------------------------------------------------------
+def pack_int6(u: Tensor) -> Tensor:
+    """u [..., I] uint8 values in [0, 63] (I a multiple of 128) -> [..., 3I/4]: per 128 elements, int4's 64 bytes
+    of their low nibbles, then 32 bytes of their high two bits (crumb byte k: nibble byte k's low and high element
+    in bits 0-1 and 2-3, nibble byte k + 32's in bits 4-5 and 6-7)."""
     *lead, I = u.shape
-    G = I // scale.shape[-1]
-    return ((u.float() - 8).reshape(*lead, I // G, G) * scale.float()[..., None]).reshape(*lead, I)
+    nib = pack_int4(u & 0xF).reshape(*lead, I // 128, 64)
+    hi = (u >> 4).reshape(*lead, I // 128, 4, 2, 16)  # [chunk, run of 32, low | high nibble's element, j]
+    e = (hi[..., 0, :] | (hi[..., 1, :] << 2)).reshape(*lead, I // 128, 2, 32)  # nibble byte 16 run + j's high bits
+    crumbs = e[..., 0, :] | (e[..., 1, :] << 4)
+    return torch.cat([nib, crumbs], dim=-1).reshape(*lead, I * 3 // 4)
+
+
+def unpack_int6(packed: Tensor) -> Tensor:
+    """pack_int6's inverse: [..., 3I/4] -> [..., I] uint8 in [0, 63]."""
+    *lead, n = packed.shape
+    chunks = packed.reshape(*lead, n // 96, 96)
+    low = unpack_int4(chunks[..., :64].reshape(*lead, n // 96 * 64)).reshape(*lead, n // 96, 4, 2, 16)
+    c = chunks[..., 64:]
+    e = torch.cat([c & 0xF, c >> 4], dim=-1).reshape(*lead, n // 96, 4, 16)  # nibble byte 16 run + j's high bits
+    hi = torch.stack([e & 3, e >> 2], dim=-2)  # [chunk, run, low | high nibble's element, j]
+    return (low | (hi << 4)).reshape(*lead, n // 96 * 128)
+
+
+def quantize_int6(w: Tensor, group: int = DEFAULT_GROUP) -> tuple[Tensor, Tensor]:
+    """(packed uint8 [..., O, 3I/4], scale float16 [..., O, I/group]) of w [..., O, I]."""
+    QuantSpec(6, group).check_width(w.shape[-1])
+    u, scale = _levels(w, group, 32)
+    return pack_int6(u), scale
+
+
+def dequantize_int6(packed: Tensor, scale: Tensor) -> Tensor:
+    return _dequantize_levels(unpack_int6(packed), scale, 32)
 
 
 def quantize(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    if spec.bits == 6:
+        return quantize_int6(w, spec.group)
     return quantize_int8(w) if spec.bits == 8 else quantize_int4(w, spec.group)
 
 
 def dequantize(q: Tensor, scale: Tensor, spec: QuantSpec) -> Tensor:
     """The float32 weight a quantized one stands for."""
+    if spec.bits == 6:
+        return dequantize_int6(q, scale)
     return dequantize_int8(q, scale) if spec.bits == 8 else dequantize_int4(q, scale)
 
 
@@ -190,7 +271,7 @@ def storage_shapes(shape: tuple[int, ...], spec: QuantSpec) -> tuple[tuple, torc
     *lead, I = shape
     if spec.bits == 8:
         return (*lead, I), torch.int8, tuple(lead), torch.float32
-    return (*lead, I // 2), torch.uint8, (*lead, I // spec.group), torch.float16
+    return (*lead, I * spec.bits // 8), torch.uint8, (*lead, I // spec.group), torch.float16
 
 
 # ---- modules ------------------------------------------------------------------------------------
@@ -305,26 +386,28 @@ def quantize_(model: nn.Module, spec: QuantSpec, weights: bool = True) -> int:
         m = getattr(parent, name)
         if isinstance(m, (QuantLinear, QuantExperts)):
             raise QuantError(f"{name} is already quantized ({m.spec.name}); quantize the unquantized checkpoint")
-        s = spec.for_weight(name)
         if isinstance(m, Experts):
+            s = spec.for_weight(name, m.w1.shape[2])
             new = QuantExperts.of(m, s) if weights else QuantExperts(
                 m.n_experts, m.w1.shape[2], m.w1.shape[1], m.act, s, device=m.w1.device)
         else:
             O, I = m.weight.shape
+            s = spec.for_weight(name, I)
             new = QuantLinear.of(m.weight, s) if weights else QuantLinear(I, O, s, device=m.weight.device)
         setattr(parent, name, new)
     return len(targets)
 
 
 def describe(quantization: dict | None) -> str:
-    """A config's `quantization` in words: int8, int4 (group 32), int4 (group 32; wk, wv, output at int8), or float."""
+    """A config's `quantization` in words: int8, int4 (group 32), int4 (group 32; wk, wv at int8; output at int6), or
+    float."""
     if quantization is None:
         return "float"
     if quantization == {"format": "fp8"}:  # quant_fp8.py's GPU format
         return "fp8"
     spec = QuantSpec.from_dict(quantization)
     inner = [f"group {spec.group}"] if spec.group else []
-    inner += [f"{', '.join(spec.int8)} at int8"] if spec.int8 else []
+    inner += [f"{', '.join(names)} at {kept}" for kept, names in (("int8", spec.int8), ("int6", spec.int6)) if names]
     return spec.name + (f" ({'; '.join(inner)})" if inner else "")
 
 
@@ -343,6 +426,6 @@ def quantize_model_(model: nn.Module, spec: QuantSpec) -> None:
         m = getattr(parent, name)
         where = names.get(id(m), name)
         for w in (m.w1, m.w2) if isinstance(m, Experts) else (m.weight,):
-            spec.for_weight(name).check_width(w.shape[-1], f"{where} {list(w.shape)}")
+            spec.for_weight(name, w.shape[-1]).check_width(w.shape[-1], f"{where} {list(w.shape)}")
     quantize_(model, spec)
     model.cfg = dataclasses.replace(model.cfg, quantization=spec.as_dict())

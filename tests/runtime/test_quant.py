@@ -4,6 +4,7 @@ with the same (dequantized) weights, quantized checkpoints, --quantize at load a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,8 +21,9 @@ from moeserve.runtime.experts import Experts
 from moeserve.runtime.loading import load_model
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import (
-    QuantError, QuantExperts, QuantLinear, QuantSpec, dequantize, dequantize_int4, dequantize_int8, describe, pack_int4,
-    quantize_int4, quantize_int8, quantize_model_, unpack_int4,
+    QuantError, QuantExperts, QuantLinear, QuantSpec, dequantize, dequantize_int4, dequantize_int6, dequantize_int8,
+    describe, pack_int4, pack_int6, quantize_int4, quantize_int6, quantize_int8, quantize_model_, unpack_int4,
+    unpack_int6,
 )
 
 
@@ -93,33 +95,64 @@ def test_int8_round_trip_error():
     (lambda: QuantSpec.parse("int8", None, ("wv",)), "--int8-weights is int4's"),
     (lambda: QuantSpec(4, 32, ("wv", "wv")), "a name twice"),
     (lambda: QuantSpec.from_dict({"bits": 4, "group": 32, "int8": "wv"}), "optionally 'int8': \\[names\\]"),
+    (lambda: QuantSpec.from_dict({"bits": 6, "group": 32}), "expected {'bits': 8 or 4"),
+    (lambda: QuantSpec(4, 32, ("output",), ("output",)), "output kept at both int8 and int6"),
+    (lambda: QuantSpec(8, None, (), ("output",)), "keeping weights at int6 is int4's"),
+    (lambda: QuantSpec.parse("int8", None, None, ("output",)), "--int6-weights is int4's"),
+    (lambda: quantize_int6(torch.zeros(2, 192)), "int6 packs 128 elements at a time, not a divisor of 192"),
 ])
 def test_bad_formats_are_named(bad, message):
     with pytest.raises(QuantError, match=message):
         bad()
 
 
-def test_int4_keeps_wk_wv_and_the_head_at_int8_by_default():
+def test_int4_keeps_wk_wv_at_int8_and_the_head_at_int6_by_default():
     spec = QuantSpec.parse("int4")
-    assert spec == QuantSpec(4, 32, ("wk", "wv", "output"))
-    assert spec.for_weight("wk") == spec.for_weight("wv") == spec.for_weight("output") == QuantSpec(8)
-    assert spec.for_weight("wq") == spec.for_weight("experts") == QuantSpec(4, 32)
-    assert QuantSpec.parse("int4", 64, ()) == QuantSpec(4, 64)  # --int8-weights none: every weight at int4
-    assert spec.as_dict() == {"bits": 4, "group": 32, "int8": ["wk", "wv", "output"]}
+    assert spec == QuantSpec(4, 32, ("wk", "wv"), ("output",))
+    assert spec.for_weight("wk", 64) == spec.for_weight("wv", 64) == QuantSpec(8)
+    assert spec.for_weight("output", 256) == QuantSpec(6, 32)
+    assert spec.for_weight("output", 64) == QuantSpec(8)  # int6 packs 128 elements at a time: int8 for other widths
+    assert spec.for_weight("wq", 64) == spec.for_weight("experts", 64) == QuantSpec(4, 32)
+    assert QuantSpec.parse("int4", 64, (), ()) == QuantSpec(4, 64)  # none and none: every weight at int4
+    # a name given to one list leaves the other's default, less that name
+    assert QuantSpec.parse("int4", int8=("wk", "wv", "output")) == QuantSpec(4, 32, ("wk", "wv", "output"))
+    assert QuantSpec.parse("int4", int6=("output", "wv")) == QuantSpec(4, 32, ("wk",), ("output", "wv"))
+    assert spec.as_dict() == {"bits": 4, "group": 32, "int8": ["wk", "wv"], "int6": ["output"]}
     assert QuantSpec(4, 32).as_dict() == {"bits": 4, "group": 32}  # uniform configs are what they were
     assert QuantSpec.from_dict(spec.as_dict()) == spec and QuantSpec.from_dict({"bits": 8, "group": None}) == \
         QuantSpec(8)
-    assert describe(spec.as_dict()) == "int4 (group 32; wk, wv, output at int8)"
+    assert describe(spec.as_dict()) == "int4 (group 32; wk, wv at int8; output at int6)"
     torch.manual_seed(0)
-    model = Transformer(preset("tiny"))
+    cfg = dataclasses.replace(preset("tiny"), d_model=128, n_heads=4, n_kv_heads=2)  # a head 128 wide: int6
+    model = Transformer(cfg)
     quantize_model_(model, spec)
-    assert model.layers[0].attention.wv.spec == model.output.spec == QuantSpec(8)
+    assert model.layers[0].attention.wv.spec == QuantSpec(8) and model.output.spec == QuantSpec(6, 32)
     assert model.layers[0].attention.wq.spec == model.layers[0].ffn.experts.spec == QuantSpec(4, 32)
     assert model.layers[0].attention.wv.qweight.dtype == torch.int8
+    assert model.output.qweight.shape == (cfg.vocab_size, 96)
     # a checkpoint's empty model builds the same modules from its config
     empty = Transformer(model.cfg)
     assert {k: (v.dtype, v.shape) for k, v in empty.state_dict().items()} == \
         {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
+
+
+def test_int6_round_trips_known_values_and_packs_as_documented():
+    levels = torch.arange(64, dtype=torch.uint8).repeat(2)  # 128 elements: every level twice
+    packed = pack_int6(levels[None])[0]
+    assert packed.shape == (96,) and torch.equal(unpack_int6(packed[None])[0], levels)
+    for m in range(64):  # nibble byte m: elements 32 r + j and 32 r + 16 + j (m = 16 r + j); crumbs as quant.py says
+        r, j = divmod(m, 16)
+        lo, hi = levels[32 * r + j], levels[32 * r + 16 + j]
+        assert packed[m] == (lo & 15) | ((hi & 15) << 4)
+        crumb = int(packed[64 + m % 32]) >> (4 * (m // 32))
+        assert (crumb & 3, (crumb >> 2) & 3) == (int(lo) >> 4, int(hi) >> 4)
+    # one group: m = -3.2 is the largest magnitude, scale = fp16(-3.2 / -32) = 0.1, levels round(w / 0.1) + 32
+    w = torch.zeros(1, 128)
+    w[0, :4] = torch.tensor([-3.2, 0.1, 3.1, 0.0])
+    q, scale = quantize_int6(w)
+    assert scale[0, 0].item() == torch.tensor(0.1, dtype=torch.float16).item() and scale[0, 1:].eq(0).all()
+    assert unpack_int6(q)[0, :4].tolist() == [0, 33, 63, 32]
+    assert torch.equal(dequantize_int6(q, scale)[0, :4], (torch.tensor([-32.0, 1, 31, 0]) * scale[0, 0].float()))
 
 
 def test_config_validates_quantization():
@@ -333,6 +366,6 @@ def test_score_with_quantize_records_it_and_a_resume_must_match(float_ckpt, tmp_
     cfg, info = ScoreConfig(inp, out), scan_input(inp)
     int4 = _identity(cfg, info, ModelFacts.of(engine))
     int8 = _identity(cfg, info, ModelFacts.of(Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int8")))
-    assert int4["settings"]["quantization"] == {"bits": 4, "group": 32, "int8": ["wk", "wv", "output"]}
-    assert _differences(int4, int8) == ["quantization: {'bits': 4, 'group': 32, 'int8': ['wk', 'wv', 'output']} in the "
-                                        "run, {'bits': 8, 'group': None} now"]
+    assert int4["settings"]["quantization"] == {"bits": 4, "group": 32, "int8": ["wk", "wv"], "int6": ["output"]}
+    assert _differences(int4, int8) == ["quantization: {'bits': 4, 'group': 32, 'int8': ['wk', 'wv'], 'int6': "
+                                        "['output']} in the run, {'bits': 8, 'group': None} now"]
