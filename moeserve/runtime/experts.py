@@ -7,7 +7,7 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K experts p
 
 `moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every faster dispatch
 path is tested against. `moe_sorted` is the training path, in three steps that are also the seam for experts that
-live elsewhere (backends/expert_shards.py): `dispatch` (one gather of the tokens sorted by expert), `compute` (one
+live elsewhere (expert_parallel.py): `dispatch` (one gather of the tokens sorted by expert), `compute` (one
 contiguous block per expert), `combine` (one scatter back). Indexing a stacked [E, F, D] parameter once per expert
 would make autograd allocate a full-size zero gradient for each index (E^2 F D memory traffic); unbinding it once
 gives each expert a view whose gradients are stacked once.
@@ -69,7 +69,7 @@ def moe_reference(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD:
 class Dispatch:
     """A layer's routed assignments grouped by expert: expert e's rows are the e-th contiguous block of
     x_ND. The seam where experts can live elsewhere: `dispatch` here, the experts compute on their
-    blocks (locally, or a shard on only its own experts' blocks: expert_shards.py), `combine` here."""
+    blocks (locally, or a rank on only its own experts' blocks: expert_parallel.py), `combine` here."""
 
     x_ND: Tensor  # the routed rows, sorted by expert (N kept assignments)
     counts: list[int]  # [E] rows per expert, in expert order

@@ -78,6 +78,18 @@ def ranks() -> list[dict]:
     return serve.get_deployment_handle("ingress", app_name="moeserve").ranks.remote().result()
 
 
+def ray_export() -> dict[tuple, float]:
+    """What Prometheus scrapes from this Ray: every node's metrics agent (its MetricsExportPort)."""
+    from .test_server import parse
+
+    out = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            out.update(parse(httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                       timeout=10).text))
+    return out
+
+
 def test_concurrent_requests_on_both_ranks_answer_as_one_process(url, ref):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     before = [r["served"]["sequences"] for r in ranks()]
@@ -193,8 +205,7 @@ def test_metrics_per_rank_and_group(url):
     assert set(rank_series(got, "moeserve_ep_exchanged_rows_total")) == {"0", "1"}
     assert got[("moeserve_ep_expert_imbalance", ("group", "0"))] >= 1
 
-    from .test_ray_serve import ray_export  # and the same values in Ray's metrics export, once Ray has them
-
+    # and the same values in Ray's metrics export, once Ray has them
     def exported(samples: dict, name: str) -> dict[str, float]:
         return {dict(k[1:])["rank"]: v for k, v in samples.items()
                 if k[0] == name and dict(k[1:]).get("group") == "0" and dict(k[1:]).get("application") == "moeserve"}
@@ -250,15 +261,16 @@ def test_an_int8_checkpoint_over_two_groups(url, tmp_path):
     (["--expert-parallel", "3"], "--expert-parallel 3: the model's 4 experts do not split evenly over 3 ranks; use "
                                  "a divisor of 4 (1, 2, 4)"),
     (["--expert-parallel", "0"], "--expert-parallel 0: expected an integer >= 1"),
-    (["--expert-parallel", "2", "--expert-shards", "2"], "--expert-shards is the shard exchange's; --expert-parallel "
-                                                         "replaces it"),
-    (["--expert-parallel", "2", "--exchange", "handles"], "--exchange is the shard exchange's"),
-    (["--data-parallel-groups", "2"], "--data-parallel-groups needs --expert-parallel"),
-    (["--expert-parallel", "2", "--quantize", "int8"], "--expert-parallel: quantize the checkpoint first"),
-    (["--expert-parallel", "2", "--print-config"], "--print-config is not written for --expert-parallel yet"),
+    (["--expert-parallel", "2", "--expert-shards", "2"], "--expert-shards was the shard exchange's, which is "
+                                                         "retired: serve with --ray --expert-parallel N"),
+    (["--expert-parallel", "2", "--exchange", "handles"], "--exchange was the shard exchange's"),
+    (["--data-parallel-groups", "0"], "--data-parallel-groups 0: expected an integer >= 1"),
+    (["--expert-parallel", "2", "--quantize", "int8"], "--ray: quantize the checkpoint first"),
+    (["--expert-parallel", "2", "--device", "cuda:1"], "--device 'cuda:1' with --ray: expected auto, cpu or cuda"),
     (["--expert-parallel", "2", "--redundant-experts", "-1"], "--redundant-experts -1: expected an integer >= 0"),
     (["--expert-parallel", "2", "--rebalance-every", "8"], "--rebalance-every is --redundant-experts's"),
-    (["--redundant-experts", "1"], "--redundant-experts and --rebalance-every are --expert-parallel's"),
+    (["--redundant-experts", "1"], "--redundant-experts needs --expert-parallel N >= 2"),
+    (["--print-config", "--expert-parallel", "2", "--device", "cuda:0"], "--device 'cuda:0' with --ray"),
 ])
 def test_bad_flags_are_named_errors(ckpt, capsys, argv, message):
     assert cli.main(["serve", str(ckpt), "--ray", *argv]) == 2

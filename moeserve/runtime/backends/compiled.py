@@ -67,7 +67,7 @@ def model_uncompilable(model: Transformer) -> str | None:
     if model.cfg.capacity_factor is not None:
         return "capacity_factor drops assignments by count (data-dependent shapes); serve it with --compile off"
     if any(not isinstance(layer.experts, (Experts, QuantExperts)) for layer in model.moe_layers):
-        return ("its experts are an experts_factory's (expert shards, expert parallelism): they exchange rows with "
+        return ("its experts are an experts_factory's (expert parallelism): they exchange rows with "
                 "other processes in buffers sized on the host; serve it with --compile off")
     return None
 
