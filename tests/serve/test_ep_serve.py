@@ -1,8 +1,10 @@
 """`moeserve serve --ray --expert-parallel N` (serve/ep_app.py, ep_ranks.py, ep_router.py) on a real local Ray: two
 rank actors in a placement group, gloo on CPU, behind the same FastAPI app as one process. Over HTTP with the openai
 client, concurrent requests land on both ranks and answer as the single-process engine does (fp32: greedy and seeded
-tokens identical, log-probabilities and scores within 1e-5, streamed text the same); each rank holds only its
-experts; bad input gets the single-process server's answers; bad flags are named errors with exit status 2."""
+tokens identical, log-probabilities and scores within 1e-5, streamed text the same), for the softmax, xmoe and VQ
+(mixed and discrete) routers; with N = 4, one rank busy for seconds beside idle ones neither hangs nor stalls; each
+rank holds only its experts; bad input gets the single-process server's answers; bad flags are named errors with exit
+status 2. The softmax tests share the module's application; the later ones each deploy their own on the same Ray."""
 
 from __future__ import annotations
 
@@ -282,22 +284,25 @@ def served_in_parallel(url: str, ref: Engine, ranks_before: list[dict], prompts:
 
 
 def a2a_calls(url: str) -> dict[str, tuple[float, float]]:
-    """Per rank of group 0, from /metrics once the supervisor's probe has the ranks idle: (all-to-all calls, rows
-    computed by its experts)."""
+    """Per rank of group 0, from /metrics: (all-to-all calls, rows computed by its experts), once the ranks are idle
+    and two reads a second apart (two probes: the second is after whatever was answered before the call) agree."""
     from .test_server import parse
 
-    deadline = time.monotonic() + 30
+    deadline, last = time.monotonic() + 30, None
     while True:
         got = parse(httpx.get(f"{url}/metrics", timeout=10).text)
         series = {name: {dict(k[1:])["rank"]: v for k, v in got.items() if k[0] == name}
                   for name in ("moeserve_ep_all_to_all_seconds_count", "moeserve_ep_computed_rows_total",
                                "moeserve_ep_running_sequences", "moeserve_ep_queue_depth")}
-        if series["moeserve_ep_all_to_all_seconds_count"] and not any(series["moeserve_ep_running_sequences"].values())\
-                and not any(series["moeserve_ep_queue_depth"].values()):
-            return {r: (n, series["moeserve_ep_computed_rows_total"][r])
-                    for r, n in series["moeserve_ep_all_to_all_seconds_count"].items()}
+        now = {r: (n, series["moeserve_ep_computed_rows_total"][r])
+               for r, n in series["moeserve_ep_all_to_all_seconds_count"].items()}
+        idle = not any(series["moeserve_ep_running_sequences"].values()) and \
+            not any(series["moeserve_ep_queue_depth"].values())
+        if now and idle and now == last:
+            return now
         assert time.monotonic() < deadline, series
-        time.sleep(0.5)
+        last = now
+        time.sleep(1.0)  # two probes (probe_every_s 0.5)
 
 
 ROUTERS = {"xmoe": dict(router="xmoe"), "vq-mixed": dict(router="vq", vq_mode="mixed"),
@@ -330,7 +335,7 @@ def test_every_router_answers_as_one_process(url, tmp_path, name):
         assert all(calls[r][1] > calls_before[r][1] for r in "01"), (calls_before, calls)
 
 
-LONG = dict(max_tokens=440, temperature=0, extra_body={"ignore_eos": True})  # a context of 512: seconds of steps on one rank
+LONG = dict(max_tokens=440, temperature=0, extra_body={"ignore_eos": True})  # a context of 512: seconds on one rank
 IDLE_S = 3.0  # the other ranks' idle spell, beside the long generation
 
 
