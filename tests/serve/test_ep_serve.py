@@ -336,14 +336,15 @@ def test_every_router_answers_as_one_process(url, tmp_path, name):
 
 
 LONG = dict(max_tokens=440, temperature=0, extra_body={"ignore_eos": True})  # a context of 512: seconds on one rank
-IDLE_S = 3.0  # the other ranks' idle spell, beside the long generation
+IDLE_S = 2.0  # the other ranks' idle spell beside it (440 steps of 4 ranks take longer even on a fast machine)
+STALL_S = 3.0  # the probe's stall limit (ExpertParallelOptions.stall_s): far past a step, short of the generation
 
 
 def test_four_ranks_and_one_busy_beside_idle_ones(url, tmp_path):
     """N = 4, one expert a rank, and the lockstep (runtime/ep_rank.py): one long generation, sent alone, keeps one
     rank busy for seconds while the other three have nothing of their own; they keep stepping with it (empty passes
-    in the same collectives), none is taken for stalled by the supervisor's probe (stall_s as short as the idle
-    spell) and no group restarts. Then requests land on every rank at once beside the long one, and every answer,
+    in the same collectives), none is taken for stalled by the supervisor's probe (a stall limit shorter than the
+    generation) and no group restarts. Then requests land on every rank at once beside the long one, and every answer,
     the long one's included, is the single-process engine's. (Replaces the module's application.)"""
     torch.manual_seed(0)
     model = Transformer(preset("tiny", router="softmax", max_seq_len=512))
@@ -351,7 +352,7 @@ def test_four_ranks_and_one_busy_beside_idle_ones(url, tmp_path):
     serve.delete("moeserve")
     t0 = time.monotonic()
     deploy(url, ckpt, ServeConfig(model_name="tiny", kv_slots=4, request_timeout_s=120), ranks=4, cpus_per_rank=0.4,
-           stall_s=IDLE_S, probe_every_s=0.25)
+           stall_s=STALL_S, probe_every_s=0.25)
     up_s = time.monotonic() - t0
     ref = Engine.load(ckpt, dtype="float32", device="cpu")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
