@@ -49,14 +49,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError, UserError
 from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard, contiguous_ranges
+from moeserve.runtime.backends.experts import expert_counts
 from moeserve.runtime.expert_replicas import as_bytes, copies_of, shard_like, shard_tensors, split_rows
-from moeserve.runtime.experts import Experts, combine, dispatch
+from moeserve.runtime.experts import Experts, combine, dispatch, expert_rows
 
-__all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "LockstepError", "join_group"]
+__all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "FixedBuffers", "LockstepError",
+           "join_group"]
 
 # upper bounds (s) of the per-call all-to-all histogram (ExchangeStats.all_to_all_buckets; the served
 # moeserve_ep_all_to_all_seconds): 2 gloo ranks on 2 CPU cores take 1-3 ms a layer call (moeserve bench ep)
@@ -149,6 +152,16 @@ class ExchangeStats:
     rows_computed: int = 0  # by this rank's experts and replicas, its own rows included (its share of the load)
 
 
+@dataclass(frozen=True)
+class FixedBuffers:
+    """The constants of the fixed-size exchange (ExpertParallelExperts.use_fixed), on the exchange's device so that
+    nothing is copied from the host inside a captured step. C = max_tokens * K rows per (sender, receiver) pair."""
+
+    max_tokens: int  # the most tokens any rank passes the layer in one call, the same on every rank
+    owner_E2: Tensor  # [E + 2] the rank owning each expert; R (nowhere: the dropped rows' slot) for E and E + 1
+    send_RX: Tensor  # [R, X] the global ids of each rank's experts, padded with E + 1 (never counted) to X = max E_r
+
+
 class ExpertParallelExperts(nn.Module):
     """A layer's experts on one rank of an EP group: called as an `Experts` is (MoELayer.experts), it holds only
     this rank's contiguous slice (`local`, global ids group.experts_of(E)) and exchanges the routed rows with the
@@ -169,6 +182,7 @@ class ExpertParallelExperts(nn.Module):
         self.placement: list[list[int]] = [[] for _ in range(group.world_size)]
         self.replicas: ExpertShard | QuantExpertShard | None = None  # this rank's: placement[rank], stacked
         self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
+        self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
 
     @classmethod
     def of(cls, experts: Experts, group: EPGroup) -> "ExpertParallelExperts":
@@ -180,8 +194,83 @@ class ExpertParallelExperts(nn.Module):
         return self.local.prepare_inference()
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        if self.fixed is not None:
+            return self.exchange_fixed(x_TD, expert_ids_TK, gates_TK, keep_TK)
+        if torch.compiler.is_compiling():
+            raise ExpertParallelError("the variable all-to-all sizes its buffers on the host, which a compiled step "
+                                      "cannot trace: call use_fixed(max_tokens) on every rank first")
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
         return combine(d, self.exchange(d.x_ND, d.counts), x_TD)
+
+    def use_fixed(self, max_tokens: int) -> "ExpertParallelExperts":
+        """Exchange through fixed-size buffers from the next call on (exchange_fixed), for calls of at most
+        `max_tokens` tokens on any rank. Every rank of the group sets the same `max_tokens` before its next call:
+        the buffers' size is part of the collective. Plain (unquantized) local experts, no replicas: a quantized
+        shard's and the replicas' row splits are sized on the host."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ExpertParallelError(f"max_tokens = {max_tokens!r}: expected an integer >= 1 (the most tokens a "
+                                      f"rank passes one layer call)")
+        if not isinstance(self.local, ExpertShard):
+            raise ExpertParallelError(f"the fixed exchange computes plain weights; this rank's experts are a "
+                                      f"{type(self.local).__name__}: use the variable exchange")
+        if any(self.placement):
+            raise ExpertParallelError(f"the fixed exchange has no redundant experts; placement {self.placement}")
+        R, E, dev = self.group.world_size, self.n_experts, self.group.device
+        X = max(map(len, self.ranges))
+        owner = [r for r, rg in enumerate(self.ranges) for _ in rg] + [R, R]
+        send = [[*rg, *[E + 1] * (X - len(rg))] for rg in self.ranges]
+        self.fixed = FixedBuffers(max_tokens, torch.tensor(owner, dtype=torch.int64, device=dev),
+                                  torch.tensor(send, dtype=torch.int64, device=dev))
+        return self
+
+    def exchange_fixed(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor,
+                       keep_TK: Tensor | None = None) -> Tensor:
+        """The layer's output as forward's, through buffers whose size depends on nothing but `use_fixed`'s
+        max_tokens (module docstring): each rank sends each rank C = max_tokens * K rows, its rows for that
+        rank's experts first (sorted by expert), zeros after, and the per-expert counts beside them; the receiver
+        reads each row's expert from the counts (a searchsorted on the device) and returns C rows the same way.
+        No host sync and no shape that depends on the routing: a compiled step traces it and a CUDA graph holds
+        it. Dropped assignments (keep_TK False) are sorted last and sent nowhere."""
+        fx = self.fixed
+        T, K = expert_ids_TK.shape
+        if T > fx.max_tokens:
+            raise ExpertParallelError(f"{T} tokens in one call to a fixed exchange sized for {fx.max_tokens} "
+                                      f"(use_fixed's max_tokens, the same on every rank)")
+        R, E, D, C = self.group.world_size, self.n_experts, x_TD.shape[1], fx.max_tokens * K
+        g = self.group.group if self.group.group is not None else dist.group.WORLD
+        ids_N = expert_ids_TK.reshape(-1)
+        if keep_TK is not None:
+            ids_N = torch.where(keep_TK.reshape(-1), ids_N, E)  # a dropped row: expert E, owned by no rank
+        order_N = ids_N.argsort(stable=True)
+        ids_N = ids_N[order_N]  # rank r's rows are one block (contiguous ranges), in rank order, dropped ones last
+        counts_E2 = expert_counts(ids_N, E + 2)  # [E] counted, E dropped, E + 1 none: the padding of send_RX
+        dest_N = fx.owner_E2[ids_N]  # R for a dropped row
+        to_rank = torch.zeros(R + 1, dtype=torch.int32, device=ids_N.device).index_add_(0, fx.owner_E2, counts_E2)
+        first_R1 = to_rank.cumsum(0) - to_rank  # where each rank's block starts in the sorted rows
+        pos_N = torch.arange(ids_N.shape[0], device=ids_N.device) - first_R1[dest_N]
+        slot_N = torch.where(dest_N < R, dest_N * C + pos_N, R * C)  # row R * C: the dropped rows' scratch
+        tok_N = order_N // K
+        x_send = x_TD.new_zeros(R * C + 1, D).index_copy_(0, slot_N, x_TD[tok_N])[:R * C]
+        counts_in = funcol.all_to_all_single(counts_E2[fx.send_RX].reshape(-1), None, None, g)
+        x_in = funcol.all_to_all_single(x_send, None, None, g)
+        y_in = self._compute_fixed(x_in, counts_in.view(R, -1), C)
+        y_back = funcol.all_to_all_single(y_in, None, None, g)
+        y_N = torch.cat([y_back, y_back.new_zeros(1, D)])[slot_N]  # a dropped row reads the zero row
+        gates_N = gates_TK.reshape(-1)[order_N]
+        if not torch.compiler.is_compiling():  # row counts would need the host: the fixed path counts calls only
+            self.stats.calls += 1
+        return torch.zeros_like(x_TD).index_add_(0, tok_N, (y_N * gates_N[:, None].to(y_N.dtype)).to(x_TD.dtype))
+
+    def _compute_fixed(self, x_ND: Tensor, counts_RX: Tensor, C: int) -> Tensor:
+        """This rank's experts on the received [R * C] rows: block r holds counts_RX[r, e] rows of local expert e
+        in turn, then padding. Row j of a block belongs to the first expert whose running count exceeds j (past
+        the last: X, no expert), so padding comes out zero (experts.expert_rows)."""
+        R, X = counts_RX.shape
+        ends_RX = counts_RX.to(torch.int64).cumsum(1)
+        j_RC = torch.arange(C, device=x_ND.device).expand(R, C).contiguous()
+        local_N = torch.searchsorted(ends_RX, j_RC, right=True).reshape(-1)
+        shard = self.local
+        return expert_rows(x_ND, local_N, shard.w1, shard.w2, shard.w3)
 
     def exchange(self, x_ND: Tensor, counts: list[int]) -> Tensor:
         """The experts' outputs for rows sorted by expert (`counts` [E] of each), in the same order, whichever rank
@@ -268,6 +357,8 @@ class ExpertParallelExperts(nn.Module):
                                       f"ranks' experts (of {self.n_experts}, ranks' own {self.ranges})")
         if placement == self.placement:
             return 0
+        if self.fixed is not None:
+            raise ExpertParallelError(f"placement {placement}: the fixed exchange has no redundant experts")
         new = [[e for e in ids if e not in old] for ids, old in zip(placement, self.placement)]  # copies to send
         mine = self.ranges[me]
         out_splits = [sum(e in mine for e in ids) for ids in new]  # to each rank, its new copies of my experts
