@@ -20,10 +20,10 @@ layer calls it for its continuous path. A VQ layer with vq_input='code' is laid 
 (backends/eager.py, TableMoELayer): the table is built through this exchange once, when the backend lays the
 model out, which every rank does at load, so each rank holds the whole table and the discrete path makes no
 exchange at serving time. Paths that would call experts past this module are refused by name: the compiled
-decode step (a collective with host-side splits: compiled.model_uncompilable names it), the CPU kernel's
-whole-step decode (it needs the layer's experts as FusedExperts, which these are not: ep_rank.load_rank_engine
-checks). A quantized checkpoint's ranks load their slice's integers and scales as stored (QuantExpertShard), and
-the exchange moves activations only, so it is the same for every weight format.
+decode step on the variable exchange (compiled.model_uncompilable names it; on the fixed one it compiles), the CPU
+kernel's whole-step decode (it needs the layer's experts as FusedExperts, which these are not:
+ep_rank.load_rank_engine checks). A quantized checkpoint's ranks load their slice's integers and scales as stored
+(QuantExpertShard), and the exchange moves activations only, so it is the same for every weight format.
 
 With redundant experts (expert_replicas.py: off by default), a rank also holds copies of other ranks' hot experts
 in slots after its own, the same placement on every rank. Each sender splits an expert's rows over its copies and
@@ -32,11 +32,33 @@ sends them in the order of each rank's slots (its own experts, then its copies),
 is its owner's weights, so a row's result is the owner's: bit-identical where the expert computes each row alone
 (the C kernel), within float rounding where a GEMM's blocking depends on how many rows it gets (torch).
 
-On GPUs (NCCL) the exchange here still reads the counts back to the host to size the row buffers, which a CUDA
-graph cannot hold. A capturable step replaces the two variable all-to-alls by fixed-size ones: per batch bucket,
-buffers of [R, capacity, D] rows (capacity = the bucket's T*K, the most one rank can send another), padded, with
-the counts travelling in the same call, as vLLM's low-latency all-to-all does; `exchange` is the one place that
-changes.
+Two exchanges, the same result (within float rounding):
+
+  variable  (exchange; the default) the counts go first and come back to the host, which sizes the row buffers
+            and the splits: each rank moves exactly the rows it routed, and the experts compute exactly the rows
+            they got. A host sync per layer, and shapes that depend on the routing.
+  fixed     (use_fixed, exchange_fixed) each rank sends every rank a block of C = max_tokens * K rows, its rows
+            for that rank's experts (sorted by expert) then zeros, and the per-expert counts in a second
+            fixed-size call; the receiver reads each row's expert from the counts on the device, runs its experts
+            on all R * C rows with padding masked (experts.expert_rows) and returns R * C rows the same way. Every
+            all-to-all has equal splits and a size fixed at use_fixed, the functional collectives
+            (torch.distributed._functional_collectives) trace under torch.compile, and nothing reads the device
+            from the host: a compiled step holds it whole (fullgraph, gloo too), and a CUDA graph replays it. vLLM's
+            low-latency all-to-all (DeepEP) sizes its buffers the same way, by the most tokens a rank may send.
+
+Which one: fixed where the step is compiled or captured (a CUDA graph cannot hold a host sync or a buffer sized by
+one, so there is no choice), variable otherwise. Variable moves and computes only the routed rows; fixed moves
+R * C rows each way on every call, empty passes included, and its experts run on every padded row, which on a
+decode step of a few tokens is a few kilobytes and a few small GEMMs a layer, but on a prefill chunk is R times
+the rows and E_local times the FLOPs; and the fixed exchange's buffers are sized by the largest call, so a rank
+that prefills in chunks of 512 pays 512 * K rows per peer at every decode step. The switch is made once, on every
+rank with the same max_tokens (use_fixed_exchange), since the buffers' size is part of the collective: all calls
+then take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
+smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step all-reduce
+(ep_rank.py) could carry but does not yet. The fixed path has no redundant experts and no quantized shards (their
+row splits are made on the host), and counts calls only in its stats (rows would need the host); its experts
+compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that
+would not waste FLOPs on padding.
 """
 
 from __future__ import annotations
@@ -59,7 +81,7 @@ from moeserve.runtime.expert_replicas import as_bytes, copies_of, shard_like, sh
 from moeserve.runtime.experts import Experts, combine, dispatch, expert_rows
 
 __all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "FixedBuffers", "LockstepError",
-           "join_group"]
+           "join_group", "use_fixed_exchange"]
 
 # upper bounds (s) of the per-call all-to-all histogram (ExchangeStats.all_to_all_buckets; the served
 # moeserve_ep_all_to_all_seconds): 2 gloo ranks on 2 CPU cores take 1-3 ms a layer call (moeserve bench ep)
@@ -69,7 +91,8 @@ ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 class ExpertParallelError(UserError):
     """An expert-parallel group or rank asked for something it cannot be: a bad address, rank or world size, more
-    ranks than experts, or a feature that would call the experts past the exchange (compile)."""
+    ranks than experts, a feature that would call the experts past the exchange, or a call the fixed exchange cannot
+    size (more tokens than its buffers, a compiled step on the variable exchange)."""
 
 
 class LockstepError(MoeServeError, RuntimeError):
@@ -386,6 +409,17 @@ class ExpertParallelExperts(nn.Module):
             self._copies = [[(r, slot[r][e]) for r in ranks] for e, ranks in enumerate(copies_of(self.ranges,
                                                                                                   placement))]
         return sum(map(len, new))
+
+
+def use_fixed_exchange(model: nn.Module, max_tokens: int) -> int:
+    """Put every expert-parallel MoE layer of `model` on the fixed-size exchange (ExpertParallelExperts.use_fixed),
+    as a rank whose decode step is compiled or captured must (module docstring: which exchange, and why). Every rank
+    calls it with the same `max_tokens`, the most tokens any of its model calls passes a layer (prefill chunks and
+    empty passes included: from then on every call exchanges this way). How many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    for layer in layers:
+        layer.use_fixed(max_tokens)
+    return len(layers)
 
 
 def expert_major(recv_RE: Tensor) -> Tensor | None:

@@ -12,7 +12,7 @@ import torch
 
 from moeserve.config import preset
 from moeserve.runtime.backends.compiled import CompiledDecode
-from moeserve.runtime.expert_parallel import ExpertParallelExperts, join_group
+from moeserve.runtime.expert_parallel import ExpertParallelExperts, join_group, use_fixed_exchange
 from moeserve.runtime.experts import Experts, moe_reference
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import Transformer
@@ -91,7 +91,8 @@ def decode_cases(group) -> dict:
     model = Transformer(preset("tiny")).eval()
     ep = copy.deepcopy(model)
     for layer, whole in zip(ep.moe_layers, model.moe_layers):
-        layer.experts = ExpertParallelExperts.of(whole.experts, group).use_fixed(SLOTS)
+        layer.experts = ExpertParallelExperts.of(whole.experts, group)
+    assert use_fixed_exchange(ep, SLOTS) == len(ep.moe_layers)
     step = CompiledDecode(ep, KVCache.for_model(ep, SLOTS + 1, spare=1))
     rows = DECODE_ROWS[group.rank]
     with torch.inference_mode():

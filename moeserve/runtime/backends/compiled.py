@@ -15,7 +15,9 @@ every time, so here it is made shape-static:
 - the experts run a path with no host sync and fixed shapes (backends/experts.py: GraphExperts) on plain
   weights (oneDNN-packed weights are opaque to the compiler); quantized experts are indexed per token
   (quant_gpu.IndexedQuantExperts), and a quantized model's linear maps on a GPU run torch's quantized ops;
-- the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
+- the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place;
+- expert-parallel experts (expert_parallel.py) exchange rows through the fixed-size all-to-all (use_fixed, every
+  rank sized for at least the largest bucket): the variable one sizes its buffers on the host, and is refused.
 
 Same tokens as eager in fp32 (tests/runtime/test_compiled.py); the logits differ by float rounding
 (fused reductions), ~1e-6 here.
