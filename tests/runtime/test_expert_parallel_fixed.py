@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeserve.bench.server_process import free_port
 from moeserve.config import preset
@@ -108,6 +109,42 @@ def test_the_fixed_exchange_in_one_process_equals_the_reference(solo_group, act)
         with pytest.raises(ExpertParallelError, match="10 tokens in one call to a fixed exchange sized for 9"):
             ep(torch.randn(10, 16), torch.zeros(10, 2, dtype=torch.long), torch.ones(10, 2))
     assert ep.stats.calls == 6
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops whose result the host must read from the device: a scalar (.item(), .tolist(), int(t)) or
+    a size that depends on the values (nonzero, masked_select, unique, repeat_interleave by counts). On CUDA each
+    is a sync; none can be held by a CUDA graph."""
+
+    READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave", "bincount")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if any(r in name for r in self.READS):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_fixed_exchange_reads_nothing_back_to_the_host(solo_group):
+    """The eager fixed exchange (as a CUDA graph would capture it) makes no op that reads the device from the host,
+    where the variable one does (the detector's other side)."""
+    torch.manual_seed(0)
+    ex = Experts(6, 16, 24, "swiglu")
+    fixed = ExpertParallelExperts.of(ex, solo_group).use_fixed(9)
+    variable = ExpertParallelExperts.of(ex, solo_group)
+    x, ids, gates = torch.randn(7, 16), torch.randn(7, 6).topk(2, dim=-1).indices, torch.rand(7, 2)
+    keep = torch.rand(7, 2) < 0.7
+    with torch.inference_mode():
+        with HostReads() as reads:
+            fixed(x, ids, gates, keep)
+        assert reads.seen == []
+        with HostReads() as reads:
+            variable(x, ids, gates, keep)
+        assert "_local_scalar_dense" in reads.seen or "bincount" in reads.seen
 
 
 def test_expert_rows_puts_each_row_through_its_expert_and_zeroes_padding():
