@@ -117,6 +117,19 @@ def compute(d: Dispatch, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None =
     return torch.cat(ys) if ys else d.x_ND.new_zeros(0, w2_EDF.shape[1])
 
 
+def expert_rows(x_ND: Tensor, ids_N: Tensor, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None = None) -> Tensor:
+    """Row n through expert ids_N[n] of the stack, zero where ids_N[n] is no expert (>= E: a padding row), in
+    fixed shapes and with no host sync, so a compiled or captured step can hold it (expert_parallel.py's fixed
+    exchange). Each expert runs on every row and keeps its own: E times the FLOPs of the rows, but each expert's
+    weights are read once, which is what a decode-sized buffer is bound by; a grouped GEMM over rows sorted by
+    expert is the drop-in where the wasted FLOPs matter."""
+    y_ND = x_ND.new_zeros(x_ND.shape[0], w2_EDF.shape[1])
+    for e in range(w1_EFD.shape[0]):  # E is the stack's: a constant of the graph
+        y_e = expert_hidden(x_ND, w1_EFD[e], None if w3_EFD is None else w3_EFD[e]) @ w2_EDF[e].T
+        y_ND = torch.where((ids_N == e)[:, None], y_e, y_ND)
+    return y_ND
+
+
 def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,
                w3_EFD: Tensor | None = None, keep_TK: Tensor | None = None,
                observer: InputObserver | None = None) -> Tensor:
