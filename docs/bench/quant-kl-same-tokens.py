@@ -71,7 +71,7 @@ def main(ckpt: str, f32: str, q8: str, q4: str, n_records: int = 6) -> None:
         print(f"| {what} | {kl / n:.5f} | {agree / n:.4f} |", flush=True)
 
     print("| weights | mean KL | top-1 agreement |\n| --- | ---: | ---: |")
-    for spec in (QuantSpec(8), QuantSpec(4, 32), QuantSpec.parse("int4")):
+    for spec in (QuantSpec(8), QuantSpec(4, 32), QuantSpec(4, 32, ("wk", "wv", "output")), QuantSpec.parse("int4")):
         name = describe(spec.as_dict())
         score(Engine.load(ckpt, dtype="float32", device="cpu", quantize=spec), f"moeserve {name}, C kernel")
         score(Engine.load(ckpt, dtype="float32", device="cpu", quantize=spec, plan=EAGER),

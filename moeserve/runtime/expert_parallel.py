@@ -219,9 +219,6 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
         if self.fixed is not None:
             return self.exchange_fixed(x_TD, expert_ids_TK, gates_TK, keep_TK)
-        if torch.compiler.is_compiling():
-            raise ExpertParallelError("the variable all-to-all sizes its buffers on the host, which a compiled step "
-                                      "cannot trace: call use_fixed(max_tokens) on every rank first")
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
         return combine(d, self.exchange(d.x_ND, d.counts), x_TD)
 
@@ -280,8 +277,7 @@ class ExpertParallelExperts(nn.Module):
         y_back = funcol.all_to_all_single(y_in, None, None, g)
         y_N = torch.cat([y_back, y_back.new_zeros(1, D)])[slot_N]  # a dropped row reads the zero row
         gates_N = gates_TK.reshape(-1)[order_N]
-        if not torch.compiler.is_compiling():  # row counts would need the host: the fixed path counts calls only
-            self.stats.calls += 1
+        self.stats.calls += 1  # row counts would need the host: the fixed path counts calls only
         return torch.zeros_like(x_TD).index_add_(0, tok_N, (y_N * gates_N[:, None].to(y_N.dtype)).to(x_TD.dtype))
 
     def _compute_fixed(self, x_ND: Tensor, counts_RX: Tensor, C: int) -> Tensor:

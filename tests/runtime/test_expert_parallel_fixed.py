@@ -57,7 +57,7 @@ def test_the_compiled_fixed_exchange_equals_the_variable_one_and_one_process(ran
         assert got["compiled_vs_layer"] <= 1e-5 and got["compiled_vs_variable"] <= 1e-5, (rank, got)
         assert got["eager_vs_layer"] <= 1e-5, (rank, got)
         assert got["counts_equal"]  # the layer's expert-load counts, traced in the same graph
-        assert got["fixed_calls"] == 1  # the eager call; the compiled one counts nothing (no host side effects)
+        assert got["fixed_calls"] == 2  # the eager call and the compiled one (dynamo replays the count after its graph)
 
 
 @pytest.mark.slow
