@@ -1,4 +1,4 @@
-/* linear_q: y = x w^T on quantized weights (runtime/quant.py's int8 and int4 formats), x float32 or bf16.
+/* linear_q: y = x w^T on quantized weights (runtime/quant.py's int8, int4 and int6 formats), x float32 or bf16.
 
    How the products are taken was decided by measurement (issue 39; the tables are in docs/bench/log.md, "The
    quantized kernels"): widening the weights to float32 in registers and multiplying them by FMAs was compute-bound
@@ -9,13 +9,16 @@
    memory at one row; from four rows on it is compute-bound. int4 on AVX2 (Q4Y) takes four blocks a step too, as two
    pairs on 256-bit vectors, which brought it to memory's pace at one row (it had been one block a step, compute-bound
    at about two thirds of that; docs/bench/log.md).
+   int6 is int4's kernels with two more bits a weight: each step reads int4's 64 bytes of nibbles and the 32 bytes of
+   high bits after them, ORs the high bits in above the nibbles, and scales the correction lanes from -8 to -32
+   times the activations' sums (ROWS_Q4's XB).
 
    The arithmetic, exactly (quant_kernel.reference_linear_q computes the same in torch):
      - each row of x (bf16 widened to float32 exactly) is cut in blocks of 32; per block d = amax|x| / 127 (float32
        division) and q = round-half-even(x / d) (float32 division, |q| <= 127), q = 0 where d = 0;
-     - per block and weight row the integer sum s = sum q * v, v the weight's integer (int8: q_w; int4: u - 8),
-       exact in int32;
-     - int8: y = scale[o] * sum_b d_b s_b;  int4: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
+     - per block and weight row the integer sum s = sum q * v, v the weight's integer (int8: q_w; int4: u - 8;
+       int6: u - 32), exact in int32;
+     - int8: y = scale[o] * sum_b d_b s_b;  int4 and int6: y = sum_b (d_b scale[o, b*32/G]) s_b;  the float sums in float32
        (8 lanes of partial sums, blocks paired as ROWS_Q8 says, the lanes added left to right at the end; Q4X's
        int4: 16 lanes, each an exact int32 part of one block's s_b times that block's d_b scale_b, added by
        _mm512_reduce_add_ps at the end; Q4Y's: 8 lanes, each an exact int32 part of one block's s_b times d_b scale_b,
