@@ -26,7 +26,7 @@ def checkpoint(tmp_path_factory):
 def test_formats_against_the_float_model(checkpoint, one_torch_thread):
     report = bench_quant(checkpoint, ["int8", "int4"], None, "float32", 3, 60, 4, 1, progress=lambda msg: None)
     base, int8, int4 = report["results"]
-    assert [r["format"] for r in report["results"]] == ["float", "int8", "int4 (group 32; wk, wv, output at int8)"]
+    assert [r["format"] for r in report["results"]] == ["float", "int8", "int4 (group 32; wk, wv at int8; output at int6)"]
     assert report["records"] == 3 and report["tokens"] > 3 * 30
     assert "mean_kl" not in base and 0 <= int8["mean_kl"] < int4["mean_kl"]  # int8 moves the distributions less
     assert int8["top1_agreement"] >= int4["top1_agreement"] and 0.5 < int4["top1_agreement"] <= 1
@@ -36,6 +36,15 @@ def test_formats_against_the_float_model(checkpoint, one_torch_thread):
     assert all(r["decode_tokens_per_s"] > 0 for r in report["results"])
     page = markdown(report)
     assert f"| int8 | {int8['bits_per_byte']} | {int8['bpb_change_pct']:+.2f}% | {int8['mean_kl']} |" in page
+
+
+def test_the_kept_weights_reach_the_format_measured(checkpoint, one_torch_thread):
+    """--int8-weights and --int6-weights (convert.kept_weights) reach int4's spec; int8 ignores them."""
+    from moeserve.convert import kept_weights
+
+    report = bench_quant(checkpoint, ["int8", "int4"], None, "float32", 1, 40, 2, 1, progress=lambda msg: None,
+                         int8=kept_weights("none"), int6=kept_weights("wv, output"))
+    assert [r["format"] for r in report["results"]] == ["float", "int8", "int4 (group 32; wv, output at int6)"]
 
 
 def test_weight_bytes_per_token_counts_what_decode_reads():
