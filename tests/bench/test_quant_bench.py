@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -57,6 +58,20 @@ def test_weight_bytes_per_token_counts_what_decode_reads():
     quantize_model_(model, QuantSpec.parse("int8"))  # the head is its own int8 matrix; one embedding row is read
     per_layer = (attention + 4 * 4 * D) + (3 * F * D + 4 * (2 * F + D)) * K + 4 * D * E + 4 * 2 * D
     assert weight_bytes_per_token(model) == L * per_layer + 4 * D + (V * D + 4 * V) + 4 * D
+
+
+def test_weight_bytes_per_token_counts_an_int6_head_at_its_packing():
+    """A head 128 wide is int6 in the int4 recipe: 96 bytes a 128 weights and a float16 scale per 32, the same
+    scales as int4's and 32 bytes a row more than int4's 64 (quant.py's bytes_per_weight: 6.5 bits against 4.5)."""
+    cfg = dataclasses.replace(preset("tiny"), d_model=128, n_heads=4, n_kv_heads=2)
+    got = {}
+    for int6 in (None, ()):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        quantize_model_(model, QuantSpec.parse("int4", int6=int6))
+        got[int6] = weight_bytes_per_token(model)
+    assert got[None] - got[()] == cfg.vocab_size * 32
+    assert QuantSpec(6, 32).bytes_per_weight() * 128 == 96 + 4 * 2
 
 
 def test_a_quantized_checkpoint_is_refused(checkpoint, tmp_path):
