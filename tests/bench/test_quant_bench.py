@@ -27,7 +27,8 @@ def checkpoint(tmp_path_factory):
 def test_formats_against_the_float_model(checkpoint, one_torch_thread):
     report = bench_quant(checkpoint, ["int8", "int4"], None, "float32", 3, 60, 4, 1, progress=lambda msg: None)
     base, int8, int4 = report["results"]
-    assert [r["format"] for r in report["results"]] == ["float", "int8", "int4 (group 32; wk, wv at int8; output at int6)"]
+    assert [r["format"] for r in report["results"]] == \
+        ["float", "int8", "int4 (group 32; wk, wv at int8; output at int6)"]
     assert report["records"] == 3 and report["tokens"] > 3 * 30
     assert "mean_kl" not in base and 0 <= int8["mean_kl"] < int4["mean_kl"]  # int8 moves the distributions less
     assert int8["top1_agreement"] >= int4["top1_agreement"] and 0.5 < int4["top1_agreement"] <= 1
