@@ -357,8 +357,8 @@ def load_checkpoint(
     optimizer.load_state_dict moves moments to their parameters' device itself. Absent: None.
     A Hugging Face Mixtral directory has no hashes to verify and no training state; its tensors come
     back under the Transformer's names, and its manifest is {"format": "hf-mixtral"}.
-    `keep(name)`: load only the tensors it accepts (the dense part of a model whose experts are served
-    by shards: `load_expert_slice`). A Mixtral's experts, each stacked from many of its tensors, are all
+    `keep(name)`: load only the tensors it accepts (the dense part of an expert-parallel rank, whose
+    own experts come from `load_expert_slice`). A Mixtral's experts, each stacked from many of its tensors, are all
     in or all out, as `keep` says of the first.
     """
     path = Path(path)
@@ -389,15 +389,15 @@ def read_config(path: str | os.PathLike) -> MoEConfig:
 
 
 def is_expert_weight(name: str) -> bool:
-    """A stacked [E, ...] expert tensor of an MoE layer (what expert shards hold)."""
+    """A stacked [E, ...] expert tensor of an MoE layer (what an expert-parallel rank holds a slice of)."""
     return ".ffn.experts." in name
 
 
 def load_expert_slice(path: str | os.PathLike, start: int, stop: int, *, dtype: torch.dtype | None = None
                       ) -> tuple[MoEConfig, dict[str, torch.Tensor]]:
     """(config, the expert tensors of every MoE layer, rows [start, stop) of their expert axis only), read
-    with safetensors' slices: a shard process never reads, maps or holds another shard's experts. The
-    hashes are not checked here (that reads every byte); the ingress that loads the rest checks them."""
+    with safetensors' slices: an expert-parallel rank never reads, maps or holds another rank's experts. The
+    hashes are not checked here (that reads every byte); the load of the rest (Engine.load) checks them."""
     path = Path(path)
     _check_dir(path)
     config, foreign = _read_config(path)

@@ -1,5 +1,5 @@
-"""`moeserve serve`: its flags, mapped onto ServeConfig (and, with --ray, RayServeOptions or ExpertParallelOptions),
-and the command that starts the single-process server or the Ray application."""
+"""`moeserve serve`: its flags, mapped onto ServeConfig (and, with --ray, ExpertParallelOptions), and the command that
+starts the single-process server or the Ray application."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from moeserve.cli_common import (BACKEND_HELP, CALIBRATE_HELP, COMPILE_HELP, QUA
                                  default_checkpoint, field_default)
 from moeserve.config import MANIFEST_FILE
 from moeserve.runtime import BACKENDS, COMPILE_MODES, GPU_QUANT_FORMATS, QUANT_FORMATS
-from moeserve.serve.config import (EXCHANGES, PLACEMENTS, SCHEDULERS, BatchConfig, ExpertParallelOptions,
-                                   RayServeOptions, ServeConfig)
+from moeserve.serve.config import PLACEMENTS, SCHEDULERS, BatchConfig, ExpertParallelOptions, ServeConfig
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -35,10 +34,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _hash_ahead(args.checkpoint)  # first, while the imports below take a core for ~2 s
     from moeserve.serve.server import serve
 
+    retired = [flag for dest, flag in RETIRED_FLAGS.items() if getattr(args, dest) is not None]
+    if retired:
+        raise ValueError(f"{retired[0]} was the shard exchange's, which is retired: serve with --ray "
+                         "--expert-parallel N (N ranks, each with 1/N of every MoE layer's experts and its own KV "
+                         "cache; see --help)")
     cfg = serve_config(args)
     ray_only = [flag for flag, v in (("--expert-parallel", args.expert_parallel),
                                      ("--data-parallel-groups", args.data_parallel_groups),
-                                     ("--expert-shards", args.expert_shards)) if v is not None]
+                                     ("--cpus-per-rank", args.cpus_per_rank), ("--placement", args.placement),
+                                     ("--redundant-experts", args.redundant_experts),
+                                     ("--rebalance-every", args.rebalance_every)) if v is not None]
     if ray_only and not (args.ray or args.print_config):
         raise ValueError(f"{ray_only[0]} needs --ray (it places its processes with Ray)")
     if args.chat_template is not None:  # a bad template is named before the model loads
@@ -73,76 +79,47 @@ def _hash_ahead(path: Path) -> None:
         return
 
 
-SHARD_FLAGS = {"expert_shards": "--expert-shards", "shard_replicas": "--shard-replicas",
-               "cpus_per_shard": "--cpus-per-shard", "gpus_per_shard": "--gpus-per-shard",
-               "ingress_gpus": "--ingress-gpus", "shard_timeout_s": "--shard-timeout", "exchange": "--exchange"}
-SHARD_ARGS = {"shard_timeout_s": "shard_timeout"}  # the argparse names that differ from the field's
+# The shard exchange's flags (`--ray --expert-shards S`, retired for --expert-parallel N): still parsed, unlisted, so
+# that a command line written for it gets a named error and exit 2 rather than argparse's "unrecognized arguments".
+RETIRED_FLAGS = {"expert_shards": "--expert-shards", "shard_replicas": "--shard-replicas",
+                 "cpus_per_shard": "--cpus-per-shard", "gpus_per_shard": "--gpus-per-shard",
+                 "ingress_gpus": "--ingress-gpus", "shard_timeout": "--shard-timeout", "exchange": "--exchange"}
 
 
 def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
-    from moeserve.checkpoint import read_config
-
-    given = {field: getattr(args, SHARD_ARGS.get(field, field)) for field in SHARD_FLAGS}
-    given = {field: v for field, v in given.items() if v is not None}
-    if args.data_parallel_groups is not None and args.expert_parallel is None:
-        raise ValueError("--data-parallel-groups needs --expert-parallel N (groups of N ranks)")
-    if args.expert_parallel is not None:
-        return _serve_expert_parallel(args, path, cfg, given)
-    if any(v is not None for v in (args.placement, args.cpus_per_rank, args.redundant_experts, args.rebalance_every)):
-        raise ValueError("--placement, --cpus-per-rank, --redundant-experts and --rebalance-every are "
-                         "--expert-parallel's")
-    if args.quantize or (path.is_dir() and read_config(path).quantization is not None):
-        raise ValueError("--ray: the expert shards hold float weights; serve a quantized model without --ray, or "
-                         "with --expert-parallel")
-    try:
-        from moeserve.serve import ray_app
-    except ImportError as e:
-        raise ValueError(f"--ray needs Ray Serve: pip install -e '.[ray]' ({e})") from None
-    if path.suffix == ".onnx" or args.backend == "onnx":
-        raise ValueError("--ray serves a checkpoint directory on torch, not an ONNX export")
-    opts = RayServeOptions(**given)
-    dtype = "float32" if args.dtype == "auto" else args.dtype  # auto is resolved per device; shards share one
-    device = "cuda" if opts.ingress_gpus else "cpu"
-    if args.print_config:
-        import yaml  # a dependency of ray
-
-        print(yaml.safe_dump(ray_app.deploy_config(path, cfg, opts, dtype=dtype, device=device), sort_keys=False),
-              end="")
-        return 0
-    return ray_app.run(path, cfg, opts, dtype=dtype, device=device, access_log=not args.no_access_log,
-                       log_level=args.log_level)
-
-
-def _serve_expert_parallel(args: argparse.Namespace, path: Path, cfg, shard_flags: dict) -> int:
-    """`--ray --expert-parallel N`: the flags checked (each misuse named), then the groups served (serve/ep_app.py)."""
-    if shard_flags:
-        field = next(iter(shard_flags))
-        raise ValueError(f"{SHARD_FLAGS[field]} is the shard exchange's; --expert-parallel replaces it (drop one)")
+    """`--ray [--expert-parallel N]` (N = 1 when not given: each group one rank with every expert): the flags
+    checked (each misuse named), then the groups served (serve/ep_app.py), or their `serve deploy` file printed."""
+    ranks = 1 if args.expert_parallel is None else args.expert_parallel
     if args.quantize:
-        raise ValueError("--expert-parallel: quantize the checkpoint first (moeserve quantize CKPT --bits 8|4 --out "
-                         "DIR): the ranks load their experts' integers and scales as stored")
+        raise ValueError("--ray: quantize the checkpoint first (moeserve quantize CKPT --bits 8|4 --out DIR): the "
+                         "ranks load their experts' integers and scales as stored")
     if path.suffix == ".onnx" or args.backend not in ("auto", "torch") or not path.is_dir():
-        raise ValueError("--expert-parallel serves a checkpoint directory on torch, not an ONNX export")
-    if args.print_config:
-        raise ValueError("--print-config is not written for --expert-parallel yet (issue 38)")
+        raise ValueError("--ray serves a checkpoint directory on torch, not an ONNX export")
     if args.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {args.device!r} with --expert-parallel: expected auto, cpu or cuda (Ray gives "
-                         "each rank its own GPU)")
+        raise ValueError(f"--device {args.device!r} with --ray: expected auto, cpu or cuda (Ray gives each rank its "
+                         "own GPU)")
     if args.rebalance_every is not None and not args.redundant_experts:
         raise ValueError("--rebalance-every is --redundant-experts's: give it K copies to place")
-    options = ExpertParallelOptions(ranks=args.expert_parallel, groups=args.data_parallel_groups or 1,
-                                    gpus=args.device == "cuda", cpus_per_rank=args.cpus_per_rank,
-                                    placement=args.placement or "strict-pack",
-                                    redundant_experts=args.redundant_experts or 0,
-                                    rebalance_every=args.rebalance_every or 64)
+    given = {field: v for field, v in (("groups", args.data_parallel_groups), ("placement", args.placement),
+                                       ("redundant_experts", args.redundant_experts),
+                                       ("rebalance_every", args.rebalance_every)) if v is not None}
+    options = ExpertParallelOptions(ranks=ranks, cpus_per_rank=args.cpus_per_rank, **given)  # unset: its defaults
+    if options.redundant_experts and ranks == 1:
+        raise ValueError("--redundant-experts needs --expert-parallel N >= 2: one rank already holds every expert")
     try:
         from moeserve.serve import ep_app
     except ImportError as e:
         raise ValueError(f"--ray needs Ray Serve: pip install -e '.[ray]' ({e})") from None
     ep_app.check_checkpoint(path, options)  # before Ray starts
     dtype = "float32" if args.dtype == "auto" else args.dtype  # every rank the same: rows cross in it
-    return ep_app.run_ep(path, cfg, options, dtype=dtype, gpus_if_there=args.device == "auto",
-                         access_log=not args.no_access_log, log_level=args.log_level)
+    if args.print_config:
+        import yaml  # a dependency of ray
+
+        print(yaml.safe_dump(ep_app.deploy_config(path, cfg, options, dtype=dtype, device=args.device),
+                             sort_keys=False), end="")
+        return 0
+    return ep_app.run_ep(path, cfg, options, dtype=dtype, device=args.device, access_log=not args.no_access_log,
+                         log_level=args.log_level)
 
 
 def _serve_default(name: str) -> Any:
@@ -153,8 +130,8 @@ def _batch_default(name: str) -> Any:
     return field_default(BatchConfig, name)
 
 
-def _ray_default(name: str) -> Any:
-    return field_default(RayServeOptions, name)
+def _ep_default(name: str) -> Any:
+    return field_default(ExpertParallelOptions, name)
 
 
 def add_serve(sub) -> None:
@@ -206,8 +183,10 @@ def add_serve(sub) -> None:
                     help=f"413 past this (default: {_serve_default('max_body_bytes') / 2**20:g} MiB)")
     ray = sv.add_argument_group("Ray Serve (pip install -e '.[ray]')")
     ray.add_argument("--ray", action="store_true", help="serve as a Ray Serve application (the cluster at "
-                     "$RAY_ADDRESS, else a local Ray): with --expert-parallel N, groups of N ranks; else the older "
-                     "shard exchange (--expert-shards)")
+                     "$RAY_ADDRESS, else a local Ray): groups of --expert-parallel N rank actors behind one ingress "
+                     "(N = 1 when not given: each group one rank with every expert, a plain replica). The ranks "
+                     "of a group reach each other on torch.distributed's rendezvous port, which has no "
+                     "authentication: keep the cluster's network private (README, Ray)")
     ray.add_argument("--expert-parallel", type=int, metavar="N",
                      help="expert parallelism as vLLM and SGLang serve it: N rank actors in one Ray placement group "
                      "(a GPU each where the cluster has them, NCCL; else CPU bundles, gloo), each with the dense "
@@ -215,45 +194,28 @@ def add_serve(sub) -> None:
                      "exchanging routed tokens inside each MoE layer (torch.distributed all-to-all); N must divide "
                      "the experts. The ingress sends each request to the least loaded rank")
     ray.add_argument("--data-parallel-groups", type=int, metavar="R",
-                     help="with --expert-parallel: R independent groups of N ranks (replicas) (default: 1)")
+                     help="with --ray: R independent groups of N ranks (replicas), each request served by one "
+                     f"(default: {_ep_default('groups')})")
     ray.add_argument("--cpus-per-rank", type=float, metavar="N",
-                     help="with --expert-parallel on CPUs: each rank's CPU bundle (default: 1, or what the "
+                     help="with --ray on CPUs: each rank's CPU bundle (default: 1, or what the "
                      "ingress leaves, shared, where the cluster has fewer)")
     ray.add_argument("--redundant-experts", type=int, metavar="K",
-                     help="with --expert-parallel: room on each rank for K copies of other ranks' experts a MoE layer, "
+                     help="with --expert-parallel N >= 2: room on each rank for K copies of other ranks' experts a "
+                     "MoE layer, "
                      "the hottest placed from the live load every --rebalance-every steps, each expert's tokens "
-                     "split over its copies (default: 0, off)")
+                     f"split over its copies (default: {_ep_default('redundant_experts')}, off)")
     ray.add_argument("--rebalance-every", type=int, metavar="M",
-                     help="with --redundant-experts: steps with work between two placements (default: 64)")
+                     help="with --redundant-experts: steps with work between two placements (default: "
+                     f"{_ep_default('rebalance_every')})")
     ray.add_argument("--placement", choices=PLACEMENTS,
-                     help="with --expert-parallel: strict-pack keeps a group on one node; pack lets it span nodes "
-                     "where one node cannot hold it (default: strict-pack)")
-    ray.add_argument("--expert-shards", type=int, metavar="S",
-                     help="the older shard exchange: shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer, "
-                     f"called per MoE layer by one ingress that holds everything else (default: "
-                     f"{_ray_default('expert_shards')})")
-    ray.add_argument("--shard-replicas", type=int, metavar="R",
-                     help=f"replicas per shard, with --exchange handles (default: {_ray_default('shard_replicas')})")
-    ray.add_argument("--cpus-per-shard", type=float, metavar="N",
-                     help="CPUs per shard replica "
-                     "(default: 1, or what the ingress's CPU leaves, shared, where the cluster has fewer)")
-    ray.add_argument("--gpus-per-shard", type=float, metavar="N",
-                     help="GPUs per shard replica; fractional shares a GPU between shards (default: "
-                     f"{_ray_default('gpus_per_shard'):g}, CPU actors)")
-    ray.add_argument("--ingress-gpus", type=float, metavar="N",
-                     help="GPUs for the shard exchange's ingress (the dense layers and the step engine) (default: "
-                     f"{_ray_default('ingress_gpus'):g})")
-    ray.add_argument("--exchange", choices=EXCHANGES,
-                     help="how the ingress reaches the shards. sockets: they are Ray actors of the ingress, sent "
-                     "their rows over a TCP connection each (the fastest; idle shards cost nothing); compiled: the "
-                     "same actors behind one Ray Compiled Graph (each shard spins a core while it waits); actors: "
-                     "the same actors called as Ray tasks; handles: Serve deployments called through handles, with "
-                     f"replicas (default: {_ray_default('exchange')})")
-    ray.add_argument("--shard-timeout", type=float, metavar="S",
-                     help="an expert exchange unanswered this long fails its requests with 503: a shard whose "
-                     f"replicas are all gone until Serve replaces one (default: {_ray_default('shard_timeout_s'):g})")
+                     help="with --ray: strict-pack keeps a group on one node; pack lets it span nodes "
+                     f"where one node cannot hold it (default: {_ep_default('placement')})")
+    for dest, flag in RETIRED_FLAGS.items():  # named errors, not listed (RETIRED_FLAGS)
+        ray.add_argument(flag, dest=dest, metavar="X", help=argparse.SUPPRESS)
     ray.add_argument("--print-config", action="store_true",
-                     help="print a Ray Serve config file for `serve deploy` on a cluster, and exit")
+                     help="print a Ray Serve config file for `serve deploy` on a cluster (the same application: "
+                     "its ingress, and its groups' options, from which the ingress makes their placement groups), "
+                     "and exit")
     sv.add_argument("--body-timeout", type=float, default=_serve_default("body_timeout_s"), metavar="S",
                     help="408 when a request's body stalls this long (default: %(default)g)")
     sv.add_argument("--max-inputs", type=int, default=_serve_default("max_inputs"), metavar="N",

@@ -98,8 +98,8 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
     w1 and w3 come back as the two halves of one [E, 2F, D] tensor, the layout inference runs on
     (backends/experts.fuse_expert_weights takes it without a copy); every tensor is in `dtype` (None: as stored),
     converted while it is copied into its stack rather than after. experts=False: the experts are left out
-    (not stacked, not copied): the dense part of a model whose experts are served by shards
-    (`mixtral_expert_slice`)."""
+    (not stacked, not copied): the dense part of an expert-parallel rank, whose own experts come from
+    `mixtral_expert_slice`."""
     src: dict[str, tuple[str, torch.Tensor]] = {}
     for name in list(tensors):
         canon = _canonical(name)
@@ -166,7 +166,7 @@ def mixtral_expert_slice(read: Callable[[str], Any], names: Iterable[str], confi
     """Experts [start, stop) of every MoE layer of a Mixtral directory, as the Transformer's stacked
     `layers.{i}.ffn.experts.w1|w2|w3` [stop - start, out, in]; `read(name)` is a safetensors slice of a
     tensor in `names`. A fused layout is sliced on its expert axis; per-expert tensors outside the range
-    are never read. What an expert shard holds (serve/ray_app.py), so no process holds every expert."""
+    are never read. What an expert-parallel rank holds (runtime/ep_rank.py), so no rank holds every expert."""
     D, F = config.d_model, config.d_ff
     names = {_canonical(k): k for k in names}
 

@@ -1,4 +1,4 @@
-"""Joining Ray, for the parts of moeserve that run on it (scoring_ray.py, serve/ray_app.py): moeserve
+"""Joining Ray, for the parts of moeserve that run on it (scoring_ray.py, serve/ep_app.py): moeserve
 grows no cluster layer of its own."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def one_torch_thread():
 
 def wait_ready(url: str, timeout_s: float) -> float | None:
     """Seconds until a Ray Serve application's /readyz says 200 with every group it lists serving (an
-    expert-parallel app lists its groups; the shard app lists none), or None after timeout_s."""
+    expert-parallel app lists its groups), or None after timeout_s."""
     import time
 
     import httpx

@@ -109,7 +109,7 @@ def test_sharded_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("max_shard_bytes", [None, 300_000])  # one file, and experts over several
 def test_expert_slices_and_the_dense_rest(tmp_path: Path, max_shard_bytes) -> None:
-    """What a Ray expert shard and its ingress load: rows [start, stop) of each stacked expert tensor, in
+    """What an expert-parallel rank loads: rows [start, stop) of each stacked expert tensor, in
     the asked dtype; everything but the experts."""
     state = make_state()
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}

@@ -124,7 +124,7 @@ def test_serve_flags_default_to_the_config_dataclasses():
     """No flag restates a default: `moeserve serve` with none gives exactly ServeConfig(), and --help shows it."""
     from moeserve.cli import build_parser
     from moeserve.cli_serve import serve_config
-    from moeserve.serve.config import BatchConfig, RayServeOptions, ServeConfig
+    from moeserve.serve.config import BatchConfig, ExpertParallelOptions, ServeConfig
 
     assert serve_config(build_parser().parse_args(["serve"])) == ServeConfig()
     assert ServeConfig().batch == BatchConfig()
@@ -135,9 +135,9 @@ def test_serve_flags_default_to_the_config_dataclasses():
     assert f"port (default: {cfg.port})" in text
     assert f"(default: {cfg.kv_slots})" in text and f"(default: {cfg.batch.max_batch_tokens})" in text
     assert f"batch (default: {cfg.batch.wait_s * 1000:g})" in text and "(default: 1 MiB)" in text
-    # the shard flags parse to None when not given (so --expert-parallel can name one given beside it), and the
-    # options then take RayServeOptions' own defaults
-    args, ray = build_parser().parse_args(["serve"]), RayServeOptions()
-    assert (args.expert_shards, args.shard_replicas, args.cpus_per_shard, args.gpus_per_shard, args.ingress_gpus,
-            args.exchange, args.shard_timeout) == (None,) * 7
-    assert f"holds everything else (default: {ray.expert_shards})" in text
+    # the --ray flags parse to None when not given, so that the options take ExpertParallelOptions' own defaults
+    args, ep = build_parser().parse_args(["serve"]), ExpertParallelOptions()
+    assert (args.expert_parallel, args.data_parallel_groups, args.cpus_per_rank, args.placement, args.redundant_experts,
+            args.rebalance_every) == (None,) * 6
+    assert (ep.groups, ep.placement, ep.redundant_experts) == (1, "strict-pack", 0)
+    assert "(default: 1)" in text and "(default: strict-pack)" in text and "(N = 1 when not given" in text

@@ -20,7 +20,6 @@ from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 from moeserve.checkpoint import (  # noqa: E402
     CheckpointError, describe, is_expert_weight, load_checkpoint, load_expert_slice, verify_checkpoint,
 )
-from moeserve.runtime.backends.expert_shards import ExpertShard, ShardedExperts, contiguous_ranges  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
 from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
@@ -352,10 +351,10 @@ def test_engine_text_api_needs_a_tokenizer(tmp_path: Path) -> None:
     assert logits.shape == (1, 3, V)
 
 
-# ---- expert shards of a Mixtral directory (serve --ray --expert-shards) ------------------------------------
+# ---- expert slices of a Mixtral directory (serve --ray --expert-parallel N) ----------------------------------
 @pytest.mark.parametrize("layout", ["per-expert", "fused", "mlp", "sharded files"])
 def test_expert_slices_are_the_imported_stacks(tmp_path: Path, layout: str) -> None:
-    """A shard reads experts [start, stop) straight from the directory (safetensors slices, no other
+    """A rank reads experts [start, stop) straight from the directory (safetensors slices, no other
     expert read); they equal the whole import's stacks, and the dense part loads without any expert."""
     kwargs = {"fused": {"save_original_format": False}, "sharded files": {"max_shard_size": "100KB"}}.get(layout)
     hf_mixtral(tmp_path, kwargs)
@@ -375,19 +374,24 @@ def test_expert_slices_are_the_imported_stacks(tmp_path: Path, layout: str) -> N
         load_expert_slice(tmp_path, 2, 5)
 
 
-def test_a_mixtral_on_expert_shards_gives_transformers_logits(tmp_path: Path) -> None:
+def test_a_mixtral_on_an_expert_parallel_rank_gives_transformers_logits(tmp_path: Path) -> None:
+    """The directory loaded as a rank loads it (the dense part, and its experts as safetensors slices behind the
+    all-to-all: runtime/ep_rank.load_rank_engine), here the one rank of a gloo group of one, as `--ray` without
+    --expert-parallel serves it; two ranks of a Mixtral are tests/serve/test_ep_deploy.py's."""
+    from moeserve.bench.server_process import free_port
+    from moeserve.runtime.ep_rank import load_rank_engine
+    from moeserve.runtime.expert_parallel import ExpertParallelExperts, join_group
+
     hf = hf_mixtral(tmp_path)
-    parts = [load_expert_slice(tmp_path, r.start, r.stop)[1] for r in contiguous_ranges(4, 2)]
-
-    def experts(i: int) -> ShardedExperts:
-        w = [{n: p[f"layers.{i}.ffn.experts.{n}"] for n in ("w1", "w2", "w3")} for p in parts]
-        ranges = contiguous_ranges(4, 2)
-        return ShardedExperts(4, [ExpertShard(r, **ws).forward for r, ws in zip(ranges, w)], ranges)  # as remote
-
-    model, _ = load_model(tmp_path, experts_factory=experts)
-    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
+    group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, timeout_s=30)
+    try:
+        model = load_rank_engine(str(tmp_path), group).model
+        assert all(isinstance(layer.experts, ExpertParallelExperts) for layer in model.moe_layers)
+        ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
+    finally:
+        group.leave()
 
 
 def test_a_missing_expert_tensor_is_named_by_the_slice(tmp_path: Path) -> None:

@@ -148,20 +148,6 @@ def add_bench(sub, calibrate_help: str) -> None:
     _report_files(bo)
     bo.add_argument("--quiet", action="store_true", help="no progress lines")
     bo.set_defaults(func=_main("moeserve.bench.onnx"))
-    bs = bsub.add_parser("shards", help="one MoE layer's expert exchange with Ray shards vs in process",
-                         description="Deploy a layer's experts as Ray Serve shard deployments (and as plain Ray "
-                         "actors) and time one MoE layer's exchange (dispatch, one call per shard, combine) at "
-                         "each token count against the same layer in this process, with what it is made of: the "
-                         "slowest shard's compute and the conversion to arrays. Needs pip install -e '.[ray]'.")
-    bs.add_argument("--shards", type=int, default=2, metavar="S", help="expert shards (default: 2)")
-    bs.add_argument("--tokens", type=int, nargs="+", default=[1, 32], metavar="T",
-                    help="tokens routed through the layer per call (default: 1 32)")
-    bs.add_argument("--calls", type=int, default=200, metavar="N", help="timed calls per path (default: 200)")
-    bs.add_argument("--model", default="small", choices=sorted(PRESETS), help="the layer's sizes (default: small, "
-                    "the built-in model's)")
-    _report_files(bs)
-    bs.add_argument("--quiet", action="store_true", help="no progress lines")
-    bs.set_defaults(func=_main("moeserve.bench.shards"))
     bep = bsub.add_parser("ep", help="one MoE layer's expert-parallel all-to-all, per rank (gloo on this machine)",
                           description="Start N expert-parallel ranks (processes on gloo over 127.0.0.1), each with "
                           "1/N of one MoE layer's experts and tokens of its own, and time per rank and token count: "

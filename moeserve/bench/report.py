@@ -17,7 +17,7 @@ from moeserve.runtime.device import machine
 # bench name -> the module that renders its reports: markdown(report) and plot(report, path)
 MODULES = {"train": "moeserve.bench.train", "layer": "moeserve.bench.layer", "engine": "moeserve.bench.engine",
            "onnx": "moeserve.bench.onnx", "http": "moeserve.bench.http_report", "serve": "moeserve.bench.serve_report",
-           "shards": "moeserve.bench.shards", "ep": "moeserve.bench.ep", "gpu": "moeserve.bench.gpu",
+           "ep": "moeserve.bench.ep", "gpu": "moeserve.bench.gpu",
            "score": "moeserve.bench.score", "quant": "moeserve.bench.quant"}
 
 

@@ -68,7 +68,7 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
         if "bits" not in cfg.quantization:
             raise ExpertParallelError(f"{checkpoint}: {describe(cfg.quantization)} weights are quantized at load on "
                                       f"one GPU; expert parallelism serves int8 and int4 checkpoints")
-        spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts", cfg.d_model)  # never kept at int8/int6
+        spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts", cfg.d_model)
     if not cfg.moe_layer_ids:
         raise ExpertParallelError(f"{checkpoint} has no MoE layer: nothing to split across ranks")
     dev = resolve_device(device or group.device)

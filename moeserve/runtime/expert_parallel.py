@@ -20,10 +20,10 @@ layer calls it for its continuous path. A VQ layer with vq_input='code' is laid 
 (backends/eager.py, TableMoELayer): the table is built through this exchange once, when the backend lays the
 model out, which every rank does at load, so each rank holds the whole table and the discrete path makes no
 exchange at serving time. Paths that would call experts past this module are refused by name: the compiled
-decode step (a collective with host-side splits: compiled.model_uncompilable names it), the CPU kernel's
-whole-step decode (it needs the layer's experts as FusedExperts, which these are not: ep_rank.load_rank_engine
-checks). A quantized checkpoint's ranks load their slice's integers and scales as stored (QuantExpertShard), and
-the exchange moves activations only, so it is the same for every weight format.
+decode step on the variable exchange (compiled.model_uncompilable names it; on the fixed one it compiles), the CPU
+kernel's whole-step decode (it needs the layer's experts as FusedExperts, which these are not:
+ep_rank.load_rank_engine checks). A quantized checkpoint's ranks load their slice's integers and scales as stored
+(QuantExpertShard), and the exchange moves activations only, so it is the same for every weight format.
 
 With redundant experts (expert_replicas.py: off by default), a rank also holds copies of other ranks' hot experts
 in slots after its own, the same placement on every rank. Each sender splits an expert's rows over its copies and
@@ -32,11 +32,33 @@ sends them in the order of each rank's slots (its own experts, then its copies),
 is its owner's weights, so a row's result is the owner's: bit-identical where the expert computes each row alone
 (the C kernel), within float rounding where a GEMM's blocking depends on how many rows it gets (torch).
 
-On GPUs (NCCL) the exchange here still reads the counts back to the host to size the row buffers, which a CUDA
-graph cannot hold. A capturable step replaces the two variable all-to-alls by fixed-size ones: per batch bucket,
-buffers of [R, capacity, D] rows (capacity = the bucket's T*K, the most one rank can send another), padded, with
-the counts travelling in the same call, as vLLM's low-latency all-to-all does; `exchange` is the one place that
-changes.
+Two exchanges, the same result (within float rounding):
+
+  variable  (exchange; the default) the counts go first and come back to the host, which sizes the row buffers
+            and the splits: each rank moves exactly the rows it routed, and the experts compute exactly the rows
+            they got. A host sync per layer, and shapes that depend on the routing.
+  fixed     (use_fixed, exchange_fixed) each rank sends every rank a block of C = max_tokens * K rows, its rows
+            for that rank's experts (sorted by expert) then zeros, and the per-expert counts in a second
+            fixed-size call; the receiver reads each row's expert from the counts on the device, runs its experts
+            on all R * C rows with padding masked (experts.expert_rows) and returns R * C rows the same way. Every
+            all-to-all has equal splits and a size fixed at use_fixed, the functional collectives
+            (torch.distributed._functional_collectives) trace under torch.compile, and nothing reads the device
+            from the host: a compiled step holds it whole (fullgraph, gloo too), and a CUDA graph replays it. vLLM's
+            low-latency all-to-all (DeepEP) sizes its buffers the same way, by the most tokens a rank may send.
+
+Which one: fixed where the step is compiled or captured (a CUDA graph cannot hold a host sync or a buffer sized by
+one, so there is no choice), variable otherwise. Variable moves and computes only the routed rows; fixed moves
+R * C rows each way on every call, empty passes included, and its experts run on every padded row, which on a
+decode step of a few tokens is a few kilobytes and a few small GEMMs a layer, but on a prefill chunk is R times
+the rows and E_local times the FLOPs; and the fixed exchange's buffers are sized by the largest call, so a rank
+that prefills in chunks of 512 pays 512 * K rows per peer at every decode step. The switch is made once, on every
+rank with the same max_tokens (use_fixed_exchange), since the buffers' size is part of the collective: all calls
+then take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
+smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step all-reduce
+(ep_rank.py) could carry but does not yet. The fixed path has no redundant experts and no quantized shards (their
+row splits are made on the host), and counts calls only in its stats (rows would need the host); its experts
+compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that
+would not waste FLOPs on padding.
 """
 
 from __future__ import annotations
@@ -49,14 +71,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError, UserError
 from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard, contiguous_ranges
+from moeserve.runtime.backends.experts import expert_counts
 from moeserve.runtime.expert_replicas import as_bytes, copies_of, shard_like, shard_tensors, split_rows
-from moeserve.runtime.experts import Experts, combine, dispatch
+from moeserve.runtime.experts import Experts, combine, dispatch, expert_rows
 
-__all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "LockstepError", "join_group"]
+__all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "FixedBuffers", "LockstepError",
+           "join_group", "use_fixed_exchange"]
 
 # upper bounds (s) of the per-call all-to-all histogram (ExchangeStats.all_to_all_buckets; the served
 # moeserve_ep_all_to_all_seconds): 2 gloo ranks on 2 CPU cores take 1-3 ms a layer call (moeserve bench ep)
@@ -66,7 +91,8 @@ ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 class ExpertParallelError(UserError):
     """An expert-parallel group or rank asked for something it cannot be: a bad address, rank or world size, more
-    ranks than experts, or a feature that would call the experts past the exchange (compile)."""
+    ranks than experts, a feature that would call the experts past the exchange, or a call the fixed exchange cannot
+    size (more tokens than its buffers, a compiled step on the variable exchange)."""
 
 
 class LockstepError(MoeServeError, RuntimeError):
@@ -149,6 +175,16 @@ class ExchangeStats:
     rows_computed: int = 0  # by this rank's experts and replicas, its own rows included (its share of the load)
 
 
+@dataclass(frozen=True)
+class FixedBuffers:
+    """The constants of the fixed-size exchange (ExpertParallelExperts.use_fixed), on the exchange's device so that
+    nothing is copied from the host inside a captured step. C = max_tokens * K rows per (sender, receiver) pair."""
+
+    max_tokens: int  # the most tokens any rank passes the layer in one call, the same on every rank
+    owner_E2: Tensor  # [E + 2] the rank owning each expert; R (nowhere: the dropped rows' slot) for E and E + 1
+    send_RX: Tensor  # [R, X] the global ids of each rank's experts, padded with E + 1 (never counted) to X = max E_r
+
+
 class ExpertParallelExperts(nn.Module):
     """A layer's experts on one rank of an EP group: called as an `Experts` is (MoELayer.experts), it holds only
     this rank's contiguous slice (`local`, global ids group.experts_of(E)) and exchanges the routed rows with the
@@ -169,6 +205,7 @@ class ExpertParallelExperts(nn.Module):
         self.placement: list[list[int]] = [[] for _ in range(group.world_size)]
         self.replicas: ExpertShard | QuantExpertShard | None = None  # this rank's: placement[rank], stacked
         self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
+        self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
 
     @classmethod
     def of(cls, experts: Experts, group: EPGroup) -> "ExpertParallelExperts":
@@ -180,8 +217,83 @@ class ExpertParallelExperts(nn.Module):
         return self.local.prepare_inference()
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        if self.fixed is not None:
+            return self.exchange_fixed(x_TD, expert_ids_TK, gates_TK, keep_TK)
+        if torch.compiler.is_compiling():
+            raise ExpertParallelError("the variable all-to-all sizes its buffers on the host, which a compiled step "
+                                      "cannot trace: call use_fixed(max_tokens) on every rank first")
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
         return combine(d, self.exchange(d.x_ND, d.counts), x_TD)
+
+    def use_fixed(self, max_tokens: int) -> "ExpertParallelExperts":
+        """Exchange through fixed-size buffers from the next call on (exchange_fixed), for calls of at most
+        `max_tokens` tokens on any rank. Every rank of the group sets the same `max_tokens` before its next call:
+        the buffers' size is part of the collective. Plain (unquantized) local experts, no replicas: a quantized
+        shard's and the replicas' row splits are sized on the host."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ExpertParallelError(f"max_tokens = {max_tokens!r}: expected an integer >= 1 (the most tokens a "
+                                      f"rank passes one layer call)")
+        if not isinstance(self.local, ExpertShard):
+            raise ExpertParallelError(f"the fixed exchange computes plain weights; this rank's experts are a "
+                                      f"{type(self.local).__name__}: use the variable exchange")
+        if any(self.placement):
+            raise ExpertParallelError(f"the fixed exchange has no redundant experts; placement {self.placement}")
+        R, E, dev = self.group.world_size, self.n_experts, self.group.device
+        X = max(map(len, self.ranges))
+        owner = [r for r, rg in enumerate(self.ranges) for _ in rg] + [R, R]
+        send = [[*rg, *[E + 1] * (X - len(rg))] for rg in self.ranges]
+        self.fixed = FixedBuffers(max_tokens, torch.tensor(owner, dtype=torch.int64, device=dev),
+                                  torch.tensor(send, dtype=torch.int64, device=dev))
+        return self
+
+    def exchange_fixed(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor,
+                       keep_TK: Tensor | None = None) -> Tensor:
+        """The layer's output as forward's, through buffers whose size depends on nothing but `use_fixed`'s
+        max_tokens (module docstring): each rank sends each rank C = max_tokens * K rows, its rows for that
+        rank's experts first (sorted by expert), zeros after, and the per-expert counts beside them; the receiver
+        reads each row's expert from the counts (a searchsorted on the device) and returns C rows the same way.
+        No host sync and no shape that depends on the routing: a compiled step traces it and a CUDA graph holds
+        it. Dropped assignments (keep_TK False) are sorted last and sent nowhere."""
+        fx = self.fixed
+        T, K = expert_ids_TK.shape
+        if T > fx.max_tokens:
+            raise ExpertParallelError(f"{T} tokens in one call to a fixed exchange sized for {fx.max_tokens} "
+                                      f"(use_fixed's max_tokens, the same on every rank)")
+        R, E, D, C = self.group.world_size, self.n_experts, x_TD.shape[1], fx.max_tokens * K
+        g = self.group.group if self.group.group is not None else dist.group.WORLD
+        ids_N = expert_ids_TK.reshape(-1)
+        if keep_TK is not None:
+            ids_N = torch.where(keep_TK.reshape(-1), ids_N, E)  # a dropped row: expert E, owned by no rank
+        order_N = ids_N.argsort(stable=True)
+        ids_N = ids_N[order_N]  # rank r's rows are one block (contiguous ranges), in rank order, dropped ones last
+        counts_E2 = expert_counts(ids_N, E + 2)  # [E] counted, E dropped, E + 1 none: the padding of send_RX
+        dest_N = fx.owner_E2[ids_N]  # R for a dropped row
+        to_rank = torch.zeros(R + 1, dtype=torch.int32, device=ids_N.device).index_add_(0, fx.owner_E2, counts_E2)
+        first_R1 = to_rank.cumsum(0) - to_rank  # where each rank's block starts in the sorted rows
+        pos_N = torch.arange(ids_N.shape[0], device=ids_N.device) - first_R1[dest_N]
+        slot_N = torch.where(dest_N < R, dest_N * C + pos_N, R * C)  # row R * C: the dropped rows' scratch
+        tok_N = order_N // K
+        x_send = x_TD.new_zeros(R * C + 1, D).index_copy_(0, slot_N, x_TD[tok_N])[:R * C]
+        counts_in = funcol.all_to_all_single(counts_E2[fx.send_RX].reshape(-1), None, None, g)
+        x_in = funcol.all_to_all_single(x_send, None, None, g)
+        y_in = self._compute_fixed(x_in, counts_in.view(R, -1), C)
+        y_back = funcol.all_to_all_single(y_in, None, None, g)
+        y_N = torch.cat([y_back, y_back.new_zeros(1, D)])[slot_N]  # a dropped row reads the zero row
+        gates_N = gates_TK.reshape(-1)[order_N]
+        if not torch.compiler.is_compiling():  # row counts would need the host: the fixed path counts calls only
+            self.stats.calls += 1
+        return torch.zeros_like(x_TD).index_add_(0, tok_N, (y_N * gates_N[:, None].to(y_N.dtype)).to(x_TD.dtype))
+
+    def _compute_fixed(self, x_ND: Tensor, counts_RX: Tensor, C: int) -> Tensor:
+        """This rank's experts on the received [R * C] rows: block r holds counts_RX[r, e] rows of local expert e
+        in turn, then padding. Row j of a block belongs to the first expert whose running count exceeds j (past
+        the last: X, no expert), so padding comes out zero (experts.expert_rows)."""
+        R, X = counts_RX.shape
+        ends_RX = counts_RX.to(torch.int64).cumsum(1)
+        j_RC = torch.arange(C, device=x_ND.device).expand(R, C).contiguous()
+        local_N = torch.searchsorted(ends_RX, j_RC, right=True).reshape(-1)
+        shard = self.local
+        return expert_rows(x_ND, local_N, shard.w1, shard.w2, shard.w3)
 
     def exchange(self, x_ND: Tensor, counts: list[int]) -> Tensor:
         """The experts' outputs for rows sorted by expert (`counts` [E] of each), in the same order, whichever rank
@@ -268,6 +380,8 @@ class ExpertParallelExperts(nn.Module):
                                       f"ranks' experts (of {self.n_experts}, ranks' own {self.ranges})")
         if placement == self.placement:
             return 0
+        if self.fixed is not None:
+            raise ExpertParallelError(f"placement {placement}: the fixed exchange has no redundant experts")
         new = [[e for e in ids if e not in old] for ids, old in zip(placement, self.placement)]  # copies to send
         mine = self.ranges[me]
         out_splits = [sum(e in mine for e in ids) for ids in new]  # to each rank, its new copies of my experts
@@ -295,6 +409,17 @@ class ExpertParallelExperts(nn.Module):
             self._copies = [[(r, slot[r][e]) for r in ranks] for e, ranks in enumerate(copies_of(self.ranges,
                                                                                                   placement))]
         return sum(map(len, new))
+
+
+def use_fixed_exchange(model: nn.Module, max_tokens: int) -> int:
+    """Put every expert-parallel MoE layer of `model` on the fixed-size exchange (ExpertParallelExperts.use_fixed),
+    as a rank whose decode step is compiled or captured must (module docstring: which exchange, and why). Every rank
+    calls it with the same `max_tokens`, the most tokens any of its model calls passes a layer (prefill chunks and
+    empty passes included: from then on every call exchanges this way). How many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    for layer in layers:
+        layer.use_fixed(max_tokens)
+    return len(layers)
 
 
 def expert_major(recv_RE: Tensor) -> Tensor | None:

@@ -7,7 +7,7 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K experts p
 
 `moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every faster dispatch
 path is tested against. `moe_sorted` is the training path, in three steps that are also the seam for experts that
-live elsewhere (backends/expert_shards.py): `dispatch` (one gather of the tokens sorted by expert), `compute` (one
+live elsewhere (expert_parallel.py): `dispatch` (one gather of the tokens sorted by expert), `compute` (one
 contiguous block per expert), `combine` (one scatter back). Indexing a stacked [E, F, D] parameter once per expert
 would make autograd allocate a full-size zero gradient for each index (E^2 F D memory traffic); unbinding it once
 gives each expert a view whose gradients are stacked once.
@@ -69,7 +69,7 @@ def moe_reference(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD:
 class Dispatch:
     """A layer's routed assignments grouped by expert: expert e's rows are the e-th contiguous block of
     x_ND. The seam where experts can live elsewhere: `dispatch` here, the experts compute on their
-    blocks (locally, or a shard on only its own experts' blocks: expert_shards.py), `combine` here."""
+    blocks (locally, or a rank on only its own experts' blocks: expert_parallel.py), `combine` here."""
 
     x_ND: Tensor  # the routed rows, sorted by expert (N kept assignments)
     counts: list[int]  # [E] rows per expert, in expert order
@@ -115,6 +115,19 @@ def compute(d: Dispatch, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None =
     ys = [expert_forward(g, x_ND, w1s[e], w2s[e], w3s[e], observer)
           for e, (g, x_ND) in enumerate(zip(ids, d.blocks())) if x_ND.shape[0]]
     return torch.cat(ys) if ys else d.x_ND.new_zeros(0, w2_EDF.shape[1])
+
+
+def expert_rows(x_ND: Tensor, ids_N: Tensor, w1_EFD: Tensor, w2_EDF: Tensor, w3_EFD: Tensor | None = None) -> Tensor:
+    """Row n through expert ids_N[n] of the stack, zero where ids_N[n] is no expert (>= E: a padding row), in
+    fixed shapes and with no host sync, so a compiled or captured step can hold it (expert_parallel.py's fixed
+    exchange). Each expert runs on every row and keeps its own: E times the FLOPs of the rows, but each expert's
+    weights are read once, which is what a decode-sized buffer is bound by; a grouped GEMM over rows sorted by
+    expert is the drop-in where the wasted FLOPs matter."""
+    y_ND = x_ND.new_zeros(x_ND.shape[0], w2_EDF.shape[1])
+    for e in range(w1_EFD.shape[0]):  # E is the stack's: a constant of the graph
+        y_e = expert_hidden(x_ND, w1_EFD[e], None if w3_EFD is None else w3_EFD[e]) @ w2_EDF[e].T
+        y_ND = torch.where((ids_N == e)[:, None], y_e, y_ND)
+    return y_ND
 
 
 def moe_sorted(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EFD: Tensor, w2_EDF: Tensor,

@@ -50,8 +50,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                experts_factory: ExpertsFactory | None = None) -> tuple[Transformer, LoadedCheckpoint]:
     """(Transformer, LoadedCheckpoint) for a checkpoint directory: config, verified weights, model, in
     `dtype` (None: as stored) on `device`. With `experts_factory`, each MoE layer's experts are the
-    factory's (remote shards: serve/ray_app.py; an expert-parallel rank's slice: expert_parallel.py) and the
-    checkpoint's expert tensors are not read.
+    factory's (an expert-parallel rank's slice: runtime/ep_rank.py) and the checkpoint's expert tensors are
+    not read.
 
     The model takes the checkpoint's tensors as its weights: on a CPU, in the stored dtype, they are
     the memory-mapped file itself (checkpoint.load_checkpoint), so loading reads no byte it does not

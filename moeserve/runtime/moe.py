@@ -34,7 +34,7 @@ class MoEAux:
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, experts: nn.Module | None = None):
         """experts: called as `experts(x_TD, expert_ids_TK, gates_TK, keep_TK) -> y_TD` (default: this
-        layer's own stacked `Experts`; expert_shards.py for experts split across shards)."""
+        layer's own stacked `Experts`; expert_parallel.py for experts split across ranks)."""
         super().__init__()
         self.cfg = cfg
         self.n_experts = cfg.n_experts

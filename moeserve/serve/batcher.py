@@ -56,8 +56,8 @@ class DeadlineExceeded(MoeServeError):
 
 
 class Unavailable(MoeServeError):
-    """A part the model needs (an expert shard on Ray: serve/ray_app.py) is not answering; the request can
-    be retried once it is back."""
+    """A part the model needs (an expert-parallel group on Ray: serve/ep_router.py) is not answering; the
+    request can be retried once it is back."""
 
 
 @dataclass(eq=False)
@@ -289,7 +289,7 @@ class Batcher:
     def _step_failed(self, e: Exception) -> None:
         """A failed step leaves the cache in an unknown state: start afresh, and fail the requests that were in it.
         Run to completion, where several shared the batch, each that has given no token yet runs again alone, so
-        that one bad request does not fail the others (not where no request can run now: a shard unavailable)."""
+        that one bad request does not fail the others (not where no request can run now: the model unavailable)."""
         self.steps.reset()
         jobs, self._live = self._live, {}
         alone = self.scheduler.policy.mode == "batch" and len(jobs) > 1 and not isinstance(e, Unavailable)
@@ -397,7 +397,7 @@ class SliceWork:
         return done
 
     def _failed(self, e: Exception, budget: int) -> None:
-        """A failed call fails every job at once where no request can run now (a shard unavailable: 503 for each);
+        """A failed call fails every job at once where no request can run now (the model unavailable: 503 for each);
         else each job runs again alone, so that one bad request does not fail the others."""
         if len(self.jobs) == 1 or isinstance(e, Unavailable):
             for job in self.jobs:

@@ -81,62 +81,6 @@ class ServeConfig:
             raise UserError(f"batch wait = {b.wait_s!r}: expected a number of seconds >= 0")
 
 
-EXCHANGES = ("sockets", "compiled", "actors", "handles")
-
-
-@dataclass
-class RayServeOptions:
-    expert_shards: int = 2  # S: shard s holds experts [s*E/S, (s+1)*E/S) of every MoE layer
-    shard_replicas: int = 1  # R per shard: with R >= 2 a call goes to a live replica while one is replaced
-    cpus_per_shard: float | None = None  # None: 1, or the CPUs the ingress leaves divided among the replicas
-    gpus_per_shard: float = 0.0  # fractional: several shards share a GPU
-    ingress_cpus: float = 1.0
-    ingress_gpus: float = 0.0
-    shard_timeout_s: float = 10.0  # an exchange unanswered this long: 503 (a replica gone and not yet replaced)
-    # sockets: shard actors of the ingress, sent their rows over TCP; compiled: the same actors behind a Ray
-    # Compiled Graph; actors: the same actors called as Ray tasks; handles: Serve deployments (replicas)
-    exchange: str = "sockets"
-
-    def __post_init__(self) -> None:
-        for name in ("expert_shards", "shard_replicas"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UserError(f"{name} = {v!r}: expected an integer >= 1")
-        if self.exchange not in EXCHANGES:
-            raise UserError(f"exchange = {self.exchange!r}: expected one of {', '.join(EXCHANGES)}")
-        if self.exchange != "handles" and self.shard_replicas != 1:
-            raise UserError(f"--shard-replicas > 1 needs --exchange handles: with {self.exchange}, the shards are "
-                             "single actors of the ingress")
-        if not (isinstance(self.shard_timeout_s, (int, float)) and self.shard_timeout_s > 0):
-            raise UserError(f"shard_timeout_s = {self.shard_timeout_s!r}: expected a number > 0")
-        for name in ("cpus_per_shard", "gpus_per_shard", "ingress_cpus", "ingress_gpus"):
-            v = getattr(self, name)
-            if v is None and name == "cpus_per_shard":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise UserError(f"{name} = {v!r}: expected a number >= 0")
-
-    def fitted(self, cluster_cpus: float) -> "RayServeOptions":
-        """cpus_per_shard resolved for a cluster of `cluster_cpus`: 1 each where they fit beside the ingress,
-        else the rest shared (at least 0.1), so that `--ray` runs on a 2-core machine as it is."""
-        if self.cpus_per_shard is not None:
-            return self
-        replicas = self.expert_shards * self.shard_replicas
-        share = (cluster_cpus - self.ingress_cpus) / replicas
-        return replace(self, cpus_per_shard=1.0 if share >= 1 else max(0.1, math.floor(share * 10) / 10))
-
-    def check_fits(self, cpus: float, gpus: float) -> None:
-        """A UserError naming the flags, where Ray could never schedule the replicas (they would wait forever)."""
-        replicas = self.expert_shards * self.shard_replicas
-        need_cpus = self.ingress_cpus + replicas * (self.cpus_per_shard or 0)
-        need_gpus = self.ingress_gpus + replicas * self.gpus_per_shard
-        if need_cpus > cpus + 1e-9 or need_gpus > gpus + 1e-9:
-            raise UserError(f"the application needs {need_cpus:g} CPUs and {need_gpus:g} GPUs ({self.expert_shards} "
-                             f"shards x {self.shard_replicas} replicas at --cpus-per-shard {self.cpus_per_shard:g} "
-                             f"--gpus-per-shard {self.gpus_per_shard:g}, and the ingress); the cluster has {cpus:g} "
-                             f"CPUs and {gpus:g} GPUs")
-
-
 PLACEMENTS = ("strict-pack", "pack")
 
 

@@ -6,7 +6,8 @@ started again as a unit when one of its ranks fails.
            actor answers at once with its death; a failed step, an ended loop or a loop stalled with work raise);
            a healthy rank answers with its counters, kept in `book` for the per-rank metrics (ep_metrics.py)
     a failure (the watch's, or the router's: a rank that failed a request as a group) -> RankGroup.fail: the group
-           takes no more requests at once, and a thread of its own:
+           takes no more requests at once, one more of its restarts is counted (`book`: the
+           moeserve_ep_group_restarts_total metric), and a thread of its own:
       -> tear down: kill its actors and remove its placement group; the requests still on its ranks end there (their
          streams raise the actors' death: 503, or an error event mid-stream, in the router)
       -> wait the back-off (below), then a new group in the same place: a new placement group, a new rendezvous,
@@ -73,6 +74,7 @@ class GroupSupervisor:
         """Every group up (or the error that stopped one, every group torn down); the watch started."""
         groups = start_groups(self.checkpoint, self.options, self.rank_options)
         self.places = [_Place(g) for g in groups]
+        self.book.places(len(groups))
         for g in groups:
             g.on_fail = self.failed
         self._watch = threading.Thread(target=self._watching, name="moeserve-ep-watch", daemon=True)
@@ -87,7 +89,7 @@ class GroupSupervisor:
             if place.group is not group or self._stopped.is_set():
                 return  # an earlier group of this place, already replaced; or shutting down
             place.state, place.last_error, place.down_at = "restarting", group.error, time.monotonic()
-            self.book.forget(group.index)
+            self.book.restarted(group.index)  # moeserve_ep_group_restarts_total; its rank series gone until it serves
             stable = group.up_at is not None and place.down_at - group.up_at >= self.options.restart_stable_s
             place.streak = 0 if stable else place.streak + 1
         log.warning("expert-parallel group %d failed (%s): tearing it down and restarting it", group.index, group.error)

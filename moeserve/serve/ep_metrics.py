@@ -15,7 +15,10 @@ Series, labelled `group` and `rank` (the imbalance: `group`):
 - moeserve_ep_expert_imbalance{group}: the busiest rank's computed rows over the mean across the group's ranks,
   over the last probe window in which the group computed any (1: balanced, N: one rank does everything; kept
   through idle windows; absent before the first). Over any window, from the counter:
-  `max by (group) (rate(moeserve_ep_computed_rows_total[5m])) / avg by (group) (rate(...[5m]))`.
+  `max by (group) (rate(moeserve_ep_computed_rows_total[5m])) / avg by (group) (rate(...[5m]))`;
+- moeserve_ep_group_restarts_total{group}: times the supervisor tore the group down after a failure (a rank's
+  failed step, stalled loop or death) to start it again (ep_groups.py); 0 from the start, kept while the group is
+  down, so an alert on its increase sees a group that flaps.
 
 A restarted group's counters start again from 0 (a counter reset, which rate() handles); a group that is down
 has no series until it serves again. The snapshot is as old as the last probe (half a second by default).
@@ -53,6 +56,21 @@ class RankBook:
         self._lock = threading.Lock()
         self.ranks: dict[int, tuple[object, list[dict]]] = {}  # group index -> (its group's identity, per rank)
         self.imbalance: dict[int, float] = {}  # group index -> the last window's with rows
+        self.restarts: dict[int, int] = {}  # group index -> its teardowns for a restart (GroupSupervisor.failed)
+
+    def places(self, groups: int) -> None:
+        """The groups' places, each with no restart yet (their counters' series from the start)."""
+        with self._lock:
+            for g in range(groups):
+                self.restarts.setdefault(g, 0)
+
+    def restarted(self, group: int) -> None:
+        """The supervisor tears group `group` down to start it again: one more restart, and no rank series of it
+        until it serves again."""
+        with self._lock:
+            self.restarts[group] = self.restarts.get(group, 0) + 1
+            self.ranks.pop(group, None)
+            self.imbalance.pop(group, None)
 
     def update(self, group: int, counters: list[dict], identity: object = None) -> None:
         """Every rank's counters of group `group` from one probe. `identity` tells a restarted group (a new
@@ -69,15 +87,10 @@ class RankBook:
                 self.imbalance[group] = w
             self.ranks[group] = (identity, counters)
 
-    def forget(self, group: int) -> None:
-        """The group is down: no series of it until it serves again."""
+    def snapshot(self) -> tuple[dict[int, list[dict]], dict[int, float], dict[int, int]]:
         with self._lock:
-            self.ranks.pop(group, None)
-            self.imbalance.pop(group, None)
-
-    def snapshot(self) -> tuple[dict[int, list[dict]], dict[int, float]]:
-        with self._lock:
-            return {g: list(c) for g, (_, c) in sorted(self.ranks.items())}, dict(self.imbalance)
+            return ({g: list(c) for g, (_, c) in sorted(self.ranks.items())}, dict(self.imbalance),
+                    dict(sorted(self.restarts.items())))
 
 
 class RankCollector(Collector):
@@ -87,7 +100,7 @@ class RankCollector(Collector):
         self.book = book
 
     def collect(self) -> Iterable[Metric]:
-        ranks, imbalance = self.book.snapshot()
+        ranks, imbalance, restarts = self.book.snapshot()
         labels = ["group", "rank"]
         a2a = HistogramMetricFamily("moeserve_ep_all_to_all_seconds", "Per MoE layer call, the rank's time in the "
                                     "exchange's all-to-alls (counts, rows out, rows back; expert compute excluded)",
@@ -121,4 +134,9 @@ class RankCollector(Collector):
                                   labels=["group"])
         for g, value in sorted(imbalance.items()):
             gauge.add_metric([str(g)], value)
-        yield from (a2a, routed, computed, exchanged, queued, running, gauge)
+        restarted = CounterMetricFamily("moeserve_ep_group_restarts", "Times the group was torn down after a failure "
+                                        "(a rank's failed step, stalled loop or death) to be started again",
+                                        labels=["group"])
+        for g, n in restarts.items():
+            restarted.add_metric([str(g)], n)
+        yield from (a2a, routed, computed, exchanged, queued, running, gauge, restarted)

@@ -22,7 +22,6 @@ from moeserve.runtime.engine import ExpertLoad
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-EXCHANGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 # Per-expert series above this many (layers x experts) are off unless asked for: a model with
 # thousands of experts would otherwise swamp the scraper.
 MAX_AUTO_EXPERT_SERIES = 4096
@@ -117,31 +116,6 @@ class Metrics:
             return local
         return Tee(local, self.twins(kind.__name__.lower(), name, documentation, tuple(labels), kw.get("buckets")),
                    tuple(labels))
-
-    def watch_shards(self, n_shards: int) -> None:
-        """The exchange with remote expert shards (serve/ray_app.py), per shard."""
-        self.shard_exchange_seconds = self._make(
-            Histogram, "moeserve_shard_exchange_seconds", "Per MoE layer and forward pass that sends the shard rows, "
-            "from sending them to having its answer (from the ingress's own shard actors every answer is read at once)",
-            ["shard"], buckets=EXCHANGE_BUCKETS)
-        self.shard_compute_seconds = self._make(
-            Histogram, "moeserve_shard_compute_seconds", "The shard's own time computing its experts' rows, per "
-            "exchange (the rest of the exchange is transport)", ["shard"], buckets=EXCHANGE_BUCKETS)
-        self.shard_routed_tokens = self._make(
-            Counter, "moeserve_shard_routed_tokens", "Rows sent to each expert shard, the warm-up's included (a "
-            "token counts once per expert of the shard that it is routed to)", ["shard"])
-        # every shard's series exists from the start, at 0; looked up once (an exchange is per layer and step)
-        self._per_shard = [tuple(m.labels(str(s)) for m in (self.shard_exchange_seconds, self.shard_compute_seconds,
-                                                              self.shard_routed_tokens)) for s in range(n_shards)]
-
-    def observe_exchange(self, exchange_s: list[float], compute_s: list[float | None], rows: list[int]) -> None:
-        """Per shard; compute None: the shard was not asked (`--exchange sockets` skips a shard with no rows)."""
-        for (wall_h, busy_h, rows_c), wall, busy, n in zip(self._per_shard, exchange_s, compute_s, rows):
-            if busy is None:
-                continue
-            wall_h.observe(wall)
-            busy_h.observe(busy)
-            rows_c.inc(n)
 
     def watch_experts(self, load: Callable[[], ExpertLoad | None], layer_ids: list[int], n_experts: int,
                       per_expert: bool | None) -> None:

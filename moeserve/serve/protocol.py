@@ -32,7 +32,7 @@ STATUS: dict[str, int] = {
     "internal_error": 500,
     "not_ready": 503,  # the model is still loading or warming up
     "shutting_down": 503,
-    "unavailable": 503,  # a part of the model (an expert shard on Ray) is not answering; retry
+    "unavailable": 503,  # a part of the model (an expert-parallel group on Ray) is not answering; retry
     "deadline_exceeded": 504,
 }
 

@@ -3,7 +3,7 @@
 greedy and seeded; log-probabilities and scores within 1e-5) for the softmax, xmoe and vq (mixed and discrete)
 routers; each rank holds only its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
 exchange itself equals the reference loop, with zero rows on a rank, in one process and in two. Scores, sums of
-many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ray_serve.py)."""
+many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ep_serve.py)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_two_ranks_answer_as_one_process(ranks, reference, name):
                     assert (a is None and b is None) or abs(a - b.logprob) <= 1e-5, (name, key)
         want_scores = [s.logprob for s in engine.score_ids(ep_worker.SCORE_ROWS[rank])]
         assert len(got["scores"]) == len(want_scores)
-        for a, b in zip(got["scores"], want_scores):  # a sum over ~100 tokens: 1e-5 of its size, as test_ray_serve
+        for a, b in zip(got["scores"], want_scores):  # a sum over ~100 tokens: 1e-5 of its size, as test_ep_serve
             assert a == pytest.approx(b, abs=1e-5 * max(1.0, abs(b)))
         assert got["stopped"]
 

@@ -338,7 +338,7 @@ def test_quantize_refusals(float_ckpt, tmp_path):
         (["quantize", str(float_ckpt), "--bits", "4", "--int8-weights", "wk,output", "--int6-weights", "output",
           "--out", str(tmp_path / "x")], "output kept at both int8 and int6"),
         (["generate", str(float_ckpt), "--quantize", "int2"], "invalid choice: 'int2'"),
-        (["serve", str(float_ckpt), "--ray", "--quantize", "int8"], "the expert shards hold float weights"),
+        (["serve", str(float_ckpt), "--ray", "--quantize", "int8"], "--ray: quantize the checkpoint first"),
     ):
         p = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and message in p.stderr, (args, p.stderr)

@@ -22,7 +22,8 @@ from moeserve.runtime.quant import QuantExperts, QuantSpec, quantize
 from .test_cpu_kernel import _probe, requires_kernel, torch_threads
 
 BF16 = torch.bfloat16
-SPECS = {"int8": QuantSpec(8), "int4-g32": QuantSpec(4, 32), "int4-g64": QuantSpec(4, 64)}
+SPECS = {"int8": QuantSpec(8), "int4-g32": QuantSpec(4, 32), "int4-g64": QuantSpec(4, 64), "int6-g32": QuantSpec(6, 32),
+         "int6-g128": QuantSpec(6, 128)}
 ATTENTION = ("wq", "wk", "wv", "wo")
 
 
@@ -42,8 +43,9 @@ def assert_matches(y: torch.Tensor, want: torch.Tensor) -> None:
 def test_linear_q_equals_the_reference_of_its_arithmetic(fmt, n, dtype):
     spec = SPECS[fmt]
     g = torch.Generator().manual_seed(n)
-    qw, sc = quantize(torch.randn(67, 192, generator=g), spec)
-    x = torch.randn(n, 192, generator=g).to(dtype)
+    I = 384 if spec.bits == 6 else 192  # int6 packs 128 elements at a time; 192 gives int4 a partial last step
+    qw, sc = quantize(torch.randn(67, I, generator=g), spec)
+    x = torch.randn(n, I, generator=g).to(dtype)
     x[0, :32] = 0  # a block of zeros: d = 0
     for threads in (1, 2):
         with torch_threads(threads):
@@ -68,7 +70,7 @@ def test_the_reference_is_near_the_dequantized_weights_product(fmt):
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int6-g32"])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(fmt, dtype):
     spec = SPECS[fmt]
     g = torch.Generator().manual_seed(7)
@@ -108,6 +110,17 @@ for I, groups in ((32, (32,)), (96, (32, 96)), (128, (32, 64)), (224, (32,)), (2
         ys = [linear_q(x[:n], qw, sc, spec).double() for n in range(1, 10)]
         ok.append(all(torch.allclose(y, want[:len(y)], rtol=1e-5, atol=1e-6 * want.abs().max().item()) for y in ys))
         ok.append(all(torch.equal(y, ys[-1][:len(y)]) for y in ys))
+# int6: one and three chunks of 128 elements, groups of 32 to 128, 1 to 9 and 64 rows
+for I, groups in ((128, (32, 64, 128)), (384, (32, 128))):
+    for spec in (QuantSpec(6, G) for G in groups):
+        qw, sc = quantize(torch.randn(13, I, generator=g), spec)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(64, I, generator=g).to(dtype)
+            want = reference_linear_q(x, qw, sc, spec).double()
+            tol = (1e-5, 1e-6 * want.abs().max().item()) if dtype == torch.float32 else (2**-7, 1e-6)
+            ys = [linear_q(x[:n], qw, sc, spec).double() for n in (*range(1, 10), 64)]
+            ok.append(all(torch.allclose(y, want[:len(y)], rtol=tol[0], atol=tol[1]) for y in ys))
+            ok.append(all(torch.equal(y, ys[-1][:len(y)]) for y in ys))
 print(all(ok), len(ok))
 """
 
@@ -120,12 +133,12 @@ def test_both_sides_of_the_build(tmp_path):
     if "avx2" not in cpu_flags():
         pytest.skip("the vector paths need AVX2")
     native = _probe({"MOESERVE_CACHE": str(tmp_path / "native")}, BOTH_SIDES)
-    assert native == "None\nTrue 62"
+    assert native == "None\nTrue 82"
     if "avx512f" in cpu_flags():
         avx2 = _probe({"MOESERVE_CACHE": str(tmp_path / "avx2"), cpu_kernel.CFLAGS_ENV: "-mno-avx512f"}, BOTH_SIDES)
-        assert avx2 == "None\nTrue 62"
+        assert avx2 == "None\nTrue 82"
     plain = _probe({"MOESERVE_CACHE": str(tmp_path / "plain"), cpu_kernel.CFLAGS_ENV: "-mno-avx2"}, BOTH_SIDES)
-    assert plain == "None\nTrue 62"  # the plain-C lanes (no AVX2) of the same arithmetic
+    assert plain == "None\nTrue 82"  # the plain-C lanes (no AVX2) of the same arithmetic
 
 
 def _experts(E: int, D: int, F: int, act: str, spec: QuantSpec, g: torch.Generator) -> QuantExperts:
@@ -211,7 +224,7 @@ def test_refusals_are_named():
 # ---- the whole decode step on quantized weights ---------------------------------------------------------------------
 def _step_model(spec: QuantSpec, dtype: torch.dtype, quant_head: bool, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    nL, D, H, G, Dh, E, K, F_, V, P = 2, 64, 4, 2, 16, 4, 2, 96, 50, 16
+    nL, D, H, G, Dh, E, K, F_, V, P = 2, 128, 4, 2, 32, 4, 2, 96, 50, 16  # D 128: a head int6 can pack
     mk = lambda *shape, scale=None: (torch.randn(*shape, generator=g) * (scale or shape[-1] ** -0.5))  # noqa: E731
     layers = []
     for _ in range(nL):
@@ -219,12 +232,12 @@ def _step_model(spec: QuantSpec, dtype: torch.dtype, quant_head: bool, seed: int
               "gate": mk(E, D).to(dtype)}
         for name, shape in (("wq", (H * Dh, D)), ("wk", (G * Dh, D)), ("wv", (G * Dh, D)), ("wo", (D, H * Dh)),
                             ("w1", (E, F_, D)), ("w3", (E, F_, D)), ("w2", (E, D, F_))):
-            ly[name] = quantize(mk(*shape), spec.for_weight(name if name in ATTENTION else "experts"))
+            ly[name] = quantize(mk(*shape), spec.for_weight(name if name in ATTENTION else "experts", shape[-1]))
         layers.append(ly)
     head = mk(V, D)
     return dict(nL=nL, D=D, H=H, G=G, Dh=Dh, E=E, K=K, F=F_, V=V, P=P, spec=spec, dtype=dtype, layers=layers,
                 norm=(1 + mk(D, scale=0.1)).to(dtype),
-                head=quantize(head, spec.for_weight("output")) if quant_head else head.to(dtype),
+                head=quantize(head, spec.for_weight("output", D)) if quant_head else head.to(dtype),
                 emb=mk(V, D, scale=1.0).to(dtype), cos=mk(P, Dh, scale=1.0).to(dtype), sin=mk(P, Dh, scale=1.0).to(dtype))
 
 
@@ -234,14 +247,14 @@ def _kernel_step(m: dict):
     parts = []
     for ly in m["layers"]:
         att = DecodeAttention(((ly["n1"], 1e-5), (ly["n2"], 1e-6)), tuple(ly[n][0] for n in ATTENTION), m["H"],
-                              m["G"], tuple(m["spec"].for_weight(n) for n in ATTENTION),
+                              m["G"], tuple(m["spec"].for_weight(n, m["D"]) for n in ATTENTION),
                               tuple(ly[n][1] for n in ATTENTION))
         parts.append((att, KernelRouter(ly["gate"], m["K"], "softmax"),
-                      KernelQuantExperts(m["spec"].for_weight("experts"), ly["w1"], ly["w2"], ly["w3"])))
+                      KernelQuantExperts(m["spec"].for_weight("experts", m["D"]), ly["w1"], ly["w2"], ly["w3"])))
     quant_head = isinstance(m["head"], tuple)
     head = m["head"][0] if quant_head else m["head"]
     return KernelDecodeStep(parts, (m["norm"], 1e-5), head, m["emb"], (m["cos"], m["sin"]),
-                            head_quant=(m["head"][1], m["spec"].for_weight("output")) if quant_head else None)
+                            head_quant=(m["head"][1], m["spec"].for_weight("output", m["D"])) if quant_head else None)
 
 
 def _reference_step(m: dict, tokens, slots, pos, kc: list, vc: list):
@@ -259,21 +272,21 @@ def _reference_step(m: dict, tokens, slots, pos, kc: list, vc: list):
     all_ids = []
     for ly, k, v in zip(m["layers"], kc, vc):
         xn = rms(x, ly["n1"], 1e-5)
-        q, kn, vn = (reference_linear_q(xn, *ly[n], spec.for_weight(n)) for n in ("wq", "wk", "wv"))
+        q, kn, vn = (reference_linear_q(xn, *ly[n], spec.for_weight(n, m["D"])) for n in ("wq", "wk", "wv"))
         q = apply_rope(q.view(B, m["H"], m["Dh"]), cs, sn)
         kn = apply_rope(kn.view(B, m["G"], m["Dh"]), cs, sn)
         k[slots, :, pos], v[slots, :, pos] = kn, vn.view(B, m["G"], m["Dh"])
         att = attention_reference(q, k, v, slots, torch.zeros_like(pos), pos + 1, m["Dh"] ** -0.5).to(dt)
-        h = x + reference_linear_q(att.reshape(B, -1), *ly["wo"], spec.for_weight("wo"))
+        h = x + reference_linear_q(att.reshape(B, -1), *ly["wo"], spec.for_weight("wo", m["H"] * m["Dh"]))
         hn = rms(h, ly["n2"], 1e-6)
         probs = (hn.float() @ ly["gate"].float().T).softmax(-1)
         gates, ids = probs.topk(m["K"], dim=-1)
         all_ids.append(ids)
         x = h + reference_moe_q(hn, ids, gates.to(dt), {n: ly[n] for n in ("w1", "w2", "w3")},
-                                spec.for_weight("experts"))
+                                spec.for_weight("experts", m["D"]))
     xn = rms(x, m["norm"], 1e-5)
     head = m["head"]
-    logits = reference_linear_q(xn, *head, spec.for_weight("output")) if isinstance(head, tuple) else \
+    logits = reference_linear_q(xn, *head, spec.for_weight("output", m["D"])) if isinstance(head, tuple) else \
         (xn.float() @ head.float().T).to(dt)
     return logits, torch.stack(all_ids)
 
@@ -281,14 +294,15 @@ def _reference_step(m: dict, tokens, slots, pos, kc: list, vc: list):
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("B", [1, 3])
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-recipe"])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-recipe", "int4-head-int8"])
 def test_a_decode_step_on_quantized_weights_equals_its_torch_composition(fmt, B, dtype):
     """Logits, expert choices and the caches written, against the step composed in torch from the same quantized
-    weights (quantized head too for int8; a float head beside int4 layers; int4 with wk, wv and the head kept at int8,
-    the formats mixed within a layer). Within float32 rounding but for an activation rounded to the neighbouring
+    weights (quantized head too for int8; a float head beside int4 layers; int4's recipe, wk and wv at int8 and the
+    head at int6, the formats mixed within a layer; and with the head at int8). Within float32 rounding but for an activation rounded to the neighbouring
     int8 step (see test_quantized_experts_equal_the_reference); in bf16 within a few bf16 roundings carried
     through two layers."""
-    spec = QuantSpec(4, 32, ("wk", "wv", "output")) if fmt == "int4-recipe" else SPECS[fmt]
+    spec = {"int4-recipe": QuantSpec.parse("int4"), "int4-head-int8": QuantSpec(4, 32, ("wk", "wv", "output"))}.get(
+        fmt) or SPECS[fmt]
     m = _step_model(spec, dtype, quant_head=fmt != "int4-g32", seed=B)
     step = _kernel_step(m)
     S = 4

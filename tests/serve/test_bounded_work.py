@@ -132,8 +132,9 @@ def test_a_score_request_past_its_deadline_stops_at_the_next_slice(tiny_ckpt):
 
 
 class ShardGone(Engine):
-    """A model whose expert shard has stopped answering (`gone`, set once the server is up; serve/ray_app.py
-    raises Unavailable then)."""
+    """A model a part of which has stopped answering (`gone`, set once the server is up): it raises Unavailable, the
+    runners' "no request can run now" (runner.py; the expert-parallel router raises it for a failed group, and the
+    retired shard exchange raised it for a shard)."""
 
     gone = False
 

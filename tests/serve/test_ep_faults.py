@@ -6,6 +6,7 @@ a rank actor killed with ray.kill under load.
   group is torn down, started again, and serves again.
 - R = 1: 503 within 2 s of being sent while the group is down (measured and asserted); serving again within 60 s
   of the kill, with the same tokens as before.
+- Either way, the ingress's /metrics counts the killed group's teardown once (moeserve_ep_group_restarts_total).
 
 The measured times are printed (pytest -s) and recorded in docs/bench/log.md."""
 
@@ -83,6 +84,14 @@ def kill_rank(group: int, rank: int) -> str:
     return names[0]
 
 
+def restarts_metric(url: str) -> dict[str, float]:
+    """moeserve_ep_group_restarts_total per group, from the ingress's /metrics."""
+    from .test_server import parse
+
+    got = parse(httpx.get(f"{url}/metrics", timeout=10).text)
+    return {dict(k[1:])["group"]: v for k, v in got.items() if k[0] == "moeserve_ep_group_restarts_total"}
+
+
 class Stream:
     """One streaming request as its client sees it: when it was sent, its first token, its end, and how it ended."""
 
@@ -158,6 +167,7 @@ def test_a_rank_killed_under_load_with_two_groups(url, ckpt):
     groups = ingress().groups.remote().result()
     assert [(g["state"], g["restarts"]) for g in groups] == [("serving", 1 if g["group"] == busy else 0)
                                                               for g in groups], groups
+    assert restarts_metric(url) == {str(g): 1 if g == busy else 0 for g in (0, 1)}  # the killed group's, once
     # the restarted group serves: its ranks have served requests
     info = ingress().ranks.remote().result()
     assert sum(r["served"]["sequences"] for r in info if r["group"] == busy) > 0, info
@@ -197,3 +207,4 @@ def test_one_group_answers_503_at_once_until_it_is_back(url, ckpt):
     assert back_s < 60
     assert r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
     assert [g["restarts"] for g in ingress().groups.remote().result()] == [1]
+    assert restarts_metric(url) == {"0": 1}

@@ -80,6 +80,7 @@ def test_a_group_that_fails_is_torn_down_and_replaced(monkeypatch):
                              "last_restart_s": pytest.approx(0, abs=1)}]
     first.fail("again")  # a replaced group's failure is nobody's business
     assert sup.groups[0] is new and len(StubGroup.made) == 2
+    assert sup.book.snapshot()[2] == {0: 1}  # moeserve_ep_group_restarts_total: one teardown, counted once
     sup.check()
 
 

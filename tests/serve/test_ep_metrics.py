@@ -51,9 +51,9 @@ def test_the_book_keeps_the_last_window_with_rows_and_starts_a_restarted_group_a
     assert book.snapshot()[1] == {0: 1.0, 1: 2.0}
     book.update(0, [counters(60), counters(50)], identity="g0-restarted")
     assert book.snapshot()[1] == {0: 2.0, 1: 2.0}
-    book.forget(1)
-    ranks, imbalance = book.snapshot()
-    assert list(ranks) == [0] and imbalance == {0: 2.0}
+    book.restarted(1)  # torn down to start again: no series of it until it serves, one restart more
+    ranks, imbalance, restarts = book.snapshot()
+    assert list(ranks) == [0] and imbalance == {0: 2.0} and restarts == {1: 1}
 
 
 def scrape(book: RankBook) -> dict[tuple, float]:
@@ -83,6 +83,14 @@ def test_the_series_carry_group_and_rank_labels():
     assert got[("moeserve_ep_all_to_all_seconds_bucket", *r0[:1], ("le", "+Inf"), *r0[1:])] == 4
     assert got[("moeserve_ep_all_to_all_seconds_count", *r0)] == 4
     assert got[("moeserve_ep_all_to_all_seconds_sum", *r1)] == pytest.approx(0.003)
+    assert not any(k[0] == "moeserve_ep_group_restarts_total" for k in got)  # no place known yet
+    book.places(2)  # each place's restart counter from the start, at 0
+    book.update(1, [counters(3), counters(2)], identity="g1")
+    assert [scrape(book)[("moeserve_ep_group_restarts_total", ("group", g))] for g in "01"] == [0, 0]
+    book.restarted(1)
+    got = scrape(book)
+    assert [got[("moeserve_ep_group_restarts_total", ("group", g))] for g in "01"] == [0, 1]
+    assert not [k for k in got if ("group", "1") in k and k[0] != "moeserve_ep_group_restarts_total"]  # until it serves
     assert scrape(RankBook()) == {}  # no group yet: no series
 
 

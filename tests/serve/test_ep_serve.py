@@ -1,8 +1,10 @@
 """`moeserve serve --ray --expert-parallel N` (serve/ep_app.py, ep_ranks.py, ep_router.py) on a real local Ray: two
 rank actors in a placement group, gloo on CPU, behind the same FastAPI app as one process. Over HTTP with the openai
 client, concurrent requests land on both ranks and answer as the single-process engine does (fp32: greedy and seeded
-tokens identical, log-probabilities and scores within 1e-5, streamed text the same); each rank holds only its
-experts; bad input gets the single-process server's answers; bad flags are named errors with exit status 2."""
+tokens identical, log-probabilities and scores within 1e-5, streamed text the same), for the softmax, xmoe and VQ
+(mixed and discrete) routers; with N = 4, one rank busy for seconds beside idle ones neither hangs nor stalls; each
+rank holds only its experts; bad input gets the single-process server's answers; bad flags are named errors with exit
+status 2. The softmax tests share the module's application; the later ones each deploy their own on the same Ray."""
 
 from __future__ import annotations
 
@@ -76,6 +78,18 @@ def url(ckpt, tiny_chat_template):
 
 def ranks() -> list[dict]:
     return serve.get_deployment_handle("ingress", app_name="moeserve").ranks.remote().result()
+
+
+def ray_export() -> dict[tuple, float]:
+    """What Prometheus scrapes from this Ray: every node's metrics agent (its MetricsExportPort)."""
+    from .test_server import parse
+
+    out = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            out.update(parse(httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                       timeout=10).text))
+    return out
 
 
 def test_concurrent_requests_on_both_ranks_answer_as_one_process(url, ref):
@@ -193,8 +207,7 @@ def test_metrics_per_rank_and_group(url):
     assert set(rank_series(got, "moeserve_ep_exchanged_rows_total")) == {"0", "1"}
     assert got[("moeserve_ep_expert_imbalance", ("group", "0"))] >= 1
 
-    from .test_ray_serve import ray_export  # and the same values in Ray's metrics export, once Ray has them
-
+    # and the same values in Ray's metrics export, once Ray has them
     def exported(samples: dict, name: str) -> dict[str, float]:
         return {dict(k[1:])["rank"]: v for k, v in samples.items()
                 if k[0] == name and dict(k[1:]).get("group") == "0" and dict(k[1:]).get("application") == "moeserve"}
@@ -222,8 +235,8 @@ def test_bad_input_gets_the_same_answers(ep_server, case):
 
 def test_an_int8_checkpoint_over_two_groups(url, tmp_path):
     """A quantized checkpoint's ranks load their experts' integers and scales (QuantExpertShard); with R = 2 groups,
-    requests go to both groups, and the answers are the single-process engine's of the same checkpoint. (Last of
-    the Ray tests: it replaces the module's application.)"""
+    requests go to both groups, and the answers are the single-process engine's of the same checkpoint. (It
+    replaces the module's application: the tests after it deploy their own.)"""
     from moeserve.runtime.quant import QuantSpec, quantize_model_
 
     torch.manual_seed(0)
@@ -246,19 +259,154 @@ def test_an_int8_checkpoint_over_two_groups(url, tmp_path):
     assert [r["parameters"] for r in info] == [whole - experts // 2] * 4
 
 
+def served_in_parallel(url: str, ref: Engine, ranks_before: list[dict], prompts: list[str] = PROMPTS) -> None:
+    """Greedy completions with log-probabilities, seeded ones and scores, all sent at once with the openai client
+    (and /v1/score), answer as `ref` (fp32: tokens identical, log-probabilities and scores within 1e-5); every rank
+    served some of them, so concurrent requests landed on different ranks at once."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def greedy(prompt: str):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+
+    def seeded(prompt: str):
+        return client.completions.create(model="tiny", prompt=prompt, **SEEDED)
+
+    def scored(text: str):
+        return httpx.post(f"{url}/v1/score", json={"model": "tiny", "input": [text]}, timeout=120).json()["data"][0]
+
+    with ThreadPoolExecutor(8) as pool:
+        greedy_f = [pool.submit(greedy, p) for p in prompts]
+        seeded_f = [pool.submit(seeded, p) for p in prompts[:3]]
+        score_f = [pool.submit(scored, t) for t in TEXTS]
+        got_greedy, got_seeded, got_scores = ([f.result() for f in fs] for fs in (greedy_f, seeded_f, score_f))
+
+    want = ref.complete(prompts, [SamplingParams(max_new_tokens=10, logprobs=2)] * len(prompts))
+    for got, w in zip(got_greedy, want):
+        assert got.choices[0].text == w.text
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-5)
+    want = ref.complete(prompts[:3], [SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=7)] * 3)
+    assert [g.choices[0].text for g in got_seeded] == [w.text for w in want]
+    for got, w in zip(got_scores, ref.score(TEXTS)):
+        assert got["logprob"] == pytest.approx(w.logprob, abs=1e-5 * max(1.0, abs(w.logprob)))
+        assert (got["n_tokens"], got["windows"]) == (w.n_tokens, w.windows)
+    served = [r["served"]["sequences"] + r["served"]["score_rows"] - b["served"]["sequences"]
+              - b["served"]["score_rows"] for r, b in zip(ranks(), ranks_before)]
+    assert sum(served) == len(prompts) + 3 + len(TEXTS) and min(served) > 0, served
+
+
+def a2a_calls(url: str) -> dict[str, tuple[float, float]]:
+    """Per rank of group 0, from /metrics: (all-to-all calls, rows computed by its experts), once the ranks are idle
+    and two reads a second apart (two probes: the second is after whatever was answered before the call) agree."""
+    from .test_server import parse
+
+    deadline, last = time.monotonic() + 30, None
+    while True:
+        got = parse(httpx.get(f"{url}/metrics", timeout=10).text)
+        series = {name: {dict(k[1:])["rank"]: v for k, v in got.items() if k[0] == name}
+                  for name in ("moeserve_ep_all_to_all_seconds_count", "moeserve_ep_computed_rows_total",
+                               "moeserve_ep_running_sequences", "moeserve_ep_queue_depth")}
+        now = {r: (n, series["moeserve_ep_computed_rows_total"][r])
+               for r, n in series["moeserve_ep_all_to_all_seconds_count"].items()}
+        idle = not any(series["moeserve_ep_running_sequences"].values()) and \
+            not any(series["moeserve_ep_queue_depth"].values())
+        if now and idle and now == last:
+            return now
+        assert time.monotonic() < deadline, series
+        last = now
+        time.sleep(1.0)  # two probes (probe_every_s 0.5)
+
+
+ROUTERS = {"xmoe": dict(router="xmoe"), "vq-mixed": dict(router="vq", vq_mode="mixed"),
+           "vq-discrete": dict(router="vq", vq_mode="discrete")}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_every_router_answers_as_one_process(url, tmp_path, name):
+    """The softmax model's parity (above) for the other routers, each its own application on the module's Ray:
+    xmoe, and VQ (paper 002) in its mixed form (eq. 4: the continuous path through the exchange beside the code
+    table) and its discrete form (eq. 5), whose MoE layers are code tables: built through the exchange while each
+    rank loads (one all-to-all per layer, every rank computing every code through all the experts), then served with no
+    exchange at all: the calls stay at one per layer whatever is served, and the answers are the engine's, whose
+    table is computed with every expert in one process. (Replaces the module's application.)"""
+    from ..runtime.test_expert_parallel import checkpoint as router_checkpoint
+
+    ckpt = router_checkpoint(tmp_path, name, **ROUTERS[name])
+    serve.delete("moeserve")
+    deploy(url, ckpt, ServeConfig(model_name="tiny", kv_slots=4))
+    ref = Engine.load(ckpt, dtype="float32", device="cpu")
+    before, calls_before = ranks(), a2a_calls(url)
+    served_in_parallel(url, ref, before)
+    calls = a2a_calls(url)
+    n_layers = len(ref.model.cfg.moe_layer_ids)
+    if name == "vq-discrete":
+        # the table: one exchange per layer at load, in which each rank's experts computed every rank's E codes
+        assert calls == calls_before == {r: (n_layers, n_layers * ref.model.cfg.n_experts) for r in "01"}, calls
+    else:  # every forward pass exchanges, and every rank takes part in each (its own passes or empty ones)
+        assert calls["0"][0] == calls["1"][0] > calls_before["0"][0], (calls_before, calls)
+        assert all(calls[r][1] > calls_before[r][1] for r in "01"), (calls_before, calls)
+
+
+LONG = dict(max_tokens=440, temperature=0, extra_body={"ignore_eos": True})  # a context of 512: seconds on one rank
+IDLE_S = 2.0  # the other ranks' idle spell beside it (440 steps of 4 ranks take longer even on a fast machine)
+STALL_S = 3.0  # the probe's stall limit (ExpertParallelOptions.stall_s): far past a step, short of the generation
+
+
+def test_four_ranks_and_one_busy_beside_idle_ones(url, tmp_path):
+    """N = 4, one expert a rank, and the lockstep (runtime/ep_rank.py): one long generation, sent alone, keeps one
+    rank busy for seconds while the other three have nothing of their own; they keep stepping with it (empty passes
+    in the same collectives), none is taken for stalled by the supervisor's probe (a stall limit shorter than the
+    generation) and no group restarts. Then requests land on every rank at once beside the long one, and every answer,
+    the long one's included, is the single-process engine's. (Replaces the module's application.)"""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", router="softmax", max_seq_len=512))
+    ckpt = save_checkpoint(tmp_path / "long", model.cfg, model.state_dict())
+    serve.delete("moeserve")
+    t0 = time.monotonic()
+    deploy(url, ckpt, ServeConfig(model_name="tiny", kv_slots=4, request_timeout_s=120), ranks=4, cpus_per_rank=0.4,
+           stall_s=STALL_S, probe_every_s=0.25)
+    up_s = time.monotonic() - t0
+    ref = Engine.load(ckpt, dtype="float32", device="cpu")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    with ThreadPoolExecutor(1) as pool:
+        sent = time.monotonic()
+        long = pool.submit(lambda: client.completions.create(model="tiny", prompt="def f(x):", **LONG))
+        deadline = time.monotonic() + 30
+        while not any(r["running"] for r in ranks()):
+            assert time.monotonic() < deadline and not long.done(), long.done() and long.result()
+            time.sleep(0.05)
+        info = ranks()
+        busy = next(r["rank"] for r in info if r["running"])
+        time.sleep(IDLE_S)
+        idle = ranks()
+        assert idle[busy]["running"] == 1 and not long.done(), "the long generation ended before the idle spell did"
+        for before, after in zip(info, idle):  # every rank stepped through the spell, the idle ones on empty passes
+            assert after["iterations"] > before["iterations"], (before, after)
+            if after["rank"] != busy:
+                assert after["served"] == before["served"] and after["empty_passes"] > before["empty_passes"]
+        served_in_parallel(url, ref, idle)  # sent while the long one runs (above)
+        got = long.result()
+    took = time.monotonic() - sent
+    print(f"\nN=4: up in {up_s:.1f} s; {LONG['max_tokens']} tokens on rank {busy} in {took:.1f} s")
+    want = ref.complete(["def f(x):"], SamplingParams(max_new_tokens=LONG["max_tokens"], ignore_eos=True))[0]
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == LONG["max_tokens"]
+    assert [(g["state"], g["restarts"]) for g in serve.get_deployment_handle("ingress", app_name="moeserve")
+            .groups.remote().result()] == [("serving", 0)]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--expert-parallel", "3"], "--expert-parallel 3: the model's 4 experts do not split evenly over 3 ranks; use "
                                  "a divisor of 4 (1, 2, 4)"),
     (["--expert-parallel", "0"], "--expert-parallel 0: expected an integer >= 1"),
-    (["--expert-parallel", "2", "--expert-shards", "2"], "--expert-shards is the shard exchange's; --expert-parallel "
-                                                         "replaces it"),
-    (["--expert-parallel", "2", "--exchange", "handles"], "--exchange is the shard exchange's"),
-    (["--data-parallel-groups", "2"], "--data-parallel-groups needs --expert-parallel"),
-    (["--expert-parallel", "2", "--quantize", "int8"], "--expert-parallel: quantize the checkpoint first"),
-    (["--expert-parallel", "2", "--print-config"], "--print-config is not written for --expert-parallel yet"),
+    (["--expert-parallel", "2", "--expert-shards", "2"], "--expert-shards was the shard exchange's, which is "
+                                                         "retired: serve with --ray --expert-parallel N"),
+    (["--expert-parallel", "2", "--exchange", "handles"], "--exchange was the shard exchange's"),
+    (["--data-parallel-groups", "0"], "--data-parallel-groups 0: expected an integer >= 1"),
+    (["--expert-parallel", "2", "--quantize", "int8"], "--ray: quantize the checkpoint first"),
+    (["--expert-parallel", "2", "--device", "cuda:1"], "--device 'cuda:1' with --ray: expected auto, cpu or cuda"),
     (["--expert-parallel", "2", "--redundant-experts", "-1"], "--redundant-experts -1: expected an integer >= 0"),
     (["--expert-parallel", "2", "--rebalance-every", "8"], "--rebalance-every is --redundant-experts's"),
-    (["--redundant-experts", "1"], "--redundant-experts and --rebalance-every are --expert-parallel's"),
+    (["--redundant-experts", "1"], "--redundant-experts needs --expert-parallel N >= 2"),
+    (["--print-config", "--expert-parallel", "2", "--device", "cuda:0"], "--device 'cuda:0' with --ray"),
 ])
 def test_bad_flags_are_named_errors(ckpt, capsys, argv, message):
     assert cli.main(["serve", str(ckpt), "--ray", *argv]) == 2

@@ -15,7 +15,9 @@ every time, so here it is made shape-static:
 - the experts run a path with no host sync and fixed shapes (backends/experts.py: GraphExperts) on plain
   weights (oneDNN-packed weights are opaque to the compiler); quantized experts are indexed per token
   (quant_gpu.IndexedQuantExperts), and a quantized model's linear maps on a GPU run torch's quantized ops;
-- the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place.
+- the KV cache tensors are buffers of the compiled module, so a CUDA graph writes them in place;
+- expert-parallel experts (expert_parallel.py) exchange rows through the fixed-size all-to-all (use_fixed, every
+  rank sized for at least the largest bucket): the variable one sizes its buffers on the host, and is refused.
 
 Same tokens as eager in fp32 (tests/runtime/test_compiled.py); the logits differ by float rounding
 (fused reductions), ~1e-6 here.
@@ -36,6 +38,7 @@ from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
+from moeserve.runtime.expert_parallel import ExpertParallelExperts
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
@@ -63,12 +66,20 @@ def compile_unavailable(device: torch.device) -> str | None:
 
 
 def model_uncompilable(model: Transformer) -> str | None:
-    """Why this model's decode step has no fixed shape, or None."""
+    """Why this model's decode step has no fixed shape, or None. Expert-parallel experts compile once their
+    exchange is the fixed-size one (ExpertParallelExperts.use_fixed on every rank): its buffers are sized by a
+    constant, not by counts read on the host."""
     if model.cfg.capacity_factor is not None:
         return "capacity_factor drops assignments by count (data-dependent shapes); serve it with --compile off"
-    if any(not isinstance(layer.experts, (Experts, QuantExperts)) for layer in model.moe_layers):
-        return ("its experts are an experts_factory's (expert shards, expert parallelism): they exchange rows with "
-                "other processes in buffers sized on the host; serve it with --compile off")
+    for layer in model.moe_layers:
+        e = layer.experts
+        if isinstance(e, ExpertParallelExperts) and e.fixed is None:
+            return ("its experts exchange rows with other ranks in buffers sized on the host (the variable "
+                    "all-to-all; experts_factory: expert parallelism): call use_fixed on every rank's layers to "
+                    "compile it, or serve it with --compile off")
+        if not isinstance(e, (Experts, QuantExperts, ExpertParallelExperts)):
+            return ("its experts are an experts_factory's: they run past this process's graph; serve it with "
+                    "--compile off")
     return None
 
 
@@ -149,6 +160,14 @@ class CompiledDecode:
         self.scratch = cache.slots - 1
         self.buckets = buckets(self.scratch)
         self.spans = spans(cache.max_len, least_span or LEAST_SPAN)
+        why = model_uncompilable(model)
+        if why is not None:
+            raise CompileError(f"no compiled decode step for this model: {why}")
+        fixed = [layer.experts.fixed.max_tokens for layer in model.moe_layers
+                 if isinstance(layer.experts, ExpertParallelExperts)]
+        if fixed and min(fixed) < self.buckets[-1]:  # the padded rows are exchanged too
+            raise CompileError(f"the largest batch bucket is {self.buckets[-1]} rows; the fixed all-to-all is sized "
+                               f"for {min(fixed)} (use_fixed's max_tokens): at least {self.buckets[-1]} on every rank")
         device = model.tok_embeddings.weight.device
         self._span_views: dict[int, Tensor] = {}
         self.steps: Counter[tuple[int, int]] = Counter()

@@ -46,8 +46,8 @@ def code_table(layer: MoELayer) -> Tensor:
 @torch.no_grad()
 def lay_out_moe(layer: MoELayer, **experts_kwargs) -> MoELayer:
     """A MoE layer laid out for inference: its own `Experts` as `lay_out_experts(**experts_kwargs)` lays them out
-    (experts of a factory's, such as shards, stay as they are), and for a VQ code layer the table of its discrete
-    path (TableMoELayer). A layer with VQ tables is a new module: put it where the old one was."""
+    (experts of a factory's, such as an expert-parallel rank's, stay as they are), and for a VQ code layer the table
+    of its discrete path (TableMoELayer). A layer with VQ tables is a new module: put it where the old one was."""
     if type(layer.experts) is Experts:
         layer.experts = lay_out_experts(layer.experts, **experts_kwargs)
     if layer.quantizer is not None and layer.cfg.vq_input == "code":

@@ -1,28 +1,24 @@
-"""A layer's experts split into shards: dispatch here, each shard computes its own experts' rows, combine here.
+"""Some of a layer's experts, computed on the rows routed to them: what an expert-parallel rank holds of each MoE
+layer (runtime/expert_parallel.py, which dispatches, exchanges and combines around it).
 
-    x_TD, routing -> dispatch (experts.py) -> per shard: its experts' blocks -> shard(x_ND, counts) -> y_ND
-                  -> rows back in expert order -> combine (experts.py) -> y_TD
+    rows of this shard's experts, in its own expert order, `counts` rows each -> shard(x_ND, counts) -> y_ND
 
-A shard is anything called as `shard(x_ND, counts) -> y_ND` on the rows of its experts (in its own
-order, `counts` rows each): a tensor and a list in, a tensor out, so that a shard can be a remote
-actor as well as a module here. `ExpertShard` is the in-process one, and the reference a remote shard
-is tested against. A model is built with them through `Transformer(cfg, experts_factory=...)`, which
-gives each MoE layer the experts module the factory returns instead of its own `Experts`.
+`ExpertShard` holds float weights (the CPU kernel's one-call layer where it runs, else torch's loop over experts);
+`QuantExpertShard` an int8 / int4 checkpoint's slice as stored. `contiguous_ranges` says which experts each of S
+shards (ranks) gets.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.quant_kernel import KernelQuantExperts
-from moeserve.runtime.experts import Dispatch, Experts, combine, compute, dispatch
+from moeserve.runtime.experts import Dispatch, Experts, compute
 from moeserve.runtime.quant import QuantExperts, QuantSpec
-
-ShardCall = Callable[[Tensor, list[int]], Tensor]  # shard(x_ND of its experts, rows per expert) -> y_ND
 
 
 def contiguous_ranges(n_experts: int, n_shards: int) -> list[range]:
@@ -53,8 +49,8 @@ class ExpertShard(nn.Module):
     def prepare_inference(self) -> bool:
         """Compute with the CPU kernel's one-call layer where it runs (float32 or bf16 weights on a CPU with a C
         compiler; cpu_kernel.py): a shard is asked for a few rows per layer at a decode step, where the kernel
-        reads the weights at copy bandwidth and torch's per-expert loop costs a dozen calls an expert (the
-        built-in model's shard, 8 tokens: see `moeserve bench shards`). Whether it did."""
+        reads the weights at copy bandwidth and torch's per-expert loop costs a dozen calls an expert. Whether it
+        did."""
         if self.w1.device.type == "cpu" and cpu_kernel.unavailable_for(self.w1.dtype) is None:
             self.kernel = cpu_kernel.KernelExperts(self.w1, self.w2, self.w3)
         return self.kernel is not None
@@ -107,49 +103,3 @@ class QuantExpertShard(nn.Module):
                                          torch.tensor(counts, device=x_ND.device))[:, None]
         ones = x_ND.new_ones(x_ND.shape[0], 1)
         return (self.kernel.moe if self.kernel is not None else self.experts)(x_ND, ids_N1, ones)
-
-
-class ShardedExperts(nn.Module):
-    """A layer's experts as shards (each expert on exactly one), called as an `Experts` is."""
-
-    def __init__(self, n_experts: int, shards: Sequence[ShardCall], expert_ids: Sequence[Sequence[int]]):
-        super().__init__()
-        owner = [-1] * n_experts  # expert -> shard; -1 until placed
-        for s, ids in enumerate(expert_ids):
-            for e in ids:
-                if not 0 <= e < n_experts or owner[e] != -1:
-                    raise ValueError(f"expert {e} is out of range or on two shards (expert ids {list(expert_ids)})")
-                owner[e] = s
-        if -1 in owner:
-            raise ValueError(f"expert {owner.index(-1)} is on no shard")
-        self.n_experts = n_experts
-        self.expert_ids = [list(ids) for ids in expert_ids]
-        # nn.Module shards are registered (device moves, state_dict); remote handles are kept as they are.
-        self.shards = nn.ModuleList(s for s in shards if isinstance(s, nn.Module))
-        self.calls: list[ShardCall] = list(shards)
-
-    @classmethod
-    def split(cls, experts: Experts, n_shards: int) -> "ShardedExperts":
-        """In-process shards of contiguous expert ranges, as evenly as they divide."""
-        E = experts.n_experts
-        if not 1 <= n_shards <= E:
-            raise ValueError(f"n_shards = {n_shards}: expected 1..{E} (the layer's experts)")
-        ranges = [list(r) for r in contiguous_ranges(E, n_shards)]
-        return cls(E, [ExpertShard.of(experts, ids) for ids in ranges], ranges)
-
-    def run_shards(self, inputs: list[tuple[Tensor, list[int]]]) -> list[Tensor]:
-        """Each shard on its rows. One at a time here; a remote implementation overrides this to have
-        every shard working at once."""
-        return [call(x, counts) for call, (x, counts) in zip(self.calls, inputs)]
-
-    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
-        d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
-        blocks = d.blocks()
-        inputs = [(torch.cat([blocks[e] for e in ids]), [d.counts[e] for e in ids]) for ids in self.expert_ids]
-        per_expert: list[Tensor | None] = [None] * self.n_experts
-        for ids, (_, counts), y_ND in zip(self.expert_ids, inputs, self.run_shards(inputs)):
-            if y_ND.shape[0] != sum(counts):
-                raise RuntimeError(f"a shard of experts {ids} returned {y_ND.shape[0]} rows for {sum(counts)}")
-            for e, y in zip(ids, y_ND.split(counts)):
-                per_expert[e] = y
-        return combine(d, torch.cat(per_expert), x_TD)

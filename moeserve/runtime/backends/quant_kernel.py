@@ -30,7 +30,7 @@ from torch import Tensor
 from moeserve.runtime.backends.cpu_kernel import _library, unavailable_reason
 from moeserve.runtime.backends.kernel_abi import DTYPES, KernelError
 from moeserve.runtime.backends.quant_reference import BLOCK, FMT
-from moeserve.runtime.quant import QuantSpec
+from moeserve.runtime.quant import QuantError, QuantSpec
 
 
 def _lib() -> ctypes.CDLL:
@@ -42,24 +42,27 @@ def _lib() -> ctypes.CDLL:
 
 # ---- the kernel calls --------------------------------------------------------------------------------------------
 def check_weight(what: str, qweight: Tensor, scale: Tensor, spec: QuantSpec, lead: tuple[int, ...] = ()) -> tuple[int, int]:
-    """A quantized weight [*lead, O, I(/2)] and its scales as the kernel reads them: (O, I), or KernelError."""
+    """A quantized weight [*lead, O, I bits/8] and its scales as the kernel reads them: (O, I), or KernelError."""
     k = len(lead)
     want_q = torch.int8 if spec.bits == 8 else torch.uint8
     want_s = torch.float32 if spec.bits == 8 else torch.float16
     if qweight.dim() != k + 2 or tuple(qweight.shape[:k]) != lead:
-        raise KernelError(f"{what}: a {spec.name} weight of {k + 2} dims {'[' + ', '.join(map(str, lead)) + ', O, I]' if k else '[O, I]'}"
-                          f", not {list(qweight.shape)}")
-    O, I = qweight.shape[k], qweight.shape[k + 1] * (1 if spec.bits == 8 else 2)
-    if I % BLOCK:
+        dims = '[' + ', '.join(map(str, lead)) + ', O, I]' if k else '[O, I]'
+        raise KernelError(f"{what}: a {spec.name} weight of {k + 2} dims {dims}, not {list(qweight.shape)}")
+    O, I = qweight.shape[k], qweight.shape[k + 1] * 8 // spec.bits
+    if I % BLOCK or qweight.shape[k + 1] * 8 % spec.bits:
         raise KernelError(f"{what}: the kernel takes widths that are multiples of {BLOCK}, not {I}")
-    if spec.bits == 4 and I % spec.group:
-        raise KernelError(f"{what}: group size {spec.group} does not divide its input width {I}")
+    if spec.bits != 8:
+        try:
+            spec.check_width(I, what)
+        except QuantError as e:
+            raise KernelError(str(e)) from None
     s_shape = (*lead, O) if spec.bits == 8 else (*lead, O, I // spec.group)
     if qweight.dtype != want_q or scale.dtype != want_s or tuple(scale.shape) != s_shape:
         raise KernelError(f"{what}: {spec.name} takes a {want_q} weight and {want_s} scales {list(s_shape)}, not "
                           f"{qweight.dtype} {list(qweight.shape)} and {scale.dtype} {list(scale.shape)}")
     if not (qweight.is_cpu and scale.is_cpu) or qweight.stride()[k:] != (qweight.shape[k + 1], 1) \
-            or scale.stride()[k:] != ((I // spec.group, 1) if spec.bits == 4 else (1,)):
+            or scale.stride()[k:] != ((I // spec.group, 1) if spec.bits != 8 else (1,)):
         raise KernelError(f"{what}: the kernel takes CPU weights and scales with contiguous rows")
     return O, I
 
@@ -71,7 +74,7 @@ def _check_rows_dtype(what: str, x: Tensor) -> None:
 
 def linear_q(x: Tensor, qweight: Tensor, scale: Tensor, spec: QuantSpec) -> Tensor:
     """x [..., I] @ w^T on a quantized weight (qweight [O, I] int8 with float32 scale [O], or [O, I/2] uint8 nibbles
-    with float16 scale [O, I/G], as quant.quantize makes them) -> [..., O] in x's dtype (float32 or bfloat16). The
+    (int6: [O, 3I/4]) with float16 scale [O, I/G], as quant.quantize makes them) -> [..., O] in x's dtype (float32 or bfloat16). The
     same numbers whatever rows share the call; reference_linear_q is its arithmetic."""
     lib = _lib()
     _check_rows_dtype("linear_q", x)

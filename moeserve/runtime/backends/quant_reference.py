@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moeserve.runtime.quant import QuantSpec, unpack_int4
+from moeserve.runtime.quant import QuantSpec, unpack_int4, unpack_int6
 
-FMT = {8: 1, 4: 2}  # QuantSpec.bits -> moeserve_kernels.h's QUANT_INT8, QUANT_INT4
+FMT = {8: 1, 4: 2, 6: 3}  # QuantSpec.bits -> moeserve_kernels.h's QUANT_INT8, QUANT_INT4, QUANT_INT6
 BLOCK = 32  # the activations' quantization block
 
 
@@ -27,7 +27,9 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def weight_integers(qweight: Tensor, spec: QuantSpec) -> Tensor:
-    """The weight's integers [..., O, I] as int8: int8's q, int4's u - 8."""
+    """The weight's integers [..., O, I] as int8: int8's q, int4's u - 8, int6's u - 32."""
+    if spec.bits == 6:
+        return (unpack_int6(qweight).to(torch.int16) - 32).to(torch.int8)
     return qweight if spec.bits == 8 else (unpack_int4(qweight).to(torch.int16) - 8).to(torch.int8)
 
 

@@ -90,11 +90,11 @@ INTERNAL long qx_bytes(long n, long I);
 INTERNAL struct qx qx_at(void *mem, long n, long I);
 INTERNAL void quantize_rows(const float *x, long ldx, long n, struct qx *p, int t, int T);
 INTERNAL void quantize_rows_b(const bf16 *x, long ldx, long n, struct qx *p, int t, int T);
-/* 1 where fmt (QUANT_INT8 or QUANT_INT4) and group suit a width I (a multiple of 32; int4's group a multiple of 32
-   dividing I) */
+/* 1 where fmt (QUANT_INT8, QUANT_INT4 or QUANT_INT6) and group suit a width I (a multiple of 32; int4's and int6's
+   group a multiple of 32 dividing I; int6's I a multiple of 128) */
 INTERNAL int quant_format_ok(int fmt, long group, long I);
 /* thread t of T's share of x (prepared) @ w^T -> float32 yf, or bf16 yb where yb is not NULL (row stride ldy):
-   w int8 [O, I] with float32 scale [O], or int4 uint8 [O, I/2] with float16 scale [O, I/group]. */
+   w int8 [O, I] with float32 scale [O], or int4 uint8 [O, I/2] (int6 [O, 3I/4]) with float16 scale [O, I/group]. */
 INTERNAL void share_q(const struct qx *x, long n, const void *w, const void *scale, int fmt, long group, float *yf,
                       bf16 *yb, long ldy, long O, int t, int T);
 

@@ -26,12 +26,14 @@ void linear_nt_bf16(const bf16 *x, long ldx, const bf16 *w, long ldw, bf16 *y, l
 
 /* quant.c: y [n, O] = x [n, I] w^T on a quantized weight (runtime/quant.py's formats): fmt QUANT_INT8, w int8
    [O, I] and scale float32 [O]; or QUANT_INT4, w uint8 [O, I/2] (nibbles) and scale float16 [O, I/group] (group a
-   multiple of 32 dividing I). I a multiple of 32. The activations are quantized to int8 per 32-element block
+   multiple of 32 dividing I); or QUANT_INT6, w uint8 [O, 3I/4] (96 bytes per 128 elements, I a multiple of 128)
+   and scale as int4's. I a multiple of 32. The activations are quantized to int8 per 32-element block
    (quant.c's comment has the arithmetic); y in x's dtype. Returns 0; -2 without memory; -4 (nothing written) for a
    format, group or width it does not take. */
 #define QUANT_FLOAT 0
 #define QUANT_INT8 1
 #define QUANT_INT4 2
+#define QUANT_INT6 3
 int linear_q(const float *x, long ldx, const void *w, const void *scale, int fmt, long group, float *y, long ldy,
              long n, long O, long I, int threads);
 int linear_q_bf16(const bf16 *x, long ldx, const void *w, const void *scale, int fmt, long group, bf16 *y, long ldy,

@@ -272,6 +272,24 @@ static inline v8 to_float(i32x8 l) { return __builtin_convertvector(l, v8); }
 
 static inline v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
+/* A row's bytes per 128 elements: int4 64 (nibbles), int6 96 (the nibbles, then 32 bytes of the high two bits, as
+   runtime/quant.py's pack_int6 lays them out); XB the high bits a weight has past its nibble (0 or 2). */
+#define CHUNK(XB) (64 + 16 * (XB))
+
+/* Block b of a row at wr (32 elements) as 32 unsigned bytes in element order: its nibbles (unpack4), with int6's
+   high bits ORed in byte by byte (the plain-C path's; the vector paths take whole chunks). */
+static inline b32 unpack_block(const u8 *wr, long b, int XB) {
+    const u8 *nib = wr + b / 4 * CHUNK(XB) + b % 4 * 16;
+    if (!XB) return unpack4(nib);
+    u8 u[32];
+    for (int k = 0; k < 16; k++) {
+        const long m = b % 4 * 16 + k; /* the nibble byte's place in its chunk */
+        const int e = wr[b / 4 * CHUNK(XB) + 64 + m % 32] >> (4 * (m / 32));
+        u[k] = (u8)((nib[k] & 15) | (e & 3) << 4), u[k + 16] = (u8)((nib[k] >> 4) | (e >> 2 & 3) << 4);
+    }
+    return load32(u);
+}
+
 static inline void store(float *yf, bf16 *yb, long at, float s) {
     if (yb) yb[at] = float_bf16(s); else yf[at] = s;
 }
@@ -338,14 +356,14 @@ static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m2
    8 lanes added left to right. The last step of a row whose blocks are not a multiple of 4 reads its nibbles and
    scales from a copy padded with zeros (nothing past the row is read), its missing blocks having q = c = d = 0.
    The same for every x row whatever N, so a row's result does not depend on N. */
-#define ROWS_Q4(N)                                                                                     \
-    static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
-                       float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
+#define ROWS_Q4(N, NAME, XB)                                                                           \
+    static void NAME##_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
+                           float *yf, bf16 *yb, long ldy, long o0, long o1) {                          \
         const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs, full = nb / 4, ng4 = nbs / 4; \
         const i8 *q = x->q4 + j0 * nbs * 32;                                                           \
         const float *dq = x->dq + j0 * nbs * 4;                                                        \
         const int *c = (const int *)(x->c + j0 * nbs);                                                 \
-        const __m256i m15 = _mm256_set1_epi8(15);                                                      \
+        const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);                            \
         const __m256i at01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                               \
         const __m256i at23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);                               \
         unsigned short hbuf[per == 1 ? 4 : nbs], htail[4];                                            \
@@ -362,7 +380,7 @@ static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m2
             for (int j = 0; j < N; j++) acc[j] = _mm256_setzero_ps();                                  \
             for (long g = 0; g < ng4; g++) {                                                           \
                 const long b = 4 * g;                                                                  \
-                const u8 *wg = wr + g * 64;                                                            \
+                const u8 *wg = wr + g * CHUNK(XB);                                                     \
                 const unsigned short *hg = hs + b;                                                     \
                 _mm_prefetch((const char *)(wg + Q4_PF), _MM_HINT_T0);                                 \
                 if (g >= full) { /* the row's last, partial, step */                                  \
@@ -373,18 +391,25 @@ static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m2
                 }                                                                                      \
                 const __m256i n0 = _mm256_loadu_si256((const __m256i *)wg);                            \
                 const __m256i n1 = _mm256_loadu_si256((const __m256i *)(wg + 32));                     \
-                const __m256i l0 = _mm256_and_si256(n0, m15), h0 = _mm256_and_si256(_mm256_srli_epi16(n0, 4), m15); \
-                const __m256i l1 = _mm256_and_si256(n1, m15), h1 = _mm256_and_si256(_mm256_srli_epi16(n1, 4), m15); \
+                __m256i l0 = _mm256_and_si256(n0, m15), h0 = _mm256_and_si256(_mm256_srli_epi16(n0, 4), m15); \
+                __m256i l1 = _mm256_and_si256(n1, m15), h1 = _mm256_and_si256(_mm256_srli_epi16(n1, 4), m15); \
+                if (XB) { /* int6: crumb byte k's bits 0-3 complete nibble byte k, its bits 4-7 byte k + 32 */ \
+                    const __m256i e0 = _mm256_loadu_si256((const __m256i *)(wg + 64)), e1 = _mm256_srli_epi16(e0, 4); \
+                    l0 = _mm256_or_si256(l0, _mm256_slli_epi16(_mm256_and_si256(e0, m3), 4));           \
+                    h0 = _mm256_or_si256(h0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(e0, 2), m3), 4)); \
+                    l1 = _mm256_or_si256(l1, _mm256_slli_epi16(_mm256_and_si256(e1, m3), 4));           \
+                    h1 = _mm256_or_si256(h1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(e1, 2), m3), 4)); \
+                }                                                                                      \
                 const __m256 s4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)hg))); \
                 const __m256 s01 = _mm256_permutevar8x32_ps(s4, at01), s23 = _mm256_permutevar8x32_ps(s4, at23); \
                 for (int j = 0; j < N; j++) {                                                          \
                     const __m256i *qj = (const __m256i *)(q + j * nbs * 32 + g * 128);                 \
                     const int *cj = c + j * nbs * 8 + g * 16;                                          \
                     const float *dj = dq + j * nbs * 4 + g * 16;                                       \
-                    const __m256i a0 = dot_pair(_mm256_loadu_si256((const __m256i *)cj), l0, _mm256_loadu_si256(qj), \
-                                                h0, _mm256_loadu_si256(qj + 1));                       \
-                    const __m256i a1 = dot_pair(_mm256_loadu_si256((const __m256i *)(cj + 8)), l1,         \
-                                                _mm256_loadu_si256(qj + 2), h1, _mm256_loadu_si256(qj + 3)); \
+                    const __m256i c0 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)cj), XB);  \
+                    const __m256i c1 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(cj + 8)), XB); \
+                    const __m256i a0 = dot_pair(c0, l0, _mm256_loadu_si256(qj), h0, _mm256_loadu_si256(qj + 1)); \
+                    const __m256i a1 = dot_pair(c1, l1, _mm256_loadu_si256(qj + 2), h1, _mm256_loadu_si256(qj + 3)); \
                     const __m256 sd0 = _mm256_mul_ps(s01, _mm256_loadu_ps(dj));                        \
                     const __m256 sd1 = _mm256_mul_ps(s23, _mm256_loadu_ps(dj + 8));                    \
                     acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), sd0, acc[j]);                     \
@@ -396,10 +421,10 @@ static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m2
     }
 
 #elif !Q4X
-#define ROWS_Q4(N)                                                                                     \
-    static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
-                       float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
-        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs;                                    \
+#define ROWS_Q4(N, NAME, XB)                                                                           \
+    static void NAME##_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
+                           float *yf, bf16 *yb, long ldy, long o0, long o1) {                          \
+        const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs;                      \
         const i8 *q = x->q + j0 * I;                                                                   \
         const float *d = x->d + j0 * nbs;                                                               \
         const i32x8 *c = x->c + j0 * nbs;                                                               \
@@ -410,21 +435,21 @@ static inline __m256i dot_pair(__m256i c, __m256i l, __m256i ql, __m256i h, __m2
             for (int j = 0; j < N; j++) acc[j] = (v8){0};                                              \
             long b = 0;                                                                                \
             for (; b + 1 < nb; b += 2) {                                                               \
-                if (b % 4 == 0) __builtin_prefetch(wr + ldw + b * 16);                                 \
+                if (b % 4 == 0) __builtin_prefetch(wr + ldw + b / 4 * CHUNK(XB));                      \
                 const float s0 = half_float(sr[per == 1 ? b : b / per]);                               \
                 const float s1 = half_float(sr[per == 1 ? b + 1 : (b + 1) / per]);                     \
-                const b32 u0 = unpack4(wr + b * 16), u1 = unpack4(wr + b * 16 + 16);                   \
+                const b32 u0 = unpack_block(wr, b, XB), u1 = unpack_block(wr, b + 1, XB);              \
                 for (int j = 0; j < N; j++) {                                                          \
-                    const i32x8 l0 = dot_u8i8(c[j * nbs + b], u0, load32(q + j * I + b * 32));          \
-                    const i32x8 l1 = dot_u8i8(c[j * nbs + b + 1], u1, load32(q + j * I + b * 32 + 32)); \
+                    const i32x8 l0 = dot_u8i8(c[j * nbs + b] * (1 << XB), u0, load32(q + j * I + b * 32)); \
+                    const i32x8 l1 = dot_u8i8(c[j * nbs + b + 1] * (1 << XB), u1, load32(q + j * I + b * 32 + 32)); \
                     PAIR(acc[j], l0, d[j * nbs + b] * s0, l1, d[j * nbs + b + 1] * s1);                  \
                 }                                                                                      \
             }                                                                                          \
             if (b < nb) {                                                                              \
                 const float s0 = half_float(sr[b / per]);                                              \
-                const b32 u0 = unpack4(wr + b * 16);                                                   \
+                const b32 u0 = unpack_block(wr, b, XB);                                                \
                 for (int j = 0; j < N; j++)                                                            \
-                    acc[j] = fma8(to_float(dot_u8i8(c[j * nbs + b], u0, load32(q + j * I + b * 32))),    \
+                    acc[j] = fma8(to_float(dot_u8i8(c[j * nbs + b] * (1 << XB), u0, load32(q + j * I + b * 32))), \
                                   splat(d[j * nbs + b] * s0), acc[j]);                                  \
             }                                                                                          \
             for (int j = 0; j < N; j++) store(yf, yb, j * ldy + o, lanes8(acc[j]));                    \
@@ -455,15 +480,15 @@ static inline __m512i high_nibbles(__m512i t, __m512i m15) {
    128-bit lane. At the row's end its 16 lanes are added (_mm512_reduce_add_ps's fixed tree). Blocks past the row's
    end (nbs > nb) have q = c = 0 and scale 0 (masked loads: nothing past the row is read). The same for every x row
    whatever N, so a row's result does not depend on N. */
-#define ROWS_Q4(N)                                                                                     \
-    static void q4_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
-                       float *yf, bf16 *yb, long ldy, long o0, long o1) {                              \
+#define ROWS_Q4(N, NAME, XB)                                                                           \
+    static void NAME##_##N(const struct qx *x, long j0, const u8 *w, long ldw, const unsigned short *sc, long G, \
+                           float *yf, bf16 *yb, long ldy, long o0, long o1) {                          \
         const long I = x->I, nb = I / 32, ng = I / G, per = G / 32, nbs = x->nbs, full = nb / 4, ng4 = nbs / 4; \
         const i8 *q = x->q4 + j0 * nbs * 32;                                                           \
         const float *d = x->d + j0 * nbs;                                                              \
         const __m512i *c = (const __m512i *)(x->c + j0 * nbs);                                         \
         const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  \
-        const __m512i m15 = _mm512_set1_epi8(15);                                                      \
+        const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);                            \
         unsigned short hbuf[per == 1 ? 1 : nbs];                                                       \
         for (long o = o0; o < o1; o++) {                                                               \
             const u8 *wr = w + o * ldw;                                                                \
@@ -479,7 +504,7 @@ static inline __m512i high_nibbles(__m512i t, __m512i m15) {
                 const long b = 4 * g;                                                                  \
                 __m512i nib;                                                                           \
                 __m128i h4;                                                                            \
-                _mm_prefetch((const char *)(wr + Q4_PF + g * 64), _MM_HINT_T0);\
+                _mm_prefetch((const char *)(wr + Q4_PF + g * CHUNK(XB)), _MM_HINT_T0);                \
                 if (Q4_SPF && g % 8 == 0) _mm_prefetch((const char *)(hs + b) + Q4_SPF, _MM_HINT_T0);                          \
                 if (g < full || per > 1) {                                                             \
                     h4 = _mm_loadl_epi64((const __m128i *)(hs + b));                                   \
@@ -487,16 +512,24 @@ static inline __m512i high_nibbles(__m512i t, __m512i m15) {
                     h4 = _mm_maskz_loadu_epi16((__mmask8)((1u << (nb - b)) - 1), hs + b);              \
                 }                                                                                      \
                 if (g < full) {                                                                        \
-                    nib = _mm512_loadu_si512(wr + g * 64);                                             \
-                } else {                                                                               \
+                    nib = _mm512_loadu_si512(wr + g * CHUNK(XB));                                      \
+                } else { /* int4 only: int6 rows are whole chunks */                                   \
                     nib = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * (nb - b))) - 1), wr + g * 64); \
                 }                                                                                      \
                 const __m512 s4 = _mm512_cvtph_ps(_mm256_broadcastq_epi64(h4));                        \
                 const __m512i t = _mm512_permutexvar_epi32(perm, nib);                                 \
-                const __m512i lo = _mm512_and_si512(t, m15), hi = high_nibbles(t, m15);                     \
+                __m512i lo = _mm512_and_si512(t, m15), hi = high_nibbles(t, m15);                      \
+                if (XB) { /* int6: crumb byte k's bits 0-3 complete nibble byte k, its bits 4-7 byte k + 32 */ \
+                    const __m256i cr = _mm256_loadu_si256((const __m256i *)(wr + g * CHUNK(XB) + 64));  \
+                    const __m512i e = _mm512_permutexvar_epi32(                                        \
+                        perm, _mm512_inserti64x4(_mm512_castsi256_si512(cr), _mm256_srli_epi16(cr, 4), 1)); \
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(e, m3), 4));            \
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(e, 2), m3), 4)); \
+                }                                                                                      \
                 for (int j = 0; j < N; j++) {                                                          \
                     const i8 *qj = q + j * nbs * 32 + g * 128;                                         \
-                    __m512i l = _mm512_dpbusd_epi32(_mm512_load_si512(c + j * nbs / 2 + g), lo, _mm512_load_si512(qj)); \
+                    __m512i l = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_load_si512(c + j * nbs / 2 + g), XB), lo, \
+                                                    _mm512_load_si512(qj));                            \
                     l = _mm512_dpbusd_epi32(l, hi, _mm512_load_si512(qj + 64));                        \
                     const __m512 sd = _mm512_mul_ps(s4, _mm512_broadcast_f32x4(_mm_loadu_ps(d + j * nbs + b))); \
                     acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), sd, acc[j]);                        \
@@ -508,20 +541,24 @@ static inline __m512i high_nibbles(__m512i t, __m512i m15) {
 #endif
 
 ROWS_Q8(1) ROWS_Q8(2) ROWS_Q8(3) ROWS_Q8(4) ROWS_Q8(5) ROWS_Q8(6) ROWS_Q8(7) ROWS_Q8(8)
-ROWS_Q4(1) ROWS_Q4(2) ROWS_Q4(3) ROWS_Q4(4) ROWS_Q4(5) ROWS_Q4(6) ROWS_Q4(7) ROWS_Q4(8)
+ROWS_Q4(1, q4, 0) ROWS_Q4(2, q4, 0) ROWS_Q4(3, q4, 0) ROWS_Q4(4, q4, 0)
+ROWS_Q4(5, q4, 0) ROWS_Q4(6, q4, 0) ROWS_Q4(7, q4, 0) ROWS_Q4(8, q4, 0)
+ROWS_Q4(1, q6, 2) ROWS_Q4(2, q6, 2) ROWS_Q4(3, q6, 2) ROWS_Q4(4, q6, 2)
+ROWS_Q4(5, q6, 2) ROWS_Q4(6, q6, 2) ROWS_Q4(7, q6, 2) ROWS_Q4(8, q6, 2)
 
 typedef void (*q8_fn)(const struct qx *, long, const i8 *, long, const float *, float *, bf16 *, long, long, long);
 typedef void (*q4_fn)(const struct qx *, long, const u8 *, long, const unsigned short *, long, float *, bf16 *, long,
                       long, long);
 static const q8_fn Q8_FOR[9] = {0, q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8};
 static const q4_fn Q4_FOR[9] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8};
+static const q4_fn Q6_FOR[9] = {0, q6_1, q6_2, q6_3, q6_4, q6_5, q6_6, q6_7, q6_8};
 
 enum { QBLOCK = 32 }; /* past 8 rows: 32 weight rows (<= 32 KB of int8) stay in cache while x goes 8 rows at a time */
 
 int quant_format_ok(int fmt, long group, long I) {
     if (I % 32) return 0;
     if (fmt == QUANT_INT8) return 1;
-    return fmt == QUANT_INT4 && group >= 32 && group % 32 == 0 && I % group == 0;
+    return (fmt == QUANT_INT4 || (fmt == QUANT_INT6 && I % 128 == 0)) && group >= 32 && group % 32 == 0 && I % group == 0;
 }
 
 void share_q(const struct qx *x, long n, const void *w, const void *scale, int fmt, long group, float *yf, bf16 *yb,
@@ -537,8 +574,10 @@ void share_q(const struct qx *x, long n, const void *w, const void *scale, int f
             bf16 *h = yb ? yb + j0 * ldy : 0;
             if (fmt == QUANT_INT8)
                 Q8_FOR[m](x, j0, (const i8 *)w, I, (const float *)scale, f, h, ldy, b0, b1);
-            else
+            else if (fmt == QUANT_INT4)
                 Q4_FOR[m](x, j0, (const u8 *)w, I / 2, (const unsigned short *)scale, group, f, h, ldy, b0, b1);
+            else
+                Q6_FOR[m](x, j0, (const u8 *)w, I / 4 * 3, (const unsigned short *)scale, group, f, h, ldy, b0, b1);
         }
     }
 }
