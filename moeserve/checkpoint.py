@@ -510,8 +510,12 @@ def describe(path: str | os.PathLike) -> str:
 
 
 def _describe_model(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    from moeserve.runtime.quant import describe as describe_quantization  # runtime imports this module
+
     counts = parameter_counts(config, shapes)
     lines = ["config:", *(f"  {key} = {json.dumps(value)}" for key, value in config.to_dict().items())]
+    if config.quantization is not None:
+        lines.append(f"weights: {describe_quantization(config.quantization)}")
     return [*lines, f"parameters: ({len(shapes)} tensors)", *(
         f"  {key.replace('_', ' ')}: {n / 1e6:.2f}M ({n:,})" for key, n in counts.items()), "files:"]
 

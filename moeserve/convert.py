@@ -79,7 +79,7 @@ def add_quantize(sub) -> None:
     q.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8: int8; 4: int4")
     q.add_argument("--group-size", type=int, metavar="G", help="int4: input elements per scale, a multiple of 32 "
                    "dividing every weight's width (default: 32)")
-    add_int8_weights(q)
+    add_kept_weights(q)
     q.add_argument("--out", type=Path, required=True, help="the directory to write")
     q.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="the weights left in full precision "
                    "(default: as stored)")
@@ -87,15 +87,20 @@ def add_quantize(sub) -> None:
     q.set_defaults(func=cmd_quantize)
 
 
-def add_int8_weights(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--int8-weights", metavar="NAMES", help="int4: the weights kept at int8, comma-separated among "
-                        "wq, wk, wv, wo, w1, w2, w3 (the dense FFNs') and output (the LM head), or none (default: "
-                        "wk,wv,output, as llama.cpp's Q4_0 files of 8-expert models keep attn_k, attn_v and the "
-                        "output at higher precision)")
+def add_kept_weights(parser: argparse.ArgumentParser) -> None:
+    """--int8-weights and --int6-weights: what an int4 model keeps at more bits (QuantSpec.parse's lists)."""
+    names = "comma-separated among wq, wk, wv, wo, w1, w2, w3 (the dense FFNs') and output (the LM head), or none"
+    parser.add_argument("--int8-weights", metavar="NAMES", help=f"int4: the weights kept at int8, {names} (default: "
+                        "wk,wv, as llama.cpp's Q4_0 files of 8-expert models keep attn_k and attn_v at Q8_0; a name "
+                        "given here leaves --int6-weights' default less that name)")
+    parser.add_argument("--int6-weights", metavar="NAMES", help=f"int4: the weights kept at int6 (6.5 bits a weight), "
+                        f"{names} (default: output, the LM head, as those files keep the output at Q6_K; a weight "
+                        "whose width is not a multiple of 128 is kept at int8 instead; a name given here leaves "
+                        "--int8-weights' default less that name)")
 
 
-def int8_weights(text: str | None) -> tuple[str, ...] | None:
-    """--int8-weights' names (None: the format's default; 'none': no weight)."""
+def kept_weights(text: str | None) -> tuple[str, ...] | None:
+    """--int8-weights' or --int6-weights' names (None: the format's default; 'none': no weight)."""
     if text is None:
         return None
     return () if text.strip() == "none" else tuple(n.strip() for n in text.split(",") if n.strip())
@@ -104,7 +109,8 @@ def int8_weights(text: str | None) -> tuple[str, ...] | None:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from moeserve.runtime.quant import QuantSpec
 
-    spec = QuantSpec.parse(f"int{args.bits}", args.group_size, int8_weights(args.int8_weights))
+    spec = QuantSpec.parse(f"int{args.bits}", args.group_size, kept_weights(args.int8_weights),
+                           kept_weights(args.int6_weights))
     return _write(args, spec)
 
 

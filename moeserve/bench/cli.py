@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from moeserve.config import PRESETS
-from moeserve.convert import add_int8_weights
+from moeserve.convert import add_kept_weights
 from moeserve.runtime import GPU_QUANT_FORMATS, QUANT_FORMATS
 from moeserve.export import MODES
 
@@ -117,7 +117,7 @@ def add_bench(sub, calibrate_help: str) -> None:
     bq.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=("int8", "int4"),
                     help="(default: int8 int4)")
     bq.add_argument("--group-size", type=int, metavar="G", help="int4's group (default: 32)")
-    add_int8_weights(bq)
+    add_kept_weights(bq)
     bq.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="activations and unquantized weights (default: float32)")
     bq.add_argument("--records", type=int, default=16, metavar="N", help="held-out records (default: 16)")

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from moeserve.bench.report import BenchError, run_bench
-from moeserve.convert import int8_weights
+from moeserve.convert import kept_weights
 from moeserve.runtime.device import machine
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.quant import QuantLinear, QuantSpec, describe
@@ -121,7 +121,7 @@ def measure_format(engine: Engine, records: list[tuple[list[int], int]], base: l
 def bench_quant(checkpoint: Path, formats: list[str], group: int | None, dtype: str, n_records: int, tokens: int,
                 new_tokens: int, repeats: int, progress=print, llama_perplexity: str | None = None,
                 llama_bench: str | None = None, gguf: dict[str, Path] | None = None,
-                int8: tuple[str, ...] | None = None) -> dict:
+                int8: tuple[str, ...] | None = None, int6: tuple[str, ...] | None = None) -> dict:
     progress(f"{dtype}: loading the unquantized model ...")
     base = Engine.load(checkpoint, dtype=dtype, device="cpu")
     if base.cfg.task != "lm" or base.tokenizer is None:
@@ -136,7 +136,7 @@ def bench_quant(checkpoint: Path, formats: list[str], group: int | None, dtype: 
     rows = [ref_row]
     del base
     for fmt in formats:
-        spec = QuantSpec.parse(fmt, *((group, int8) if fmt == "int4" else (None, None)))
+        spec = QuantSpec.parse(fmt, *((group, int8, int6) if fmt == "int4" else ()))
         progress(f"{dtype}: {describe(spec.as_dict())} ...")
         engine = Engine.load(checkpoint, dtype=dtype, device="cpu", quantize=spec)
         row, _ = measure_format(engine, records, ref, new_tokens, repeats)
@@ -260,6 +260,7 @@ def main(args) -> int:
             raise BenchError("--llama-perplexity compares with the F32 GGUF's logits: give --gguf float=F32.gguf")
         return bench_quant(checkpoint, args.formats, args.group_size, args.dtype, args.records, args.tokens,
                            args.new_tokens, args.repeats, progress=progress, llama_perplexity=args.llama_perplexity,
-                           llama_bench=args.llama_bench, gguf=gguf, int8=int8_weights(args.int8_weights))
+                           llama_bench=args.llama_bench, gguf=gguf, int8=kept_weights(args.int8_weights),
+                           int6=kept_weights(args.int6_weights))
 
     return 2 if run_bench(args, "quant", measure) is None else 0

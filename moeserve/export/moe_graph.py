@@ -42,7 +42,7 @@ from moeserve.config import MoEConfig
 from moeserve.export.graph import FLOAT, MS_DOMAIN, Graph
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.moe import MoELayer
-from moeserve.runtime.quant import QuantExperts, QuantLinear, QuantSpec, unpack_int4
+from moeserve.runtime.quant import QuantExperts, QuantLinear, QuantSpec, unpack_int4, unpack_int6
 from moeserve.runtime.routing import SigmoidRouter, SoftmaxRouter, XMoERouter
 
 
@@ -78,12 +78,23 @@ def expert_arrays(experts) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     return np32(experts.w1), np32(experts.w2), None if experts.w3 is None else np32(experts.w3)
 
 
+# MatMulNBits' bits for each of our formats: its CPU kernel takes 2, 4 or 8 (onnxruntime 1.32's matmul_nbits.cc
+# refuses others at session start, though the schema's text says 2 to 8), so int6 goes as 8 bits: u + 96 on the zero
+# point 128 is (u - 32) exactly, the same float32 weight as ours, in 8 bits a weight rather than 6.5
+ORT_BITS = {8: 8, 6: 8, 4: 4}
+WIDENED_INT6 = ("int6 as MatMulNBits with bits=8 (ONNX Runtime's takes 2, 4 or 8): the same weights exactly, 8 bits "
+                "a weight in the file")
+
+
 def ort_bytes(q: torch.Tensor, spec: QuantSpec) -> np.ndarray:
-    """A quantized weight (int8 q [..., N, K], or int4 packed [..., N, K/2]) as ONNX Runtime's MatMulNBits and QMoE
-    read it: uint8 [..., N, K*bits/8] on their default zero point 2^(bits-1), elements 2i and 2i+1 of a 4-bit row in
-    byte i's low and high nibbles. int4's (u - 8) * scale is then its u as it is, int8's q * scale is u = q + 128."""
+    """A quantized weight (int8 q [..., N, K], int4 packed [..., N, K/2], int6 packed [..., N, 3K/4]) as ONNX
+    Runtime's MatMulNBits and QMoE read it: uint8 [..., N, K*bits/8] (bits: ORT_BITS) on their default zero point
+    2^(bits-1), elements 2i and 2i+1 of a 4-bit row in byte i's low and high nibbles. int4's (u - 8) * scale is then
+    its u as it is, int8's q * scale is u = q + 128, int6's (u - 32) * scale is u + 96 on 8 bits."""
     if spec.bits == 8:
         return (q.to(torch.int16) + 128).to(torch.uint8).numpy()
+    if spec.bits == 6:
+        return (unpack_int6(q) + 96).numpy()  # [..., N, K] in 96..159
     u = unpack_int4(q)  # [..., N, K] in 0..15
     return (u[..., 0::2] | (u[..., 1::2] << 4)).numpy()
 
@@ -91,13 +102,13 @@ def ort_bytes(q: torch.Tensor, spec: QuantSpec) -> np.ndarray:
 def nbits_arrays(m: QuantLinear) -> tuple[np.ndarray, np.ndarray, int]:
     """(B [N, K/32, 32*bits/8] uint8, scales [N, K/32] float32, bits) for ONNX Runtime's MatMulNBits (ort_bytes in
     blocks of 32); int8's per-row scale repeated per block, a group of 64 as 2 blocks of one scale."""
-    N, K = m.out_features, m.in_features
-    b = ort_bytes(m.qweight, m.spec).reshape(N, K // NBITS_BLOCK, NBITS_BLOCK * m.spec.bits // 8)
-    if m.spec.bits == 8:
+    N, K, bits = m.out_features, m.in_features, ORT_BITS[m.spec.bits]
+    b = ort_bytes(m.qweight, m.spec).reshape(N, K // NBITS_BLOCK, NBITS_BLOCK * bits // 8)
+    if m.spec.group is None:  # int8: one scale a row
         scales = m.scale.float()[:, None].expand(N, K // NBITS_BLOCK)
     else:
         scales = m.scale.float().repeat_interleave(m.spec.group // NBITS_BLOCK, dim=1)
-    return b, np.ascontiguousarray(scales.numpy()), m.spec.bits
+    return b, np.ascontiguousarray(scales.numpy()), bits
 
 
 NBITS_LINEARS = ("wq", "wk", "wv", "wo", "output")  # the maps the graph writes through linear() (attention, the head)
@@ -137,6 +148,12 @@ def dequantized(model: torch.nn.Module, forms: list[LayerForm], nbits: bool) -> 
         elif isinstance(m, QuantLinear) and not as_nbits(m, nbits):
             why[name] = f"input width {m.in_features} is not whole blocks of {NBITS_BLOCK}"
     return why
+
+
+def widened(model: torch.nn.Module, nbits: bool) -> dict[str, str]:
+    """The quantized linear maps MatMulNBits runs at more bits than they are stored in (int6 as 8), each with why."""
+    return {name: WIDENED_INT6 for name, m in model.named_modules()
+            if isinstance(m, QuantLinear) and m.spec.bits == 6 and name.endswith(NBITS_LINEARS) and as_nbits(m, nbits)}
 
 
 def qmoe_experts(model: torch.nn.Module, forms: list[LayerForm]) -> list[str]:

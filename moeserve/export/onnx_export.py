@@ -111,6 +111,8 @@ class ExportReport:
         if self.extra.get("qmoe"):
             lines.append("  quantized experts run by ONNX Runtime's QMoE on their own bytes: "
                          + ", ".join(self.extra["qmoe"]))
+        for name, why in self.extra.get("widened", {}).items():
+            lines.append(f"  {name}: {why}")
         by_reason: dict[str, list[str]] = {}
         for name, why in self.extra.get("dequantized", {}).items():
             by_reason.setdefault(why, []).append(name)
@@ -132,7 +134,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     import torch
 
     from moeserve.export.graph import OPSET
-    from moeserve.export.moe_graph import dequantized, qmoe_experts
+    from moeserve.export.moe_graph import dequantized, qmoe_experts, widened
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
     from moeserve.runtime.backends.calibration import DispatchPlan
@@ -181,6 +183,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
         if cfg.quantization is not None:
             report.extra["qmoe"] = qmoe_experts(model, forms)
             report.extra["dequantized"] = dequantized(model, forms, mode != "portable")
+            report.extra["widened"] = widened(model, mode != "portable")
         if passed:
             publish(tmp, out)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -26,7 +27,8 @@ def checkpoint(tmp_path_factory):
 def test_formats_against_the_float_model(checkpoint, one_torch_thread):
     report = bench_quant(checkpoint, ["int8", "int4"], None, "float32", 3, 60, 4, 1, progress=lambda msg: None)
     base, int8, int4 = report["results"]
-    assert [r["format"] for r in report["results"]] == ["float", "int8", "int4 (group 32; wk, wv, output at int8)"]
+    assert [r["format"] for r in report["results"]] == \
+        ["float", "int8", "int4 (group 32; wk, wv at int8; output at int6)"]
     assert report["records"] == 3 and report["tokens"] > 3 * 30
     assert "mean_kl" not in base and 0 <= int8["mean_kl"] < int4["mean_kl"]  # int8 moves the distributions less
     assert int8["top1_agreement"] >= int4["top1_agreement"] and 0.5 < int4["top1_agreement"] <= 1
@@ -36,6 +38,15 @@ def test_formats_against_the_float_model(checkpoint, one_torch_thread):
     assert all(r["decode_tokens_per_s"] > 0 for r in report["results"])
     page = markdown(report)
     assert f"| int8 | {int8['bits_per_byte']} | {int8['bpb_change_pct']:+.2f}% | {int8['mean_kl']} |" in page
+
+
+def test_the_kept_weights_reach_the_format_measured(checkpoint, one_torch_thread):
+    """--int8-weights and --int6-weights (convert.kept_weights) reach int4's spec; int8 ignores them."""
+    from moeserve.convert import kept_weights
+
+    report = bench_quant(checkpoint, ["int8", "int4"], None, "float32", 1, 40, 2, 1, progress=lambda msg: None,
+                         int8=kept_weights("none"), int6=kept_weights("wv, output"))
+    assert [r["format"] for r in report["results"]] == ["float", "int8", "int4 (group 32; wv, output at int6)"]
 
 
 def test_weight_bytes_per_token_counts_what_decode_reads():
@@ -48,6 +59,20 @@ def test_weight_bytes_per_token_counts_what_decode_reads():
     quantize_model_(model, QuantSpec.parse("int8"))  # the head is its own int8 matrix; one embedding row is read
     per_layer = (attention + 4 * 4 * D) + (3 * F * D + 4 * (2 * F + D)) * K + 4 * D * E + 4 * 2 * D
     assert weight_bytes_per_token(model) == L * per_layer + 4 * D + (V * D + 4 * V) + 4 * D
+
+
+def test_weight_bytes_per_token_counts_an_int6_head_at_its_packing():
+    """A head 128 wide is int6 in the int4 recipe: 96 bytes a 128 weights and a float16 scale per 32, the same
+    scales as int4's and 32 bytes a row more than int4's 64 (quant.py's bytes_per_weight: 6.5 bits against 4.5)."""
+    cfg = dataclasses.replace(preset("tiny"), d_model=128, n_heads=4, n_kv_heads=2)
+    got = {}
+    for int6 in (None, ()):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        quantize_model_(model, QuantSpec.parse("int4", int6=int6))
+        got[int6] = weight_bytes_per_token(model)
+    assert got[None] - got[()] == cfg.vocab_size * 32
+    assert QuantSpec(6, 32).bytes_per_weight() * 128 == 96 + 4 * 2
 
 
 def test_a_quantized_checkpoint_is_refused(checkpoint, tmp_path):

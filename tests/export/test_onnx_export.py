@@ -585,6 +585,40 @@ def test_int4_group_not_a_power_of_two_falls_back_to_dequantized_experts(tmp_pat
     assert "group 96" in report.summary()
 
 
+def test_an_int6_head_exports_as_8_bit_matmulnbits_with_parity(tmp_path):
+    """A model 128 wide, so the int4 recipe's head is int6 (runtime/quant.py). ONNX Runtime's MatMulNBits takes 2, 4
+    or 8 bits (1.32 refuses 6 at session start), so the head goes as bits=8: u + 96 on the default zero point 128 is
+    int6's u - 32, the same float32 weight exactly; parity holds at the float tolerance and the report names it.
+    Portable mode writes it dequantized, as every quantized weight."""
+    import dataclasses
+
+    from moeserve.export.moe_graph import WIDENED_INT6
+    from moeserve.runtime.quant import QuantSpec, quantize_model_, unpack_int6
+
+    torch.manual_seed(0)
+    model = make_weights_matter(Transformer(dataclasses.replace(preset("tiny"), d_model=128, n_heads=4,
+                                                                n_kv_heads=2)))
+    quantize_model_(model, QuantSpec.parse("int4"))
+    assert model.output.spec == QuantSpec(6, 32)
+    ckpt = write_checkpoint(tmp_path / "ckpt", model)
+    report = export_onnx(ckpt, tmp_path / "m.onnx", "fused")
+    assert report.passed and report.outputs["logits"]["max_abs_diff"] <= TOL
+    proto = onnx.load(str(tmp_path / "m.onnx"))
+    assert op_count(proto, "MatMulNBits") == 4 * model.cfg.n_layers + 1
+    head = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("output"))
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in head.attribute}
+    assert attrs["bits"] == 8 and attrs["block_size"] == 32
+    b = onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == head.input[1]))
+    V, D = model.cfg.vocab_size, model.cfg.d_model
+    assert b.shape == (V, D // 32, 32)
+    assert np.array_equal(b.reshape(V, D), (unpack_int6(model.output.qweight) + 96).numpy())
+    assert report.extra["widened"] == {"output": WIDENED_INT6} and "output" not in report.extra["dequantized"]
+    assert f"output: {WIDENED_INT6}" in report.summary()
+    portable = export_onnx(ckpt, tmp_path / "p.onnx", "portable")
+    assert portable.passed and portable.extra["dequantized"]["output"] == PORTABLE_WHY
+    assert portable.extra["widened"] == {}
+
+
 def test_gelu_quantized_experts_stay_portable_with_a_reason():
     """QMoE's gelu is the tanh approximation, as the MoE operator's (run: ~3e-4 off exact gelu at these sizes): gelu
     experts stay portable and dequantized, the reason named."""

@@ -27,8 +27,8 @@ from moeserve.runtime.quant import QuantSpec, quantize_model_
 HERE = Path(__file__).parent
 ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
            "vq-mixed": dict(router="vq", vq_mode="mixed"), "vq-discrete": dict(router="vq", vq_mode="discrete"),
-           # quantized checkpoints: each rank reads its experts' integers and scales (int4 keeping wk, wv and the head
-           # at int8)
+           # quantized checkpoints: each rank reads its experts' integers and scales (int4 keeping wk, wv at int8, and
+           # the head at int8 too: 64 wide, not a multiple of int6's 128)
            "softmax-int4": dict(router="softmax", quantize="int4"), "xmoe-int8": dict(router="xmoe", quantize="int8")}
 BUSY_S = 2.0
 RUN_TIMEOUT_S = 120  # the whole two-rank run; a hang fails the tests after it rather than stalling CI

@@ -331,6 +331,12 @@ def test_quantize_refusals(float_ckpt, tmp_path):
          "expected names among wq, wk, wv, wo, w1, w2, w3, output"),
         (["quantize", str(float_ckpt), "--bits", "8", "--int8-weights", "wv", "--out", str(tmp_path / "x")],
          "--int8-weights is int4's"),
+        (["quantize", str(float_ckpt), "--bits", "8", "--int6-weights", "output", "--out", str(tmp_path / "x")],
+         "--int6-weights is int4's"),
+        (["quantize", str(float_ckpt), "--bits", "4", "--int6-weights", "output,embedding", "--out",
+          str(tmp_path / "x")], "expected names among wq, wk, wv, wo, w1, w2, w3, output"),
+        (["quantize", str(float_ckpt), "--bits", "4", "--int8-weights", "wk,output", "--int6-weights", "output",
+          "--out", str(tmp_path / "x")], "output kept at both int8 and int6"),
         (["generate", str(float_ckpt), "--quantize", "int2"], "invalid choice: 'int2'"),
         (["serve", str(float_ckpt), "--ray", "--quantize", "int8"], "--ray: quantize the checkpoint first"),
     ):
@@ -346,6 +352,32 @@ def test_quantize_refusals(float_ckpt, tmp_path):
     p = subprocess.run([*cli, "generate", str(once), "--quantize", "int8", "--max-tokens", "2"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "already quantized (int8)" in p.stderr
+
+
+def test_quantize_keeps_the_weights_its_flags_name(tmp_path):
+    """--int8-weights and --int6-weights reach the checkpoint's config, its modules and `moeserve inspect`: by default
+    wk, wv at int8 and the head (128 wide here: int6 packs 128 elements at a time) at int6; a name given to one list
+    leaves the other's default less that name; none is no weight."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(preset("tiny"), d_model=128, n_heads=4, n_kv_heads=2))
+    ckpt = save_checkpoint(tmp_path / "f", model.cfg, model.state_dict())
+    cli = [sys.executable, "-m", "moeserve.cli"]
+    for flags, int8, int6, words in (
+        ([], ["wk", "wv"], ["output"], "int4 (group 32; wk, wv at int8; output at int6)"),
+        (["--int6-weights", "wv,output"], ["wk"], ["wv", "output"], "int4 (group 32; wk at int8; wv, output at int6)"),
+        (["--int8-weights", "none", "--int6-weights", "none"], None, None, "int4 (group 32)"),
+    ):
+        out = tmp_path / "q"
+        p = subprocess.run([*cli, "quantize", str(ckpt), "--bits", "4", *flags, "--out", str(out), "--overwrite"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        loaded = load_checkpoint(out)
+        assert loaded.config.quantization == {"bits": 4, "group": 32} | ({"int8": int8} if int8 else {}) | (
+            {"int6": int6} if int6 else {})
+        head = loaded.state_dict["output.qweight"]
+        assert head.shape == (model.cfg.vocab_size, 96 if int6 else 64), flags  # int6: 96 bytes a 128 elements
+        p = subprocess.run([*cli, "inspect", str(out)], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and f"weights: {words}\n" in p.stdout, p.stdout
 
 
 def test_score_with_quantize_records_it_and_a_resume_must_match(float_ckpt, tmp_path):

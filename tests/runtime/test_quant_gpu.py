@@ -10,6 +10,7 @@ against the dequantized reference, and the compiled step (CUDA graphs) on them w
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,10 +22,11 @@ from moeserve.checkpoint import save_checkpoint
 from moeserve.config import MoEConfig, preset
 from moeserve.runtime.backends import compiled as compiled_mod
 from moeserve.runtime.backends import quant_gpu
+from moeserve.runtime.backends.layout import plain_
 from moeserve.runtime.backends.calibration import DispatchPlan, quantized_plan
 from moeserve.runtime.backends.quant_gpu import (
-    Fp8ScaledLinear, IndexedQuantExperts, Int4PackLinear, Int8PackLinear, indexed_experts, linear_form, tinygemm_bytes,
-    tinygemm_scales, tinygemm_unfit,
+    DequantizedLinear, Fp8ScaledLinear, IndexedQuantExperts, Int4PackLinear, Int8PackLinear, describe_forms,
+    indexed_experts, linear_form, tinygemm_bytes, tinygemm_scales, tinygemm_unfit,
 )
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.experts import Experts
@@ -161,6 +163,23 @@ def test_shapes_tinygemm_does_not_take_keep_the_reference():
     assert linear_form(Fp8Linear.of(torch.randn(259, 64)), torch.bfloat16) is None  # _scaled_mm: multiples of 16
 
 
+# ---- int6: no torch kernel, dequantized once ------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int6_is_dequantized_once_at_lay_out_and_is_the_reference_bit_for_bit(dtype):
+    """torch has no 6-bit kernel: an int6 linear map (an int4 model's head) is laid out as its weight dequantized
+    once to the model's dtype, torch's GEMM on it: the weight-only reference's numbers exactly, on any device and
+    dtype; its state (the int6 bytes) and its plain module unchanged."""
+    m = QuantLinear.of(torch.randn(40, 256) * 256**-0.5, QuantSpec(6, 32))
+    laid = linear_form(m, dtype)
+    assert type(laid) is DequantizedLinear and laid.weight_OI.dtype == dtype and laid.weight_OI.shape == (40, 256)
+    x = torch.randn(5, 256).to(dtype)
+    assert torch.equal(laid(x), m(x))
+    assert laid.state_dict().keys() == m.state_dict().keys() == {"qweight", "scale"}
+    assert type(laid.plain()) is QuantLinear
+    assert "int6 dequantized once" in describe_forms(QuantSpec.parse("int4").as_dict())
+    assert "int6" not in describe_forms(QuantSpec.parse("int4", int6=()).as_dict())
+
+
 # ---- int8 and fp8 on their CPU kernels ----------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_int8pack_is_the_float32_sum_scaled_once(rows):
@@ -278,6 +297,26 @@ def test_an_engine_on_the_quantized_ops_is_the_reference_within_rounding(float_c
     assert all(len(c.token_ids) == 6 for c in engine.complete(PROMPTS, params))  # prompts and decode steps run
 
 
+def test_an_int6_head_on_the_quantized_ops_is_laid_out_dequantized(tmp_path):
+    """A model 128 wide, so its int4 recipe's head is int6 (quant.py): under the GPU's plan (CPU twins here) the head
+    is DequantizedLinear, wk and wv int8pack, wq tinygemm; the logits of the weight-only reference within bfloat16's
+    rounding, and the plain modules are put back by a new backend."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(preset("tiny", router="softmax"), d_model=128, n_heads=4, n_kv_heads=2))
+    ckpt = save_checkpoint(tmp_path / "w128", model.cfg, model.state_dict())
+    engine = Engine.load(ckpt, dtype="bfloat16", device="cpu", quantize="int4", plan=DispatchPlan(gather_max=1,
+                                                                                                   quant_ops=True))
+    ref = Engine.load(ckpt, dtype="bfloat16", device="cpu", quantize="int4", plan=DispatchPlan(gather_max=0))
+    attention = engine.model.layers[0].attention
+    assert type(engine.model.output) is DequantizedLinear and engine.model.output.spec == QuantSpec(6, 32)
+    assert type(attention.wv) is Int8PackLinear and type(attention.wq) is Int4PackLinear
+    ids = torch.tensor([engine.encode(p)[:8] for p in PROMPTS if len(engine.encode(p)) >= 8])
+    got, want = engine.forward(ids), ref.forward(ids)
+    assert (got - want).abs().max() <= 2**-6 * want.abs().max()
+    plain_(engine.model)
+    assert type(engine.model.output) is QuantLinear
+
+
 def test_fp8_on_a_cpu_is_refused_by_name(float_ckpt):
     with pytest.raises(Fp8Unavailable, match="--quantize fp8: fp8 .e4m3. weights are a GPU format.*not on a CPU"):
         Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="fp8")
@@ -343,6 +382,29 @@ def test_each_cuda_form_is_the_reference_within_rounding(fmt, rows):
         got = indexed_experts(experts, 64)(x, ids, gates).float()
         want = experts(x, ids, gates).float()
     assert (got - want).abs().max() <= 2**-6 * want.abs().max()
+
+
+@pytest.mark.cuda
+def test_the_int6_cuda_form_is_the_reference_bit_for_bit(tmp_path):
+    """An int6 weight on CUDA: dequantized once at lay-out (torch has no 6-bit kernel), cuBLAS on it, as the
+    reference computes at every call; an int4 model 128 wide (its head int6) generates the reference's tokens."""
+    _gpu_form_or_skip("int4")
+    g = torch.Generator().manual_seed(0)
+    m = QuantLinear.of((torch.randn(1024, 2048, generator=g) * 2048**-0.5).cuda(), QuantSpec(6, 32))
+    laid = linear_form(m, torch.bfloat16)
+    assert type(laid) is DequantizedLinear and laid.weight_OI.is_cuda
+    x = torch.randn(5, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(laid(x), m(x))
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(preset("tiny", router="softmax"), d_model=128, n_heads=4, n_kv_heads=2))
+    ckpt = save_checkpoint(tmp_path / "w128", model.cfg, model.state_dict())
+    engine = Engine.load(ckpt, dtype="bfloat16", device="cuda", quantize="int4", compile="off")
+    assert type(engine.model.output) is DequantizedLinear
+    ref = _dequantized_reference(engine)
+    params = SamplingParams(4, ignore_eos=True)
+    assert [c.token_ids for c in engine.complete(PROMPTS, params)] == \
+        [c.token_ids for c in ref.complete(PROMPTS, params)]
 
 
 def _dequantized_reference(engine: Engine) -> Engine:

@@ -81,7 +81,7 @@ class QuantExpertShard(nn.Module):
         """From a checkpoint's slice: tensors "w1_qweight", "w1_scale", ... ([E_local, ...] each, as stored)."""
         E = len(expert_ids)
         q1 = tensors["w1_qweight"]
-        F_, D = q1.shape[1], q1.shape[2] * (2 if spec.bits == 4 else 1)
+        F_, D = q1.shape[1], q1.shape[2] * 8 // spec.bits  # the packed width: I bits / 8 bytes
         experts = QuantExperts(E, D, F_, act, spec, device=q1.device)
         for name, buf in experts.named_buffers():
             if name not in tensors or tensors[name].shape != buf.shape or tensors[name].dtype != buf.dtype:

@@ -19,6 +19,11 @@ forms run the formats on the ops torch ships (aten's native_functions.yaml, torc
                          error at most 2^-8), and its dequantized weight is rounded to bfloat16 as the reference's is.
                          Groups of 32, 64, 128 or 256; out widths a multiple of 8. Every row count (tinygemm runs
                          tensor cores; with many rows cuBLAS on a dequantized weight may be faster: not measured yet).
+  int6  DequantizedLinear  torch has no 6-bit kernel (no int6 op in native_functions.yaml), so an int6 weight (an
+                         int4 model's LM head by default, quant.py) is dequantized once at lay-out to the model's
+                         dtype and runs torch's GEMM: the reference's arithmetic, bit for bit, without dequantizing at
+                         every call. It holds the float copy beside the int6 bytes (which `plain` and the checkpoint
+                         keep), so on a GPU the head costs its float bytes, not 6.5 bits a weight.
   fp8   Fp8ScaledLinear  torch._scaled_mm with row-wise scales (quant_fp8.py's docstring has the arithmetic): the
                          activations quantized per row at each call, e4m3 x e4m3 on the tensor cores (CUTLASS on
                          compute capability 8.9, cuBLAS on 9.0+ with CUDA 12.9), float32 accumulation, output
@@ -156,6 +161,17 @@ class Int4PackLinear(Laid, QuantLinear):
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+# ---- int6 ---------------------------------------------------------------------------------------
+class DequantizedLinear(Laid, QuantLinear):
+    """A quantized linear map whose weight torch has no kernel for (int6), dequantized once at lay-out: `weight_OI`
+    in the model's dtype, torch's GEMM on it (module docstring)."""
+
+    weight_OI: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight_OI.to(x.dtype))
+
+
 # ---- fp8 ----------------------------------------------------------------------------------------
 def scaled_mm_unfit(out_features: int, in_features: int) -> str | None:
     if out_features % 16 or in_features % 16:
@@ -198,7 +214,9 @@ def linear_form(m: QuantLinear, dtype: torch.dtype, max_rows: int = INT8PACK_MAX
         if scaled_mm_unfit(O, I) is not None:
             return None
         return Fp8ScaledLinear.of(m, scale_1O=m.scale[None, :].contiguous())
-    if m.spec.group is None:  # int8
+    if m.spec.bits == 6:  # no torch op at all: dequantized once, whatever the device
+        return DequantizedLinear.of(m, weight_OI=m.dequantized(dtype))
+    if m.spec.bits == 8:
         if int8pack_unavailable(dev) is not None:
             return None
         # the op's scales: float32 on CUDA (its kernel casts them to float32 itself); x's dtype on a CPU (required)
@@ -267,6 +285,9 @@ def describe_forms(quantization: dict | None) -> str:
     elif quantization is not None and quantization.get("bits") == 8:
         dense = f"dense layers on torch._weight_int8pack_mm up to {INT8PACK_MAX_ROWS} rows, dequantized past them"
     else:
-        dense = "dense layers on tinygemm (torch._weight_int4pack_mm)"
+        kept = quantization or {}
+        dense = "dense layers on tinygemm (torch._weight_int4pack_mm)" + (
+            ", those kept at int8 on torch._weight_int8pack_mm" if kept.get("int8") else "") + (
+            ", those kept at int6 dequantized once (torch has no 6-bit kernel)" if kept.get("int6") else "")
     return (f"{dense}; experts indexed and dequantized per token for few rows (and in a compiled step), "
             "each hit expert dequantized once for many")
