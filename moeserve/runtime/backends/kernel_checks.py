@@ -168,17 +168,17 @@ def _quantized(g: torch.Generator, *shape: int, bits: int):
 
 
 def check_linear_q(lib: ctypes.CDLL, dtype: torch.dtype, g: torch.Generator) -> None:
-    """int8 and int4 weights, 3 rows (one pass) and 11 (the blocked path), against quant_kernel's reference of the
-    same arithmetic (the activations quantized as the C code does)."""
+    """int8, int4 and int6 weights, 3 rows (one pass) and 11 (the blocked path), against quant_kernel's reference of
+    the same arithmetic (the activations quantized as the C code does)."""
     from moeserve.runtime.backends.quant_reference import FMT, reference_linear_q
 
-    for bits in (8, 4):
-        spec, (qw, sc) = _quantized(g, 13, 64, bits=bits)
-        x = _data(g, 11, 64).to(dtype)
+    for bits, I in ((8, 64), (4, 64), (6, 128)):  # int6 packs 128 elements at a time
+        spec, (qw, sc) = _quantized(g, 13, I, bits=bits)
+        x = _data(g, 11, I).to(dtype)
         for n in (3, 11):
             y = torch.empty(n, 13, dtype=dtype)
-            if _fn(lib, "linear_q", dtype)(x.data_ptr(), 64, qw.data_ptr(), sc.data_ptr(), FMT[bits], spec.group or 0,
-                                           y.data_ptr(), 13, n, 13, 64, THREADS):
+            if _fn(lib, "linear_q", dtype)(x.data_ptr(), I, qw.data_ptr(), sc.data_ptr(), FMT[bits], spec.group or 0,
+                                           y.data_ptr(), 13, n, 13, I, THREADS):
                 raise Disagrees(f"reference_linear_q: it refused int{bits}")
             _expect(y, reference_linear_q(x[:n], qw, sc, spec), dtype, f"reference_linear_q (int{bits}, {n} rows)")
 
