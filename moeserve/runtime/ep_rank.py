@@ -9,10 +9,8 @@ number of MoE-layer calls. The protocol, once per loop iteration ("step"):
   1. plan the step (the scheduler, on the host) and count the model calls it can make at most: one per prefill
      call, one for the decode, one for a slice of scoring work;
   2. all-reduce (MAX) [that count, "not finished"] across the group;
-  3. all zero: nobody runs; sleep (every rank does, so the idle loop costs one small all-reduce per sleep), or leave
-     the loop when every rank has been asked to stop and has nothing left. The sleep doubles with each idle step in
-     a row, from idle_sleep_s up to idle_sleep_max_s, and a rank's own new work ends its sleep at once: an idle
-     group costs a few all-reduces a second, and a request waits at most the other ranks' idle_sleep_max_s;
+  3. all zero: nobody runs; sleep briefly (every rank does, so the idle loop costs one small all-reduce per sleep),
+     or leave the loop when every rank has been asked to stop and has nothing left;
   4. else run the step, count the forward passes it really made (a sequence may end in a prefill and skip the
      decode), and make up the difference to the agreed maximum with empty passes: each MoE layer called on 0
      tokens, which takes part in exactly the exchanges a real forward makes (the same modules decide them);
@@ -150,10 +148,7 @@ class RankOptions:
     slots: int = 8  # sequences this rank's KV cache holds at once
     max_len: int | None = None  # positions per slot (None: the model's context)
     prefill_chunk: int | None = None  # prompt tokens a step while others decode (None: the device's default)
-    idle_sleep_s: float = 0.002  # after a step in which no rank had work: the price of a wake-up
-    # the longest idle sleep, reached by doubling over idle steps in a row: the most a request waits for another
-    # rank to wake (its own rank wakes at once); longer burns less CPU on an idle group
-    idle_sleep_max_s: float = 0.02
+    idle_sleep_s: float = 0.002  # between two steps in which no rank had work: the price of a wake-up
     dtype: str = "float32"
     calibration: str | None = None  # Engine.load's; every rank should use the same plan (calibrate once per machine)
     verify: bool = True  # check the checkpoint's hashes while loading
@@ -168,9 +163,6 @@ class RankOptions:
         if self.slots < 1 or (self.prefill_chunk is not None and self.prefill_chunk < 1) or not self.idle_sleep_s >= 0:
             raise ExpertParallelError(f"slots = {self.slots}, prefill_chunk = {self.prefill_chunk}, idle_sleep_s = "
                                       f"{self.idle_sleep_s}: expected >= 1, >= 1 (or None) and >= 0")
-        if not self.idle_sleep_max_s >= self.idle_sleep_s:
-            raise ExpertParallelError(f"idle_sleep_max_s = {self.idle_sleep_max_s}: expected >= idle_sleep_s = "
-                                      f"{self.idle_sleep_s}")
         if self.redundant_experts < 0 or self.rebalance_every < 1:
             raise ExpertParallelError(f"redundant_experts = {self.redundant_experts}, rebalance_every = "
                                       f"{self.rebalance_every}: expected >= 0 and >= 1")
@@ -212,8 +204,6 @@ class EPRank:
         self._futures: dict[Sequence, Future] = {}
         self._scores: list[_ScoreJob] = []
         self._submit_lock = threading.Lock()
-        self._wake = threading.Event()  # new work or a stop: ends an idle sleep
-        self._idle_run = 0  # idle steps in a row
         self._stopping = False
         self.failed: BaseException | None = None
         self.thread: threading.Thread | None = None  # the loop's, once `start`ed
@@ -259,13 +249,11 @@ class EPRank:
             if isinstance(item, Sequence):
                 self._futures[item] = future
             self._inbox.put(item)
-        self._wake.set()
 
     def stop(self) -> None:
         """Take no more requests; the loop ends when every rank has stopped and finished its work."""
         with self._submit_lock:
             self._stopping = True
-        self._wake.set()
 
     # ---- the loop (one thread) ---------------------------------------------------------------------------------
     def start(self, leave_group: bool = False) -> threading.Thread:
@@ -317,12 +305,8 @@ class EPRank:
             self.stats.idle_steps += 1
             if all_finished:
                 return False
-            o = self.options
-            self._wake.wait(min(o.idle_sleep_max_s, o.idle_sleep_s * 2 ** min(self._idle_run, 30)))
-            self._wake.clear()
-            self._idle_run += 1
+            time.sleep(self.options.idle_sleep_s)
         else:
-            self._idle_run = 0
             self.stats.steps += 1
         return True
 
