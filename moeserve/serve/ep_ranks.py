@@ -9,10 +9,12 @@
       -> each actor runs its EPRank's step loop on a thread of its own (the lockstep: ep_rank.py)
 
 A rank actor is an async actor: its methods run on its event loop, never on the step loop's thread, so that any
-number of requests can wait on it at once. `complete` is a streaming generator (Ray's `num_returns="streaming"`):
-it yields a job's stream events as the step loop emits them, then its completions. It yields failures as values
-(`("error", kind, message)`) rather than raising them, so that the ingress tells the request's fault (422) from a
-broken group (503) without unpickling Ray's wrapped exceptions.
+number of requests can wait on it at once. `submit` queues a job; `updates` is one streaming generator (Ray's
+`num_returns="streaming"`) that the ingress keeps open, and that yields, for every job of the rank together,
+whatever stream events and completions the step loop has emitted since its last yield: one Ray object a step
+rather than one a token (at 16 sequences a rank, 16 times fewer). Failures come as values (`("error", kind,
+message)`) rather than raised, so that the ingress tells the request's fault (422) from a broken group (503)
+without unpickling Ray's wrapped exceptions.
 
 The rendezvous port is bound on the node's address (Ray's node IP), not on every interface, and is open only
 while the group forms and its ranks are connected; torch.distributed has no authentication of its own, so the
@@ -41,12 +43,13 @@ __all__ = ["RankActor", "RankGroup"]
 
 class RankActor:
     """One rank of an expert-parallel group, as a Ray actor (RankGroup makes it). `address` (rank 0 only) and
-    `join` bring it up; `complete`, `score` and `cancel` serve; `info` says what it holds and has served."""
+    `join` bring it up; `submit` (its items on `updates`), `score` and `cancel` serve; `info` says what it holds and has served."""
 
     def __init__(self, rank: int, world: int, group_index: int):
         self.rank, self.world, self.group_index = rank, world, group_index
         self.ep: EPRank | None = None
         self.jobs: dict[str, list] = {}  # job id -> its sequences' futures, for `cancel`
+        self._outbox = _Outbox()  # the jobs' items, taken by `updates`
         self.served = {"sequences": 0, "score_rows": 0}
 
     def address(self) -> str:
@@ -85,49 +88,51 @@ class RankActor:
                 "steps": ep.stats.steps, "empty_passes": ep.stats.empty_passes, "iterations": ep.stats.iterations,
                 "last_step_age_s": None if ep.stats.last_step_at is None else time.monotonic() - ep.stats.last_step_at}
 
-    async def complete(self, job_id: str, rows: list[list[int]], params: list[SamplingParams], stream: bool):
-        """A job's rows as sequences on this rank. Yields ("event", row, StreamEvent) as they come (only the first,
-        as ("first",), when not `stream`: the time to first token), then ("done", [Completion]); or ("error",
-        "request" | "group" | "cancelled", message)."""
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        futures = []
+    def submit(self, job_id: str, rows: list[list[int]], params: list[SamplingParams], stream: bool) -> tuple | None:
+        """A job's rows as sequences on this rank; None once queued, or ("error", "request" | "group", message). What
+        it brings comes on `updates` under `job_id`: ("event", row, StreamEvent) as they come (only the first, as
+        ("first",), when not `stream`: the time to first token), then ("done", [Completion]) or ("error", "request" |
+        "group" | "cancelled", message)."""
+        job = _Job(job_id, len(rows), stream, self._outbox)
         try:
             for i, (row, p) in enumerate(zip(rows, params)):
-                on_event = (lambda e, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, e)))
-                futures.append(self.ep.submit(row, p, on_event=on_event))
+                job.futures.append(self.ep.submit(row, p, on_event=job.on_event(i)))
         except Exception as e:
-            for f in futures:
+            for f in job.futures:
                 f.cancel()
-            yield ("error", "request" if isinstance(e, UserError) and self.ep.failed is None else "group", str(e))
-            return
-        self.jobs[job_id] = futures
+            return ("error", "request" if isinstance(e, UserError) and self.ep.failed is None else "group", str(e))
+        self.jobs[job_id] = job.futures
         self.served["sequences"] += len(rows)
-        for f in futures:  # after each sequence's last event: the loop thread emits, then resolves
-            f.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        try:
-            left, first = len(futures), True
-            while left:
-                item = await events.get()
-                if item is None:
-                    left -= 1
-                elif stream:
-                    yield ("event", *item)
-                elif first:
-                    first = False
-                    yield ("first",)
-            if any(f.cancelled() for f in futures):
-                yield ("error", "cancelled", "the request was cancelled")
-                return
+        for f in job.futures:  # after each sequence's last event: the loop thread emits, then resolves
+            f.add_done_callback(lambda _, job=job: self._ended(job))
+        return None
+
+    def _ended(self, job: "_Job") -> None:
+        """A sequence's future is done (on the step loop's thread, or a cancel's): the job's last item once all are."""
+        if not job.one_done():
+            return
+        self.jobs.pop(job.id, None)
+        futures = job.futures
+        if any(f.cancelled() for f in futures):
+            item = ("error", "cancelled", "the request was cancelled")
+        else:
             failed = next((f.exception() for f in futures if f.exception() is not None), None)
-            if failed is not None:
-                yield ("error", "request" if isinstance(failed, UserError) and self.ep.failed is None else "group",
-                       str(failed))
+            item = (("done", [f.result() for f in futures]) if failed is None else
+                    ("error", "request" if isinstance(failed, UserError) and self.ep.failed is None else "group",
+                     str(failed)))
+        self._outbox.put(job.id, item)
+
+    async def updates(self):
+        """Every job's items (`submit`) as they come, a list of (job id, item) per yield: whatever the step loop has
+        emitted since the last yield, across the rank's jobs, so the ingress pays one Ray object per step rather than
+        one per token. One subscriber (the ingress): a later call takes over, and the earlier one ends."""
+        outbox = self._outbox
+        turn = outbox.subscribe(asyncio.get_running_loop())
+        while True:
+            items = await outbox.take(turn)
+            if items is None:
                 return
-            yield ("done", [f.result() for f in futures])
-        finally:
-            self.jobs.pop(job_id, None)
-            for f in futures:
-                f.cancel()  # a no-op once done; ends the sequence at the next step if the ingress went away
+            yield items
 
     def cancel(self, job_id: str) -> bool:
         """End a job's sequences at the next step (its deadline passed, or its client left)."""
@@ -155,6 +160,73 @@ class RankActor:
         if why is not None:
             raise RuntimeError(why)
         return self.ep.counters()
+
+
+class _Outbox:
+    """The items of a rank's jobs on their way to the ingress: put from any thread (the step loop's, mostly), taken
+    in batches on the actor's event loop. The loop is woken once per batch, not once per item."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: list[tuple[str, tuple]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
+        self._turn = 0
+
+    def subscribe(self, loop: asyncio.AbstractEventLoop) -> int:
+        with self._lock:
+            if self._ready is not None:
+                self._loop.call_soon_threadsafe(self._ready.set)  # the earlier subscriber sees it is not its turn
+            self._turn += 1
+            self._loop, self._ready = loop, asyncio.Event()
+            if self._items:
+                self._ready.set()
+            return self._turn
+
+    def put(self, job_id: str, item: tuple) -> None:
+        with self._lock:
+            self._items.append((job_id, item))
+            if len(self._items) == 1 and self._ready is not None:
+                self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def take(self, turn: int) -> list[tuple[str, tuple]] | None:
+        """The items since the last take (waiting for one), or None once another subscriber has taken over."""
+        while True:
+            with self._lock:
+                if turn != self._turn:
+                    return None
+                ready = self._ready
+                if self._items:
+                    items, self._items = self._items, []
+                    ready.clear()
+                    return items
+            await ready.wait()
+            ready.clear()
+
+
+class _Job:
+    """One `submit`'s sequences on a rank: their futures, and how its stream events reach the outbox."""
+
+    def __init__(self, job_id: str, rows: int, stream: bool, outbox: _Outbox):
+        self.id, self.stream, self.outbox = job_id, stream, outbox
+        self.futures: list = []
+        self._left, self._first = rows, True
+        self._lock = threading.Lock()
+
+    def on_event(self, row: int):
+        def emit(event) -> None:
+            if self.stream:
+                self.outbox.put(self.id, ("event", row, event))
+            elif self._first:
+                self._first = False
+                self.outbox.put(self.id, ("first",))
+        return emit
+
+    def one_done(self) -> bool:
+        """Count a sequence done; True for the last."""
+        with self._lock:
+            self._left -= 1
+            return self._left == 0
 
 
 class RankGroup:

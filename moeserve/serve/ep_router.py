@@ -2,8 +2,11 @@
 events and result relayed back.
 
     handler -> submit(job) -> the rank with the fewest sequences in flight from here (ties: round robin), of a
-               healthy group -> RankActor.complete (a Ray streaming generator) or .score -> this runner's event
-               loop, on the server's model thread -> job.on_event / job.future
+               healthy group -> RankActor.submit or .score -> this runner's event loop, on the server's model
+               thread -> job.on_event / job.future
+    RankActor.updates (a Ray streaming generator per rank, read by this loop while the rank has jobs): each yield
+               is whatever the rank's step loop emitted since the last, across its jobs (about one Ray object a
+               step, not one a token), handed to each job's queue
 
 A request lives on one rank (data-parallel attention: its KV cache is there); its sequences (n choices, several
 prompts) all run on that rank, so the choices of a prompt share its prefill as in one process. Load is what this
@@ -27,7 +30,7 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeserve.runtime.sampling import EngineError
 from moeserve.serve.batcher import Closed, DeadlineExceeded, Job, QueueFull, Unavailable
@@ -48,6 +51,9 @@ class Rank:
     slots: int
     sequences: int = 0  # in flight: sent and not yet answered
     jobs: int = 0
+    # on the router's loop: the relay of the rank's `updates` stream, and each job's queue of items from it
+    pump: asyncio.Future | None = None
+    waiting: dict = field(default_factory=dict)
 
 
 class _Place:
@@ -213,32 +219,68 @@ class RankRouter:
 
     async def _complete(self, job: Job, rank: Rank) -> list:
         job_id = uuid.uuid4().hex
-        stream = job.on_event is not None
-        items = rank.actor.complete.options(num_returns="streaming").remote(job_id, job.rows, job.params, stream)
-        watch = asyncio.ensure_future(self._watch(job, rank, job_id))
+        items = asyncio.Queue()
+        rank.waiting[job_id] = items
+        self._pump(rank)
+        ended = False
         try:
-            async for ref in items:
-                item = await ref
-                if item[0] in ("event", "first") and job.first_token_at is None:
-                    job.first_token_at = time.monotonic()
-                    if self.metrics:
-                        self.metrics.ttft.observe(job.first_token_at - job.arrival)
-                if item[0] == "event":
-                    job.on_event(item[1], item[2])
-                elif item[0] != "first":
-                    return self._outcome(item)
-            raise Unavailable(f"expert-parallel rank {rank.rank} ended a request without an answer")
+            refused = await rank.actor.submit.remote(job_id, job.rows, job.params, job.on_event is not None)
+            if refused is not None:
+                ended = True
+                return self._outcome(refused)
+            watch = asyncio.ensure_future(self._watch(job, rank, job_id))
+            try:
+                while True:
+                    item = await items.get()
+                    if item[0] in ("event", "first") and job.first_token_at is None:
+                        job.first_token_at = time.monotonic()
+                        if self.metrics:
+                            self.metrics.ttft.observe(job.first_token_at - job.arrival)
+                    if item[0] == "event":
+                        job.on_event(item[1], item[2])
+                    elif item[0] != "first":
+                        ended = True
+                        return self._outcome(item)
+            finally:
+                watch.cancel()
         finally:
-            watch.cancel()
+            rank.waiting.pop(job_id, None)
+            if not ended:  # this relay went away first (an error relaying it): end the job on its rank too
+                asyncio.ensure_future(self._cancel(rank, job_id))
+
+    def _pump(self, rank: Rank) -> None:
+        """The rank's `updates` stream, read on this loop while the rank has jobs: each job's items to its queue.
+        A stream that breaks (the actor died, Ray could not reach it) ends every job waiting there as a group's
+        failure."""
+        if rank.pump is not None and not rank.pump.done():
+            return
+
+        async def pump() -> None:
+            try:
+                async for ref in rank.actor.updates.options(num_returns="streaming").remote():
+                    for job_id, item in await ref:
+                        queue = rank.waiting.get(job_id)
+                        if queue is not None:  # else its relay has ended (and cancelled it)
+                            queue.put_nowait(item)
+                why = "its stream of updates ended"
+            except Exception as e:
+                why = f"{type(e).__name__}: {_last_line(e)}"
+            for queue in list(rank.waiting.values()):
+                queue.put_nowait(("error", "group", f"rank {rank.rank}: {why}"))
+
+        rank.pump = asyncio.ensure_future(pump())
+
+    async def _cancel(self, rank: Rank, job_id: str) -> None:
+        try:
+            await rank.actor.cancel.remote(job_id)
+        except Exception:  # the rank is gone: so is the job
+            pass
 
     async def _watch(self, job: Job, rank: Rank, job_id: str) -> None:
         """Cancel the job on its rank once its deadline passes or its client leaves."""
         while not job.dropped(time.monotonic()):
             await asyncio.sleep(WATCH_S)
-        try:
-            await rank.actor.cancel.remote(job_id)
-        except Exception:  # the rank is gone: so is the job
-            pass
+        await self._cancel(rank, job_id)
 
     def _outcome(self, item: tuple):
         if item[0] == "done":
