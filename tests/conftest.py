@@ -1,6 +1,7 @@
 """Fixtures shared across the test tree."""
 
 import atexit
+import contextlib
 import faulthandler
 import os
 
@@ -65,6 +66,23 @@ def wait_ready(url: str, timeout_s: float) -> float | None:
             pass
         time.sleep(0.1)
     return None
+
+
+@contextlib.contextmanager
+def ray_serve_on(port: int, **init):
+    """A local Ray for one test module (2 CPUs, a small object store; `init` adds ray.init's options) with Serve's
+    HTTP proxy on 127.0.0.1:port; yields its URL, and leaves nothing of Ray running after."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False, **init)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        wait_for_ray_to_exit()
 
 
 def wait_for_ray_to_exit(timeout_s: float = 30.0) -> None:

@@ -28,6 +28,8 @@ from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import QuantExperts, QuantSpec
 
+from .test_expert_parallel import solo_group  # noqa: F401  (the fixture: a group of one rank on gloo)
+
 HERE = Path(__file__).parent
 RUN_TIMEOUT_S = 600  # both ranks compile 6 graphs each (~2 min on 2 shared cores); a hang fails after it
 HAS_CXX = compiled_mod.compile_unavailable(torch.device("cpu")) is None
@@ -84,13 +86,6 @@ def test_the_compiled_decode_step_runs_expert_parallel(ranks):
 
 
 # ---- one process ----------------------------------------------------------------------------------------------
-@pytest.fixture
-def solo_group():
-    group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, timeout_s=30)
-    yield group
-    group.leave()
-
-
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 def test_the_fixed_exchange_in_one_process_equals_the_reference(solo_group, act):
     torch.manual_seed(0)

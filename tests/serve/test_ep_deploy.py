@@ -27,7 +27,7 @@ import httpx
 import pytest
 import torch
 
-from ..conftest import wait_for_ray_to_exit, wait_ready
+from ..conftest import ray_serve_on, wait_ready
 from moeserve import cli
 from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
@@ -62,14 +62,8 @@ def port() -> int:
 
 @pytest.fixture(scope="module")
 def url(port):
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        wait_for_ray_to_exit()
+    with ray_serve_on(port) as url:
+        yield url
 
 
 def ranks() -> list[dict]:

@@ -21,7 +21,8 @@ import httpx
 import pytest
 import torch
 
-from ..conftest import wait_for_ray_to_exit, wait_ready
+from ..conftest import ray_serve_on, wait_ready
+from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.model import Transformer
@@ -47,19 +48,8 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def url():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        wait_for_ray_to_exit()
+    with ray_serve_on(free_port()) as url:
+        yield url
 
 
 def deploy(url: str, ckpt: Path, groups: int, cpus_per_rank: float) -> None:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from ..conftest import wait_for_ray_to_exit, wait_ready
+from ..conftest import ray_serve_on, wait_ready
 from moeserve import cli
 from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
@@ -62,18 +62,10 @@ def deploy(url: str, ckpt: Path, serve_cfg: ServeConfig, **options) -> None:
 
 @pytest.fixture(scope="module")
 def url(ckpt, tiny_chat_template):
-    port = free_port()
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False,
-             _system_config={"metrics_report_interval_ms": 500})  # Ray's export within a second of a change
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        url = f"http://127.0.0.1:{port}"
+    # Ray's export within a second of a change
+    with ray_serve_on(free_port(), _system_config={"metrics_report_interval_ms": 500}) as url:
         deploy(url, ckpt, ServeConfig(model_name="tiny", kv_slots=4, chat_template=tiny_chat_template))
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        wait_for_ray_to_exit()
 
 
 def ranks() -> list[dict]:
