@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .cache import remembered_sha256, sha256_file
-from .config import FORMAT, MANIFEST_FILE, ConfigError, MoEConfig
+from .config import FORMAT, MANIFEST_FILE, ConfigError, MoEConfig, describe_quantization
 from .errors import MoeServeError
 from .files import fsync_path
 from .hf_mixtral import MixtralError, from_mixtral, mixtral_config, mixtral_expert_slice
@@ -510,8 +510,6 @@ def describe(path: str | os.PathLike) -> str:
 
 
 def _describe_model(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    from moeserve.runtime.quant import describe as describe_quantization  # runtime imports this module
-
     counts = parameter_counts(config, shapes)
     lines = ["config:", *(f"  {key} = {json.dumps(value)}" for key, value in config.to_dict().items())]
     if config.quantization is not None:

@@ -46,6 +46,19 @@ def _quantization_ok(q: Any) -> bool:
             and all(k is None or isinstance(k, list) and all(isinstance(n, str) for n in k) for k in kept))
 
 
+def describe_quantization(q: dict | None) -> str:
+    """A config's `quantization` in words: float, fp8, int8, int4 (group 32), or int4 (group 32; wk, wv at int8;
+    output at int6). Here rather than in runtime/quant.py so that `moeserve inspect` (checkpoint.py) can say it
+    without importing the runtime."""
+    if q is None:
+        return "float"
+    if q == {"format": "fp8"}:
+        return "fp8"
+    inner = [f"group {q['group']}"] if q.get("group") else []
+    inner += [f"{', '.join(q[kept])} at {kept}" for kept in ("int8", "int6") if q.get(kept)]
+    return f"int{q['bits']}" + (f" ({'; '.join(inner)})" if inner else "")
+
+
 class ConfigError(UserError):
     """A config field holds a value outside what the model family allows."""
 

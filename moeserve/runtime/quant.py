@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moeserve.config import describe_quantization
 from moeserve.errors import UserError
 from moeserve.runtime import QUANT_FORMATS
 from moeserve.runtime.experts import Experts, combine, dispatch, expert_forward
@@ -399,16 +400,10 @@ def quantize_(model: nn.Module, spec: QuantSpec, weights: bool = True) -> int:
 
 
 def describe(quantization: dict | None) -> str:
-    """A config's `quantization` in words: int8, int4 (group 32), int4 (group 32; wk, wv at int8; output at int6), or
-    float."""
-    if quantization is None:
-        return "float"
-    if quantization == {"format": "fp8"}:  # quant_fp8.py's GPU format
-        return "fp8"
-    spec = QuantSpec.from_dict(quantization)
-    inner = [f"group {spec.group}"] if spec.group else []
-    inner += [f"{', '.join(names)} at {kept}" for kept, names in (("int8", spec.int8), ("int6", spec.int6)) if names]
-    return spec.name + (f" ({'; '.join(inner)})" if inner else "")
+    """A config's `quantization` in words (config.describe_quantization), checked as a QuantSpec first."""
+    if quantization is not None and quantization != {"format": "fp8"}:  # fp8: quant_fp8.py's GPU format
+        QuantSpec.from_dict(quantization)
+    return describe_quantization(quantization)
 
 
 def is_quantized(model: nn.Module) -> bool:
