@@ -4,6 +4,8 @@ and clear refusals."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -112,15 +114,19 @@ def test_quantized_engines_in_the_same_rounds(small, device):
 
     formats = ("int8", "int4") + (("fp8",) if device == "cuda" else ())
     dtype = "bfloat16" if device == "cuda" else "float32"
-    report = bench_engine([dtype], new_tokens=6, prompt_len=5, repeats=1, backends=("eager",), checkpoint=small,
+    report = bench_engine([dtype], new_tokens=24, prompt_len=5, repeats=1, backends=("eager",), checkpoint=small,
                           device=device, compiled=device == "cuda", quantize=formats, progress=lambda msg: None)
     rows = {r["impl"]: r for r in report["results"]}
     for fmt in formats:
         row = rows[f"moeserve Engine, {fmt}" + (", compiled decode" if device == "cuda" else "")]
-        assert 0 < row["decode_tokens_per_s"] < float("inf")
+        tps = row["decode_tokens_per_s"]
+        # decode's time is a run's less its first token's, one sample each: nan where a loaded machine's noise
+        # outweighed 23 decode steps (the report says so rather than a negative rate)
+        assert tps > 0 or math.isnan(tps), tps
+        if math.isnan(tps):
+            continue
         q = Engine.load(small, dtype=dtype, device=device, quantize=fmt)
-        assert row["weights_gb_per_s"] == pytest.approx(
-            weight_bytes_per_token(q.model) * row["decode_tokens_per_s"] / 1e9, abs=0.06)
+        assert row["weights_gb_per_s"] == pytest.approx(weight_bytes_per_token(q.model) * tps / 1e9, abs=0.06)
     assert rows["moeserve Engine, int4"]["weights_gb_per_s"] != rows["moeserve Engine"]["weights_gb_per_s"] or \
         device == "cuda"
 
