@@ -150,11 +150,16 @@ def solo_group():
     group.leave()
 
 
+@pytest.mark.parametrize("exchange", ["variable", "fixed"])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
-def test_the_exchange_in_one_process_equals_experts(solo_group, act):
+def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
+    """The variable all-to-all, and the fixed-size one (buffers for 9 tokens; test_expert_parallel_fixed.py), at 0,
+    1 and 9 tokens, with and without a capacity mask."""
     torch.manual_seed(0)
     ex = Experts(6, 16, 24, act)
     ep = ExpertParallelExperts.of(ex, solo_group)
+    if exchange == "fixed":
+        ep.use_fixed(9)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for T in (0, 1, 9):

@@ -86,24 +86,17 @@ def test_the_compiled_decode_step_runs_expert_parallel(ranks):
 
 
 # ---- one process ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("act", ["swiglu", "gelu"])
-def test_the_fixed_exchange_in_one_process_equals_the_reference(solo_group, act):
+def test_the_fixed_exchange_refuses_a_call_past_its_size_and_counts_its_calls(solo_group):
+    """Its results against the reference are test_expert_parallel.py's (parametrized over both exchanges)."""
     torch.manual_seed(0)
-    ex = Experts(6, 16, 24, act)
+    ex = Experts(6, 16, 24, "swiglu")
     ep = ExpertParallelExperts.of(ex, solo_group).use_fixed(9)
-    g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for T in (0, 1, 9):
-            x = torch.randn(T, 16, generator=g)
-            ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
-            gates = torch.rand(T, 2, generator=g)
-            keep = torch.rand(T, 2, generator=g) < 0.7
-            for k in (None, keep):
-                want = moe_reference(x, ids, gates, ex.w1, ex.w2, ex.w3, k)
-                torch.testing.assert_close(ep(x, ids, gates, k), want, atol=1e-6, rtol=0)
+            ep(torch.randn(T, 16), torch.zeros(T, 2, dtype=torch.long), torch.ones(T, 2))
         with pytest.raises(ExpertParallelError, match="10 tokens in one call to a fixed exchange sized for 9"):
             ep(torch.randn(10, 16), torch.zeros(10, 2, dtype=torch.long), torch.ones(10, 2))
-    assert ep.stats.calls == 6
+    assert ep.stats.calls == 3
 
 
 class HostReads(TorchDispatchMode):
