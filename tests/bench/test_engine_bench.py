@@ -125,10 +125,9 @@ def test_quantized_engines_in_the_same_rounds(small, device):
         assert tps > 0 or math.isnan(tps), tps
         if math.isnan(tps):
             continue
+        # the rate times the format's own bytes a token (a float model's would be 2-4x these), to its rounding
         q = Engine.load(small, dtype=dtype, device=device, quantize=fmt)
         assert row["weights_gb_per_s"] == pytest.approx(weight_bytes_per_token(q.model) * tps / 1e9, abs=0.06)
-    assert rows["moeserve Engine, int4"]["weights_gb_per_s"] != rows["moeserve Engine"]["weights_gb_per_s"] or \
-        device == "cuda"
 
 
 def test_fp8_on_a_cpu_is_refused_by_the_bench(small):
