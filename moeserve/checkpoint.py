@@ -447,28 +447,23 @@ def parameter_counts(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> d
     Stacked expert tensors `layers.{i}.ffn.experts.w1|w2|w3` count at experts_per_token / E per token;
     everything else is dense. A tied LM head (`output.weight` absent, or present with tie_embeddings
     and the embedding's shape, as a module's state_dict lists it) is counted once. A quantized weight
-    counts its weights (two a byte in int4, four in three bytes in int6), not its scales.
+    counts its weights, not its scales: int8 one a byte; int4 and int6, whose scales are per group of a known
+    size, as many as their scales' shape says (so no width rule of runtime/quant.py is repeated here).
     """
     total = experts = active_experts = 0
     emb = shapes.get("tok_embeddings.weight")
     q = config.quantization or {}
-    int4, kept8, kept6 = q.get("bits") == 4, set(q.get("int8") or ()), set(q.get("int6") or ())
-    widths = {"wo": config.n_heads * config.head_dim, "w2": config.d_ff}  # the others' input is d_model wide
     for name, shape in shapes.items():
         shape = tuple(int(d) for d in shape)
         if name == "output.weight" and config.tie_embeddings and emb is not None and shape == tuple(emb):
             continue
         if name.endswith("scale") and config.quantization is not None:
             continue
-        # an int4 weight is two a byte, unless its module is one the model keeps at int8 or int6 (runtime/quant.py's
-        # for_weight: int6 where the width is a multiple of 128, else int8)
-        leaf = name.split(".")[-2] if name.endswith("qweight") else None
-        if not int4 or leaf is None or leaf in kept8:
-            n = math.prod(shape)
-        elif leaf in kept6:
-            n = math.prod(shape) * 4 // 3 if widths.get(leaf, config.d_model) % 128 == 0 else math.prod(shape)
-        else:
-            n = math.prod(shape) * 2
+        n = math.prod(shape)
+        # a packed weight (int4, int6) has a scale per group beside it, and so its width; int8's is one per row
+        scale = shapes.get(name.removesuffix("qweight") + "scale") if name.endswith("qweight") else None
+        if scale is not None and len(scale) == len(shape):
+            n = math.prod(shape[:-1]) * int(scale[-1]) * q["group"]
         total += n
         if _EXPERT_RE.match(name):
             if not shape or shape[0] != config.n_experts:
