@@ -32,13 +32,12 @@ from .cache import remembered_sha256, sha256_file
 from .config import FORMAT, MANIFEST_FILE, ConfigError, MoEConfig, describe_quantization
 from .errors import MoeServeError
 from .files import fsync_path
-from .hf_mixtral import MixtralError, from_mixtral, mixtral_config, mixtral_expert_slice
+from .hf_families import FAMILIES, HFError, by_format, family
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
-HF_MIXTRAL = "hf-mixtral"  # LoadedCheckpoint.manifest["format"] of a Hugging Face Mixtral directory
 TRAIN_STATE_FILE = "train_state.safetensors"
 TRAIN_META_FILE = "train_state.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -108,10 +107,10 @@ def _foreign_format(config_dict: dict) -> str | None:
     A Hugging Face config names itself in `model_type`: the one place to accept a family."""
     if (model_type := config_dict.get("model_type")) is None:
         return None
-    if model_type == "mixtral":
-        return HF_MIXTRAL
-    raise CheckpointError(f"{CONFIG_FILE}: Hugging Face model_type {model_type!r} is not supported; expected "
-                          f"'mixtral' or a moeserve config (\"format\": {FORMAT!r})")
+    if (fam := family(model_type)) is not None:
+        return fam.name
+    raise CheckpointError(f"{CONFIG_FILE}: Hugging Face model_type {model_type!r} is not supported; expected one of "
+                          f"{', '.join(map(repr, sorted(FAMILIES)))} or a moeserve config (\"format\": {FORMAT!r})")
 
 
 def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
@@ -122,8 +121,8 @@ def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
         raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     if (foreign := _foreign_format(raw)) is not None:
         try:
-            return mixtral_config(raw, file, (path / TOKENIZER_FILE).is_file()), foreign
-        except MixtralError as e:
+            return by_format(foreign).config(raw, file, (path / TOKENIZER_FILE).is_file()), foreign
+        except HFError as e:
             raise CheckpointError(str(e)) from e
     try:
         return MoEConfig.from_dict(raw), None
@@ -131,7 +130,7 @@ def _read_config(path: Path) -> tuple[MoEConfig, str | None]:
         raise CheckpointError(f"{file}: {e}") from e
 
 
-def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool = False,
+def _foreign_state(path: Path, foreign: str, config: MoEConfig, device: str, shapes_only: bool = False,
                    dtype: torch.dtype | None = None, experts: bool = True) -> dict[str, Any]:
     """A foreign directory's tensors under the Transformer's names; shapes_only: meta tensors (headers only);
     experts=False: all but the experts (which are then neither stacked nor copied)."""
@@ -143,8 +142,8 @@ def _foreign_state(path: Path, config: MoEConfig, device: str, shapes_only: bool
             origin[k] = path / name
     where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else WEIGHTS_FILE)
     try:
-        return from_mixtral(tensors, config, origin, where, dtype, experts)
-    except MixtralError as e:
+        return by_format(foreign).tensors(tensors, config, origin, where, dtype, experts)
+    except HFError as e:
         raise CheckpointError(str(e)) from e
 
 
@@ -366,7 +365,7 @@ def load_checkpoint(
     config, foreign = _read_config(path)
     if foreign is not None:
         experts = keep is None or keep(f"layers.{config.moe_layer_ids[0]}.ffn.experts.w1")
-        state = _foreign_state(path, config, device, dtype=dtype, experts=experts)
+        state = _foreign_state(path, foreign, config, device, dtype=dtype, experts=experts)
         state = {k: t for k, t in state.items() if keep is None or keep(k)}
         return LoadedCheckpoint(path, config, state, {"format": foreign}, None, None)
     files = _weight_map(path)
@@ -414,9 +413,9 @@ def load_expert_slice(path: str | os.PathLike, start: int, stop: int, *, dtype: 
             slices.update({k: f for k in names or f.keys()})
         if foreign is not None:  # a Mixtral: per-expert or fused tensors, under its own names
             try:
-                return config, mixtral_expert_slice(lambda k: slices[k].get_slice(k), slices, config, start, stop,
-                                                    path, dtype)
-            except MixtralError as e:
+                return config, by_format(foreign).expert_slice(lambda k: slices[k].get_slice(k), slices, config,
+                                                               start, stop, path, dtype)
+            except HFError as e:
                 raise CheckpointError(str(e)) from e
         for k, f in slices.items():
             if is_expert_weight(k):
@@ -481,7 +480,7 @@ def describe(path: str | os.PathLike) -> str:
     _check_dir(path)
     config, foreign = _read_config(path)
     if foreign is not None:
-        shapes = {k: tuple(t.shape) for k, t in _foreign_state(path, config, "cpu", shapes_only=True).items()}
+        shapes = {k: tuple(t.shape) for k, t in _foreign_state(path, foreign, config, "cpu", shapes_only=True).items()}
         return _describe_foreign(path, foreign, config, shapes)
     manifest = _read_manifest(path)
     shapes = {k: shape for name, names in _weight_map(path).items()

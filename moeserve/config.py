@@ -20,7 +20,7 @@ MANIFEST_FILE = "moeserve.json"  # a checkpoint directory's file list, hashes an
 
 ROUTERS = ("softmax", "sigmoid", "xmoe", "vq")
 GATES = ("softmax", "sigmoid")
-EXPERT_ACTS = ("gelu", "swiglu")
+EXPERT_ACTS = ("gelu", "swiglu", "clamped_swiglu")
 NORMS = ("rmsnorm", "layernorm")
 TASKS = ("lm", "classify")
 VQ_MODES = ("mixed", "discrete")
@@ -119,6 +119,22 @@ class MoEConfig:
     # null = float
     quantization: dict[str, Any] | None = None
 
+    # --- What the Hugging Face MoE families add (hf_*.py); all off for moeserve's own models ---
+    d_head: int | None = None  # width of a head; None = d_model / n_heads (Qwen3-MoE and gpt-oss set their own)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2-MoE, gpt-oss)
+    o_bias: bool = False  # a bias on attention's output map (gpt-oss)
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (per head, Qwen3-MoE) or "all" (OLMoE)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
+    layer_windows: list[int | None] | None = None  # a sliding window per layer (gpt-oss); None = sliding_window
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "yarn", ...} (gpt-oss); None = plain RoPE
+    dense_d_ff: int | None = None  # hidden width of the dense (non-MoE) FFN layers; None = d_ff (Qwen2/3-MoE differ)
+    shared_d_ff: int | None = None  # a shared expert of this hidden width beside the routed ones (Qwen2-MoE)
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(w . x) (Qwen2-MoE)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases in the experts' linear maps (gpt-oss)
+    swiglu_limit: float = 7.0  # clamped_swiglu (gpt-oss): gate clamped to <= limit, up to [-limit, limit]
+    swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
+
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)
 
     def __post_init__(self) -> None:
@@ -127,7 +143,23 @@ class MoEConfig:
     # ---- derived values -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    @property
+    def extensions(self) -> list[str]:
+        """The fields of the Hugging Face families' additions that this config turns on, by name: what a backend,
+        an export or a quantizer that lacks one of them names when it refuses the model (and [] for every model
+        moeserve trains)."""
+        defaults = MoEConfig.__dataclass_fields__
+        names = ("d_head", "qkv_bias", "o_bias", "qk_norm", "attention_sinks", "layer_windows", "rope_scaling",
+                 "dense_d_ff", "shared_d_ff", "shared_gate", "router_bias", "expert_bias")
+        on = [n for n in names if getattr(self, n) != defaults[n].default
+              and not (n == "d_head" and self.d_head * self.n_heads == self.d_model)]
+        return on + ["clamped_swiglu"] * (self.expert_act == "clamped_swiglu")
+
+    def window_of(self, layer_id: int) -> int | None:
+        """Layer `layer_id`'s sliding window (None: it attends to the whole context)."""
+        return self.layer_windows[layer_id] if self.layer_windows is not None else self.sliding_window
 
     @property
     def kv_heads(self) -> int:
@@ -208,13 +240,32 @@ class MoEConfig:
             ("vq_distance", VQ_DISTANCES), ("tokenizer", TOKENIZERS),
         ):
             choice(name, options)
-        for name in ("causal", "tie_embeddings", "renormalize"):
+        for name in ("causal", "tie_embeddings", "renormalize", "qkv_bias", "o_bias", "attention_sinks", "shared_gate",
+                     "router_bias", "expert_bias"):
             boolean(name)
+        for name in ("d_head", "dense_d_ff", "shared_d_ff"):
+            if getattr(self, name) is not None:
+                positive_int(name)
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            positive_float(name)
+        if self.qk_norm not in (None, "head", "all"):
+            fail("qk_norm", self.qk_norm, "'head', 'all' or null")
+        if self.shared_gate and self.shared_d_ff is None:
+            fail("shared_gate", self.shared_gate, "false where there is no shared expert (shared_d_ff null)")
+        if self.layer_windows is not None and (
+                not isinstance(self.layer_windows, list) or len(self.layer_windows) != self.n_layers
+                or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0)
+                       for w in self.layer_windows)):
+            fail("layer_windows", self.layer_windows, f"a list of n_layers={self.n_layers} windows (positive "
+                 f"integers, or null for a layer that sees the whole context)")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            fail("rope_scaling", self.rope_scaling, "a JSON object or null")
 
-        if self.d_model % self.n_heads:
-            fail("n_heads", self.n_heads, f"a divisor of d_model={self.d_model}")
+        if self.d_head is None and self.d_model % self.n_heads:
+            fail("n_heads", self.n_heads, f"a divisor of d_model={self.d_model} (or a d_head of its own)")
         if self.head_dim % 2:
-            fail("n_heads", self.n_heads, f"a head size d_model/n_heads that is even (RoPE), got {self.head_dim}")
+            fail("n_heads" if self.d_head is None else "d_head", self.n_heads if self.d_head is None else self.d_head,
+                 f"a head size that is even (RoPE), got {self.head_dim}")
         if self.n_kv_heads is not None:
             positive_int("n_kv_heads")
             if self.n_heads % self.n_kv_heads:

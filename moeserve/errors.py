@@ -22,3 +22,7 @@ class MoeServeError(Exception):
 
 class UserError(MoeServeError, ValueError):
     """The caller asked for something that cannot be done as asked: HTTP 4xx, CLI exit status 2."""
+
+
+class HFError(UserError):
+    """A Hugging Face config.json or tensor set that cannot be read as it is (hf_*.py); the message names the file."""

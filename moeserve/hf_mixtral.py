@@ -1,7 +1,8 @@
 """Hugging Face Mixtral directories, read as they are: config.json mapped to an MoEConfig, tensors renamed
-and stacked into the Transformer's layout. checkpoint.py finds the files and calls these two functions
-when config.json says model_type 'mixtral'; they only map (dicts in, dicts out), so this module imports
-nothing of moeserve but the config, and checkpoint.py turns a MixtralError into its CheckpointError."""
+and stacked into the Transformer's layout. checkpoint.py finds the files and calls these functions (through
+hf_families.FAMILIES) when config.json says model_type 'mixtral'; they only map (dicts in, dicts out), so this
+module imports nothing of moeserve but the config and errors, and checkpoint.py turns a MixtralError into its
+CheckpointError."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import torch
 
 from moeserve.config import ConfigError, MoEConfig
-from moeserve.errors import UserError
+from moeserve.errors import HFError
 
 # MoEConfig field <- transformers MixtralConfig field, for the fields that are copied as they are.
 _MIXTRAL_FIELDS = {
@@ -27,7 +28,7 @@ _MIXTRAL_DEFAULTS = {"num_key_value_heads": None, "max_position_embeddings": 409
                      "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6}
 
 
-class MixtralError(UserError):
+class MixtralError(HFError):
     """A Mixtral config.json or tensor set that cannot be read as it is; the message names the file."""
 
 
