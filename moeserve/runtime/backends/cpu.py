@@ -176,8 +176,8 @@ class CpuKernelBackend(EagerBackend):
         """The whole decode step in one call, where every part of it is on the kernel: each layer's attention half,
         router and experts, the final norm and the LM head. Else None: the ops one by one."""
         model = self.model
-        if not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm":
-            return None
+        if not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm" or self.cfg.extensions:
+            return None  # the C step composes moeserve's own blocks only: a Hugging Face family's additions go op by op
         parts = []
         for block in model.layers:
             ffn, norms, a = block.ffn, (block.attention_norm, block.ffn_norm), block.attention
