@@ -243,3 +243,23 @@ def test_int8_quantizes_the_shared_expert_and_the_dense_layer(tmp_path: Path) ->
     ids = ids_of((1, 17), 5)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=2e-2, rtol=0)
+
+
+def test_a_qwen2_moe_on_an_expert_parallel_rank_gives_transformers_logits(tmp_path: Path) -> None:
+    """Loaded as a rank loads it (the dense part, the shared expert among it, and its experts as safetensors slices
+    behind the all-to-all), here the one rank of a gloo group of one."""
+    from moeserve.bench.server_process import free_port
+    from moeserve.runtime.ep_rank import load_rank_engine
+    from moeserve.runtime.expert_parallel import ExpertParallelExperts, join_group
+
+    hf = hf_model("qwen2_moe", tmp_path)
+    group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, timeout_s=30)
+    try:
+        model = load_rank_engine(str(tmp_path), group).model
+        assert all(isinstance(layer.experts, ExpertParallelExperts) and layer.shared is not None
+                   for layer in model.moe_layers)
+        ids = ids_of((2, 9), 0)
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
+    finally:
+        group.leave()
