@@ -156,7 +156,8 @@ def import_tensors(layout: Layout, tensors: dict[str, torch.Tensor], config: MoE
     D, F, E, V, Dh = c.d_model, c.d_ff, c.n_experts, c.vocab_size, c.head_dim
     q, kv = c.n_heads * Dh, c.kv_heads * Dh
     norm_q, norm_k = {"head": (Dh, Dh), "all": (q, kv), None: (0, 0)}[c.qk_norm]
-    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D), "norm.weight": take("model.norm.weight", D)}
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D),
+           "norm.weight": take("model.norm.weight", D)}
     if not c.tie_embeddings:
         out["output.weight"] = take("lm_head.weight", V, D)
     elif "lm_head.weight" in src:  # tied: transformers ties the head to the embedding and ignores a saved copy

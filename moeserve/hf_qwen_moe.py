@@ -72,7 +72,7 @@ def _qwen_config(raw: dict, where: Path, has_tokenizer: bool, model_type: str) -
             fail("field 'intermediate_size' missing (the width of the dense layers)")
         dense_d_ff = raw["intermediate_size"] if raw["intermediate_size"] != raw.get("moe_intermediate_size") else None
     heads, width, d_head = raw.get("num_attention_heads"), raw.get("hidden_size"), raw.get("head_dim")
-    if d_head is not None and isinstance(heads, int) and isinstance(width, int) and heads > 0 and d_head * heads == width:
+    if d_head is not None and isinstance(heads, int) and isinstance(width, int) and d_head * heads == width:
         d_head = None  # the default width
     math: dict = dict(moe_layers=moe if len(moe) < n_layers else None, dense_d_ff=dense_d_ff, d_head=d_head,
                       renormalize=bool(raw.get("norm_topk_prob", False)))

@@ -123,7 +123,8 @@ def test_variants_match_transformers(tmp_path: Path, family: str, overrides: dic
 
 
 # ---- backends and the Engine ----------------------------------------------------------------------------------------
-BACKENDS = {"eager": dict(plan=DispatchPlan()), "eager-packed": dict(plan=DispatchPlan(pack_dense=True, pack_experts=True)),
+BACKENDS = {"eager": dict(plan=DispatchPlan()),
+            "eager-packed": dict(plan=DispatchPlan(pack_dense=True, pack_experts=True)),
             "cpu-kernel": dict(plan=KERNEL), "compiled": dict(plan=DispatchPlan(), compile="on")}
 
 

@@ -227,9 +227,9 @@ class Transformer(nn.Module):
 
     def quantizable(self) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every module a weight-only quantization replaces (runtime/quant.py): attention's and
-        the dense FFNs' linear maps (a shared expert's too), each MoE layer's own experts and the LM head. The embedding,
-        norms, routers (a shared expert's gate, [1, D], is one), VQ codebooks, a classifier and any map with a bias stay
-        in full precision."""
+        the dense FFNs' linear maps (a shared expert's too), each MoE layer's own experts and the LM head. The
+        embedding, norms, routers (a shared expert's gate, [1, D], is one), VQ codebooks, a classifier and any map with
+        a bias stay in full precision."""
         out: list[tuple[nn.Module, str]] = []
 
         def dense(ffn: FeedForward) -> list[tuple[nn.Module, str]]:
