@@ -45,6 +45,8 @@ QWEN3_MOE = Layout("Qwen3-MoE", QwenMoeError, "mlp", GATE_UP_DOWN)
 
 
 def _qwen_config(raw: dict, where: Path, has_tokenizer: bool, model_type: str) -> MoEConfig:
+    """The two families' mapping, one config class's fields apart (module docstring)."""
+
     def fail(problem: str) -> NoReturn:
         raise QwenMoeError(f"{where}: Hugging Face model_type {model_type!r}: {problem}")
 
