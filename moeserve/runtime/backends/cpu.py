@@ -187,9 +187,9 @@ class CpuKernelBackend(EagerBackend):
         parts = []
         for block in model.layers:
             ffn, norms, a = block.ffn, (block.attention_norm, block.ffn_norm), block.attention
-            if (not isinstance(ffn, MoELayer) or not isinstance(ffn.router, KernelRouted)
+            if (not isinstance(ffn, MoELayer) or not isinstance(ffn.router, KernelRouted) or ffn.shared is not None
                     or not all(isinstance(n, KernelRMSNorm) for n in norms) or not isinstance(a, KernelAttention)):
-                return None  # a dense FFN, a VQ layer, a capacity limit, LayerNorm: the ops one by one
+                return None  # a dense FFN, a VQ layer, a capacity limit, a shared expert, LayerNorm: ops one by one
             n = ((norms[0].weight, norms[0].epsilon), (norms[1].weight, norms[1].epsilon))
             linears = (a.wq, a.wk, a.wv, a.wo)
             qk = None
