@@ -201,7 +201,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     except ChatTemplateError as e:
         raise ApiError("invalid_value", str(e), param="messages") from None
     tokenizer = _tokenizer(engine, "the rendered conversation needs the model's tokenizer", "messages")
-    row = tokenizer.encode(text, bos=not state.chat_template.writes_bos)
+    row = tokenizer.encode(text, bos=state.chat_template.needs_bos)
     ctx = engine.cfg.max_seq_len
     if len(row) > ctx - 1:
         raise ApiError("invalid_value", f"the conversation (messages) is {len(row)} tokens; at most {ctx - 1} fit this model's "
