@@ -144,7 +144,7 @@ def _plain(value: Any) -> Any:
     if value is None or type(value) in (str, int, float, bool):
         return value
     for kind in (str, int, float):  # bool cannot be subclassed
-        if isinstance(value, kind):
+        if isinstance(value, kind):  # the base type's own conversion: str() of a str Enum member is its name
             return getattr(kind, f"__{kind.__name__}__")(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
