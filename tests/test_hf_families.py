@@ -165,6 +165,23 @@ def test_engine_greedy_32_tokens_equal_transformers_generate(tmp_path: Path, fam
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scores_are_transformers_log_probabilities(tmp_path: Path, family: str) -> None:
+    """Engine.token_logprobs_ids (what /v1/score and `moeserve score` sum) of rows of unequal lengths, batched with
+    padding, through the backend the machine picks: log_softmax of transformers' logits at each next token."""
+    from moeserve.runtime.engine import Engine
+
+    hf = hf_model(family, tmp_path, seed=5)
+    engine = Engine.load(tmp_path, dtype="float32", device="cpu")
+    rows = [ids_of((1, n), seed)[0].tolist() for n, seed in ((9, 1), (40, 2), (2, 3))]
+    got = engine.token_logprobs_ids(rows)
+    for row, lp in zip(rows, got):
+        ids = torch.tensor([row])
+        with torch.no_grad():
+            want = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lp), want, atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("family, changes, message", [
     ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type 'yarn'"),
     ("qwen3_moe", {"rope_parameters": None, "rope_scaling": {"type": "yarn", "factor": 4.0}},
