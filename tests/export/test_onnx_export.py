@@ -49,7 +49,7 @@ TRT_OPS = Path(__file__).resolve().parents[2] / "moeserve" / "export" / "tensorr
 # last four the Hugging Face families' additions (MoEConfig.extensions) the graph writes: Qwen3-MoE's
 # per-head QK-norm, head width of its own and renormalised gates; OLMoE's QK-norm over whole projections;
 # Qwen2-MoE's q/k/v biases, gated shared expert and a dense layer wider than the experts; gpt-oss's
-# sliding window per layer and biased output map.
+# sliding window per layer and biased output map; and a gated shared expert beside a VQ table.
 CONFIGS: dict[str, dict] = {
     "softmax": dict(router="softmax"),
     "softmax-renorm": dict(router="softmax", renormalize=True),
@@ -69,6 +69,7 @@ CONFIGS: dict[str, dict] = {
     "qwen2-like": dict(router="softmax", qkv_bias=True, shared_d_ff=64, shared_gate=True, moe_layers=[1],
                        dense_d_ff=96, n_kv_heads=2),
     "windows": dict(router="softmax", layer_windows=[8, None], qkv_bias=True, o_bias=True),
+    "vq-code-shared": dict(router="vq", vq_mode="discrete", vq_input="code", shared_d_ff=64, shared_gate=True),
 }
 FAMILY_CONFIGS = ["qwen3-like", "olmoe-like", "qwen2-like", "windows"]
 
@@ -307,7 +308,10 @@ def test_parity_with_torch(zoo, name, mode):
     assert worst <= TOL, f"{name} {mode}: max |logits diff| {worst:.3g} > {TOL}"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# vq-code-shared: its shared expert's output, beside one table row per code, scales the residual stream up, and the
+# final RMSNorm shrinks this 1e-2 change to ~7e-4 in the logits (still 7x the tolerance); vq-code checks that layer
+# form, and the no-op shared expert of test_each_family_addition_shows_in_the_logits the shared part
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "vq-code-shared"])
 def test_parity_fails_after_perturbing_one_expert_weight(zoo, name):
     """The parity check can fail: one row of the down projection of the most used expert of the last MoE
     layer (output dim 0; a change along all dims alike would vanish in a LayerNorm), +1e-2 on each of its
@@ -395,7 +399,7 @@ def without(model: Transformer, name: str) -> Transformer:
 
 @pytest.mark.parametrize(("name", "addition"), [
     ("qwen3-like", "qk_norm"), ("olmoe-like", "qk_norm"), ("qwen2-like", "bias"), ("qwen2-like", "shared"),
-    ("qwen2-like", "shared_gate"), ("windows", "bias"), ("windows", "window"),
+    ("qwen2-like", "shared_gate"), ("windows", "bias"), ("windows", "window"), ("vq-code-shared", "shared"),
 ])
 def test_each_family_addition_shows_in_the_logits(zoo, name, addition):
     """The parity of the family configs means something: each addition, made a no-op in the torch model, moves its
@@ -449,7 +453,7 @@ def test_family_kv_cache_graph_decodes_with_parity(zoo, name, mode):
 
 
 # ---- 3. vq-table ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["vq-code", "vq-code-cosine-proj"])
+@pytest.mark.parametrize("name", ["vq-code", "vq-code-cosine-proj", "vq-code-shared"])
 def test_vq_table_holds_no_expert_matrices(zoo, name):
     model = zoo.model(name)
     cfg = model.cfg
