@@ -618,7 +618,7 @@ def test_quantized_family_checkpoints_export_with_parity(tmp_path, name, fmt):
     assert op_count(proto, "MatMulNBits") == (L + 1 if cfg.qkv_bias else 4 * L + 1)
     assert (op_count(proto, "QMoE"), op_count(proto, "MoE")) == (n_moe(cfg), 0)
     shared = [f"layers.{b}.ffn.shared.w{i}" for b in cfg.moe_layer_ids for i in (1, 2, 3)] if cfg.shared_d_ff else []
-    assert {n for n in shared} <= set(report.extra["dequantized"])
+    assert set(shared) <= set(report.extra["dequantized"])
     assert all(report.extra["dequantized"][n] == "the dense FFN is written as float MatMuls" for n in shared)
 
 
