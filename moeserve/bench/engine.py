@@ -149,7 +149,8 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     together (no padding: the same length). `quantize`: the Engine again with its weights quantized at load in
     each of these formats (int8, int4, fp8: runtime/quant.py), compiled where `compiled` is, in the same rounds;
     their tokens differ from the float model's by the quantization (same_tokens says whether), and their bandwidth
-    counts the quantized bytes a token reads."""
+    counts the quantized bytes a token reads. Each row's prefill rate is the prompt's tokens over the time to the
+    first token (the prefill and one sampled token)."""
     from transformers import AutoModelForCausalLM
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -254,9 +255,11 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 tps = batch * new_tokens / statistics.median(times[name])
                 decode_s = statistics.median(times[name]) - statistics.median(times[f"{name} {FIRST}"])
                 decode_tps = batch * (new_tokens - 1) / decode_s if decode_s > 0 and new_tokens > 1 else float("nan")
+                first_s = statistics.median(times[f"{name} {FIRST}"])  # the prompt's prefill and one token
                 row = {"dtype": dtype_name, "impl": name, "tokens_per_s": round(tps, 1),
                        "p50_s": round(statistics.median(times[name]), 4),
                        "decode_tokens_per_s": round(decode_tps, 1),
+                       "prefill_tokens_per_s": round(batch * prompt_len / first_s, 1),
                        "same_tokens": tokens[name] == tokens["moeserve Engine"]}
                 if name in engines:  # every run's decode tokens, warm-up's included: a compiled row's must replay
                     row["decode_paths"] = dict(engines[name].executor.decode_tokens)
@@ -318,12 +321,15 @@ def markdown(report: dict) -> str:
     per_token = report["batch"] == 1
     reads = per_token and all("pct_of_read_bandwidth" in r for r in report["results"])  # older reports: copy only
     extra = (" weights GB/s | % of copy bandwidth |" + (" % of read bandwidth |" if reads else "")) if per_token else ""
-    lines += ["| dtype | implementation | tokens/s | p50 s | decode tokens/s | same tokens | moeserve speed-up |"
-              + extra, "| --- | --- | ---: | ---: | ---: | --- | ---: |" + extra.count("|") * " ---: |"]
+    prefill = all("prefill_tokens_per_s" in r for r in report["results"])  # older reports: none
+    lines += ["| dtype | implementation | tokens/s | p50 s | decode tokens/s |" + (" prefill tokens/s |" * prefill)
+              + " same tokens | moeserve speed-up |" + extra,
+              "| --- | --- | ---: | ---: | ---: |" + " ---: |" * prefill + " --- | ---: |" + extra.count("|") * " ---: |"]
     for r in report["results"]:
         same = "yes" if r["same_tokens"] else f"no (first {r.get('matching_prefix')} equal)"
         lines.append(f"| {r['dtype']} | {r['impl']} | {r['tokens_per_s']} | {r['p50_s']} | "
-                     f"{r.get('decode_tokens_per_s', '-')} | {same} | "
+                     f"{r.get('decode_tokens_per_s', '-')} | " + (f"{r['prefill_tokens_per_s']} | " * prefill)
+                     + f"{same} | "
                      f"{r.get('speedup_of_moeserve', '-')} |"
                      + (f" {r['weights_gb_per_s']} | {r['pct_of_copy_bandwidth']}% |" if per_token else "")
                      + (f" {r['pct_of_read_bandwidth']}% |" if reads else ""))

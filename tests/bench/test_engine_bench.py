@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from moeserve.bench.engine import (  # noqa: E402
-    GROUPED, MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, plot, read_bandwidth,
-    write_mixtral,
+    GROUPED, MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, model_fields, plot,
+    read_bandwidth, write_mixtral, write_model,
 )
 from .test_report import png_size  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
@@ -26,6 +26,21 @@ SMALL = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_la
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     return write_mixtral(tmp_path_factory.mktemp("bench") / "small", **SMALL)
+
+
+def test_a_family_preset_gives_transformers_tokens(tmp_path):
+    """A preset of another Hugging Face family (here Qwen3-MoE's, shrunk), written by transformers' Auto classes and
+    compared with AutoModelForCausalLM's generate; each row's prefill rate is the prompt over its first token."""
+    path = write_model(tmp_path / "qwen3", "qwen3-moe", vocab_size=300, hidden_size=64, head_dim=24,
+                       intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_hidden_layers=2)
+    report = bench_engine(["float32"], new_tokens=6, prompt_len=5, repeats=1, backends=("eager",), checkpoint=path,
+                          progress=lambda msg: None)
+    ours, theirs = report["results"]
+    assert ours["same_tokens"] and theirs["same_tokens"] and theirs["matching_prefix"] == 6
+    for row in (ours, theirs):
+        assert 0 < row["prefill_tokens_per_s"] < float("inf")
+        assert f"| {row['prefill_tokens_per_s']} |" in markdown(report)
+    assert model_fields("qwen3-moe")["model_type"] == "qwen3_moe" and model_fields("tiny") is MODELS["tiny"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
