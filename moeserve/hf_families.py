@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from moeserve import hf_mixtral
+from moeserve import hf_gpt_oss, hf_mixtral
 from moeserve.config import MoEConfig
 from moeserve.errors import HFError
 
@@ -41,6 +41,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "mixtral": Family("hf-mixtral", hf_mixtral.mixtral_config, hf_mixtral.from_mixtral, hf_mixtral.mixtral_expert_slice),
+    "gpt_oss": Family("hf-gpt_oss", hf_gpt_oss.gpt_oss_config, hf_gpt_oss.from_gpt_oss, hf_gpt_oss.gpt_oss_expert_slice),
 }
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.experts import Experts
+from moeserve.runtime.experts import make_experts
 from moeserve.runtime.routing import Routing, VectorQuantizer, capacity_keep, make_router
 
 
@@ -38,7 +38,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.n_experts = cfg.n_experts
-        self.experts = experts if experts is not None else Experts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act)
+        self.experts = experts if experts is not None else make_experts(cfg)
         is_vq = cfg.router == "vq"
         self.router = make_router(cfg) if not (is_vq and cfg.vq_mode == "discrete") else None
         self.quantizer = (
