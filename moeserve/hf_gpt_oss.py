@@ -156,6 +156,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     b is value 2b, the high one value 2b + 1, each e2m1 code times 2^(scale - 127). The same operations as
     transformers' integrations/mxfp4.convert_moe_packed_tensors (a table in `dtype`, then torch.ldexp), so the
     same bits, without its final transpose (our stacks are [E, out, in], the checkpoint's row order)."""
+    if blocks.is_meta:  # shapes only (describe): the headers' shapes, whatever dtype they were given
+        return torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype, device="meta")
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
             or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "

@@ -275,8 +275,8 @@ class Transformer(nn.Module):
         the dense FFNs' linear maps, each MoE layer's own experts and the LM head. The embedding, norms, routers, VQ
         codebooks and a classifier stay in full precision."""
         out: list[tuple[nn.Module, str]] = []
-        for block in self.layers:
-            out += [(block.attention, n) for n in ("wq", "wk", "wv", "wo")]
+        for block in self.layers:  # a linear map with a bias (gpt-oss's attention) stays float: QuantLinear has none
+            out += [(block.attention, n) for n in ("wq", "wk", "wv", "wo") if getattr(block.attention, n).bias is None]
             if isinstance(block.ffn, FeedForward):
                 out += [(block.ffn, n) for n in ("w1", "w2", "w3") if getattr(block.ffn, n) is not None]
             elif isinstance(block.ffn.experts, (Experts, QuantExperts)):  # its own, not an experts_factory's

@@ -39,7 +39,7 @@ from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
 from moeserve.runtime.expert_parallel import ExpertParallelExperts
-from moeserve.runtime.experts import Experts
+from moeserve.runtime.experts import BiasedExperts, Experts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
@@ -77,7 +77,7 @@ def model_uncompilable(model: Transformer) -> str | None:
             return ("its experts exchange rows with other ranks in buffers sized on the host (the variable "
                     "all-to-all; experts_factory: expert parallelism): call use_fixed on every rank's layers to "
                     "compile it, or serve it with --compile off")
-        if not isinstance(e, (Experts, QuantExperts, ExpertParallelExperts)):
+        if not isinstance(e, (Experts, BiasedExperts, QuantExperts, ExpertParallelExperts)):
             return ("its experts are an experts_factory's: they run past this process's graph; serve it with "
                     "--compile off")
     return None

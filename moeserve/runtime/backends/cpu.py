@@ -118,7 +118,7 @@ class KernelRouted(Laid, nn.Module):
 def kernel_router(router: nn.Module) -> KernelRouter | None:
     """`router` on the C kernel, where it is one the kernel computes; else None. Its weights as they are now (X-MoE's
     tau is read here): a backend made after they change builds it again."""
-    if isinstance(router, SoftmaxRouter):
+    if isinstance(router, SoftmaxRouter) and router.gate.bias is None:  # the kernel's router has no bias (gpt-oss)
         return KernelRouter(router.gate.weight, router.top_k, "softmax", router.renormalize)
     if isinstance(router, SigmoidRouter):
         return KernelRouter(router.gate.weight, router.top_k, "sigmoid")
@@ -168,8 +168,8 @@ class CpuKernelBackend(EagerBackend):
             return KernelQuantLinear.of(m)
         if plan.kernel_norms and type(m) is nn.RMSNorm and m.weight is not None:
             return KernelRMSNorm.of(m)
-        if plan.kernel_norms and type(m) is Attention and m.causal:
-            return KernelAttention.of(m)
+        if plan.kernel_norms and type(m) is Attention and m.causal and getattr(m, "sinks", None) is None:
+            return KernelAttention.of(m)  # the kernel's softmax has no sink (gpt-oss): that attention stays torch's
         return super().form(m, plan)
 
     def _step(self, plan: DispatchPlan) -> KernelDecodeStep | None:
@@ -178,6 +178,10 @@ class CpuKernelBackend(EagerBackend):
         model = self.model
         if not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm":
             return None
+        c = self.cfg
+        if c.attention_sinks or c.qkv_bias or c.o_bias or c.router_bias or c.expert_bias \
+                or c.expert_act == "clamped_swiglu":
+            return None  # gpt-oss's sinks, biases and clamped experts: not in the C step; the ops one by one
         parts = []
         for block in model.layers:
             ffn, norms, a = block.ffn, (block.attention_norm, block.ffn_norm), block.attention
