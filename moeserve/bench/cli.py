@@ -7,6 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Callable
 
+from moeserve.bench.engine import FAMILY_MODELS
 from moeserve.config import PRESETS
 from moeserve.convert import add_kept_weights
 from moeserve.runtime import GPU_QUANT_FORMATS, QUANT_FORMATS
@@ -54,13 +55,14 @@ def add_bench(sub, calibrate_help: str) -> None:
     bl.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     bl.set_defaults(func=_main("moeserve.bench.layer"))
     be = bsub.add_parser("engine", help="greedy generation end to end: the Engine vs transformers' generate",
-                         description="Greedy generation on a Mixtral checkpoint (default: a random one of --model's "
-                         "size, written by transformers), moeserve's Engine against transformers' generate; at "
+                         description="Greedy generation on a Hugging Face checkpoint (default: a random one of "
+                         "--model's, written by transformers), moeserve's Engine against transformers' generate; at "
                          "batch 1 also the weight bytes read per second against the machine's copy bandwidth.")
-    be.add_argument("--checkpoint", type=Path, help="a Hugging Face Mixtral directory (default: a random one)")
-    be.add_argument("--model", default="tiny", choices=("tiny", "644m", "2.4b"),
-                    help="size of the random Mixtral: tiny (76M parameters), 644m or 2.4b (2.6 and 9.8 GB in fp32) "
-                    "(default: tiny)")
+    be.add_argument("--checkpoint", type=Path, help="a Hugging Face directory (default: a random one of --model's)")
+    be.add_argument("--model", default="tiny", choices=("tiny", "644m", "2.4b", *FAMILY_MODELS),
+                    help="the random model: a Mixtral of size tiny (76M parameters), 644m or 2.4b (2.6 and 9.8 GB in "
+                    "fp32), or a preset of another family at about tiny's size: " + ", ".join(FAMILY_MODELS) +
+                    " (default: tiny)")
     be.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="(default: cpu)")
     be.add_argument("--batch", type=int, default=1, help="prompts decoded together (default: 1)")
     be.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))

@@ -1,7 +1,8 @@
 """`moeserve bench engine`: greedy generation end to end, moeserve's Engine against transformers'
-`generate` on the same Mixtral checkpoint, dtype, device, prompts and token count, in one run.
+`generate` on the same checkpoint (a Mixtral, or a preset of another Hugging Face MoE family), dtype, device,
+prompts and token count, in one run.
 
-The checkpoint is a random Mixtral of a chosen size written by transformers itself (`save_pretrained`),
+The checkpoint is a random model of a chosen size written by transformers itself (`save_pretrained`),
 which the Engine loads as is: the comparison also exercises the no-conversion import. Both decode with a
 KV cache and must produce the same tokens (checked, and reported). At batch 1 a decode step reads every
 weight it uses once, so its speed is set by memory bandwidth: the report gives the weight bytes a decode step
@@ -41,17 +42,49 @@ MODELS = {  # transformers MixtralConfig fields; the sizes are those of issue 11
     "2.4b": dict(_MIXTRAL, vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                  num_attention_heads=16, num_key_value_heads=8),
 }
+_IDS = dict(vocab_size=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=1024,
+            tie_word_embeddings=False)
+# The other Hugging Face families at about the tiny Mixtral's active size, each with its own shape of expert layer:
+# (model_type, transformers config fields). Shared experts and a dense first layer (Qwen2-MoE), QK-norm per head
+# and heads wider than hidden / heads (Qwen3-MoE), QK-norm over the projection (OLMoE), sinks, alternating windows,
+# biases and YaRN (gpt-oss: its own rope defaults).
+FAMILY_MODELS = {
+    "qwen2-moe": ("qwen2_moe", dict(_IDS, hidden_size=512, intermediate_size=1408, moe_intermediate_size=352,
+                                    shared_expert_intermediate_size=1408, num_experts=16, num_experts_per_tok=4,
+                                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                                    mlp_only_layers=[0])),
+    "qwen3-moe": ("qwen3_moe", dict(_IDS, hidden_size=512, head_dim=128, intermediate_size=1408,
+                                    moe_intermediate_size=352, num_experts=16, num_experts_per_tok=4,
+                                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                    norm_topk_prob=True)),
+    "olmoe": ("olmoe", dict(_IDS, hidden_size=512, intermediate_size=352, num_experts=16, num_experts_per_tok=4,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8)),
+    "gpt-oss": ("gpt_oss", dict(_IDS, hidden_size=512, intermediate_size=512, num_local_experts=8,
+                                num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8,
+                                num_key_value_heads=2, head_dim=64, sliding_window=128, max_position_embeddings=4096)),
+}
 
 
-def write_mixtral(path: Path, model: str = "tiny", seed: int = 0, dtype: torch.dtype | None = None,
-                  **overrides) -> Path:
-    """A random Mixtral of one of MODELS' sizes, saved by transformers (in `dtype`: fp32 unless given)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+def model_fields(model: str) -> dict:
+    """The transformers config fields of a --model (a Mixtral size or a family preset)."""
+    return MODELS[model] if model in MODELS else {"model_type": FAMILY_MODELS[model][0], **FAMILY_MODELS[model][1]}
 
+
+def write_model(path: Path, model: str = "tiny", seed: int = 0, dtype: torch.dtype | None = None,
+                **overrides) -> Path:
+    """A random model of one of MODELS' Mixtral sizes or FAMILY_MODELS' presets, saved by transformers (in
+    `dtype`: fp32 unless given)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(model_fields(model))
     torch.manual_seed(seed)
-    hf = MixtralForCausalLM(MixtralConfig(**{**MODELS[model], **overrides})).eval()
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type", "mixtral"),
+                                                               **{**fields, **overrides})).eval()
     (hf if dtype is None else hf.to(dtype)).save_pretrained(path)
     return path
+
+
+write_mixtral = write_model  # the Mixtral sizes' name, which the GPU bench and the tests use
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30, rounds: int = 5) -> float:
@@ -117,19 +150,19 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     each of these formats (int8, int4, fp8: runtime/quant.py), compiled where `compiled` is, in the same rounds;
     their tokens differ from the float model's by the quantization (same_tokens says whether), and their bandwidth
     counts the quantized bytes a token reads."""
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
-    if model not in MODELS and checkpoint is None:
-        raise BenchError(f"--model {model!r}: expected one of {', '.join(MODELS)}")
+    if model not in {**MODELS, **FAMILY_MODELS} and checkpoint is None:
+        raise BenchError(f"--model {model!r}: expected one of {', '.join([*MODELS, *FAMILY_MODELS])}")
     rows, costs, plans, skipped = [], [], {}, {}
     bandwidths = [copy_bandwidth(device)]  # and once per round: a shared machine's bandwidth drifts
     reads = [read_bandwidth(device)]
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is None:
-            progress(f"writing a random {model} Mixtral with transformers ...")
-        path = checkpoint or write_mixtral(Path(tmp) / f"mixtral-{model}", model)
+            progress(f"writing a random {model if model in FAMILY_MODELS else model + ' Mixtral'} with transformers ...")
+        path = checkpoint or write_model(Path(tmp) / f"hf-{model}", model)
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
             why = dtype_unsupported(device, dtype)
@@ -181,7 +214,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 engines[name], quantized_bytes[name] = q, weight_bytes_per_token(q.model)
             ids = prompts.to(device)
             for backend in backends:
-                hf = MixtralForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend)
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=backend)
                 hf = hf.to(device).eval()
                 hf.generation_config.eos_token_id = None
                 hf.generation_config.pad_token_id = 0
@@ -239,7 +272,7 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                                                   len(ours_flat))
                     row["speedup_of_moeserve"] = round(ours_tps / tps, 2)
                 rows.append(row)
-    return {"accounting": costs, "model": MODELS.get(model) if checkpoint is None else str(checkpoint),
+    return {"accounting": costs, "model": model_fields(model) if checkpoint is None else str(checkpoint),
             "model_name": model if checkpoint is None else None, "device": device,
             "copy_bandwidth_gb_per_s": round(statistics.median(bandwidths), 1),
             "read_bandwidth_gb_per_s": round(statistics.median(reads), 1), "new_tokens": new_tokens,

@@ -59,6 +59,10 @@ def check_combination(cfg, mode: str) -> None:
     if mode == "vq-table" and cfg.router != "vq":
         raise ExportError(f"--mode vq-table folds VQ layers into tables; this model's router is {cfg.router!r} "
                           f"(use portable or fused)")
+    if cfg.extensions:
+        raise ExportError(f"this model turns on {', '.join(cfg.extensions)} (a Hugging Face family's "
+                          f"{cfg.extra.get('hf_model_type', 'architecture')}), which the ONNX graph "
+                          f"(export/onnx_graph.py) does not write yet; serve it with moeserve's own backends")
     if cfg.capacity_factor is not None and not (cfg.router == "vq" and cfg.vq_mode == "discrete"):
         raise ExportError(f"capacity_factor={cfg.capacity_factor} (tokens dropped past each expert's capacity) has "
                           f"no ONNX form; export a dropless model (capacity_factor null), as serving runs anyway")

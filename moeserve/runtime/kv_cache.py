@@ -159,9 +159,9 @@ class RowsPart:
 
     rows: CacheRows
     tokens: slice  # where its tokens lie among the call's
-    cos: Tensor | None = None  # the attention's inputs, set by Transformer.forward (_rope_and_mask)
+    cos: Tensor | None = None  # the attention's inputs, set by Transformer.forward (_rope_and_masks)
     sin: Tensor | None = None
-    mask: Tensor | None = None
+    masks: dict[int | None, Tensor] | None = None  # by sliding window (Transformer.windows)
 
 
 @dataclass

@@ -116,28 +116,54 @@ def attend_with_sinks(q_BHSDh: Tensor, k_BGLDh: Tensor, v_BGLDh: Tensor, sinks_H
 
 
 class Attention(nn.Module):
+    """Multi-head or grouped-query attention with RoPE. What the Hugging Face families add is off unless the config
+    turns it on: biases (Qwen2-MoE's q, k, v; gpt-oss's all four maps), a head width of its own (d_head), RMSNorm
+    of q and k before RoPE (QK-norm: per head as Qwen3 does, or over the whole projection as OLMoE does), a
+    sliding window per layer (gpt-oss alternates windowed and full layers) and a sink logit per head (gpt-oss)."""
+
     def __init__(self, cfg: MoEConfig, layer_id: int = 0):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.causal, self.window = cfg.causal, cfg.sliding_window
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.causal, self.window = cfg.causal, cfg.window_of(layer_id)
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, q, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, kv, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, kv, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q, cfg.d_model, bias=cfg.o_bias)
+        # gpt-oss: a learned logit per head in each softmax's denominator (attend_with_sinks); zero-initialised
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
+        # QK-norm keeps the attention logits from growing with the weights' norms (OLMoE, Qwen3): "head" normalises
+        # each head's Dh values, "all" a token's whole q (and k) projection before it is split into heads.
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:
+            width_q, width_k = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (q, kv)
+            self.q_norm = nn.RMSNorm(width_q, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(width_k, eps=cfg.norm_eps)
+
+    def _project(self, x_BSD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, S, H, Dh], k and v [B, S, G, Dh], QK-normed where the config says, before RoPE."""
+        B, S, _ = x_BSD.shape
+        q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.view(B, S, self.n_kv_heads, self.head_dim)
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 cache: CacheRows | StepRows | None = None) -> Tensor:
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k, v = self._project(x_BSD)
         if isinstance(cache, StepRows):  # [1, T] tokens of rows of any lengths: each part attends as it would alone
             ys = []
             for p in cache.parts:
                 n, R = p.tokens.stop - p.tokens.start, p.rows.positions.shape[0]
                 qp, kp, vp = (t[0, p.tokens].view(R, n // R, *t.shape[2:]) for t in (q, k, v))
-                ys.append(self._attend(qp, kp, vp, p.cos, p.sin, p.mask, False, p.rows).reshape(1, n, -1))
+                ys.append(self._attend(qp, kp, vp, p.cos, p.sin, p.masks[self.window], False, p.rows)
+                          .reshape(1, n, -1))
             return self.wo(torch.cat(ys, dim=1) if len(ys) > 1 else ys[0])
         return self.wo(self._attend(q, k, v, cos, sin, mask, is_causal, cache).reshape(B, S, -1))
 
@@ -149,7 +175,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
-        if getattr(self, "sinks", None) is not None:
+        if self.sinks is not None:  # gpt-oss: not SDPA's softmax
             return attend_with_sinks(q, k, v, self.sinks, mask, is_causal).transpose(1, 2).reshape(B, S, -1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
@@ -227,6 +253,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i, experts_factory) for i in range(cfg.n_layers))
+        # the layers' distinct sliding windows (None: the whole context): a call builds one mask for each
+        self.windows = list(dict.fromkeys(cfg.window_of(i) for i in range(cfg.n_layers)))
         self.norm = make_norm(cfg)
         if cfg.task == "classify":
             self.classifier = nn.Linear(cfg.d_model, cfg.n_classes, bias=True)
@@ -273,13 +301,14 @@ class Transformer(nn.Module):
     def quantizable(self) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every module a weight-only quantization replaces (runtime/quant.py): attention's and
         the dense FFNs' linear maps, each MoE layer's own experts and the LM head. The embedding, norms, routers, VQ
-        codebooks and a classifier stay in full precision."""
+        codebooks, a classifier and any map with a bias stay in full precision."""
         out: list[tuple[nn.Module, str]] = []
-        for block in self.layers:  # a linear map with a bias (gpt-oss's attention) stays float: QuantLinear has none
-            out += [(block.attention, n) for n in ("wq", "wk", "wv", "wo") if getattr(block.attention, n).bias is None]
+        for block in self.layers:  # a map with a bias stays in float: the quantized forms have none
+            out += [(block.attention, n) for n in ("wq", "wk", "wv", "wo")
+                    if getattr(getattr(block.attention, n), "bias", None) is None]
             if isinstance(block.ffn, FeedForward):
                 out += [(block.ffn, n) for n in ("w1", "w2", "w3") if getattr(block.ffn, n) is not None]
-            elif isinstance(block.ffn.experts, (Experts, QuantExperts)):  # its own, not an experts_factory's
+            elif type(block.ffn.experts) in (Experts, QuantExperts):  # its own, not an experts_factory's
                 out.append((block.ffn, "experts"))
         if self.cfg.task == "lm":
             out.append((self, "output"))
@@ -313,17 +342,18 @@ class Transformer(nn.Module):
         B, S = input_ids.shape
         x = self.tok_embeddings(input_ids)
         token_mask = None
-        cos = sin = mask = None
+        cos = sin = None
+        masks: dict[int | None, Tensor | None] = dict.fromkeys(self.windows)
         if isinstance(cache, StepRows):
             if attention_mask is not None or (B, S) != (1, cache.n_tokens):
                 raise ValueError(f"these rows take their {cache.n_tokens} tokens as one row [1, {cache.n_tokens}] and "
                                  f"no attention mask, not {list(input_ids.shape)}")
             for p in cache.parts:
-                p.cos, p.sin, p.mask = self._rope_and_mask(p.rows, x.dtype)
+                p.cos, p.sin, p.masks = self._rope_and_masks(p.rows, x.dtype)
         elif cache is None:
             if S > self.cfg.max_seq_len:
                 raise ValueError(f"{S} tokens are past max_seq_len={self.cfg.max_seq_len}")
-            mask = self._mask(S, attention_mask)
+            masks = {w: self._mask(S, attention_mask, w) for w in self.windows}
             if attention_mask is not None:
                 token_mask = attention_mask.bool()
                 token_mask = None if bool(token_mask.all()) else token_mask  # one check here, not one per layer
@@ -331,11 +361,11 @@ class Transformer(nn.Module):
         else:
             if attention_mask is not None:
                 raise ValueError("a cached call takes no attention mask: its rows have no padding")
-            cos, sin, mask = self._rope_and_mask(cache, x.dtype)
+            cos, sin, masks = self._rope_and_masks(cache, x.dtype)
         is_causal = self.cfg.causal and cache is None
         aux = []
         for block in self.layers:
-            x, a = block(x, cos, sin, mask, is_causal, token_mask, cache)
+            x, a = block(x, cos, sin, masks[block.attention.window], is_causal, token_mask, cache)
             if a is not None:
                 aux.append(a)
         if isinstance(cache, StepRows):
@@ -362,9 +392,10 @@ class Transformer(nn.Module):
             out[a:a + HEAD_ROWS] = logp.gather(-1, t_N[a:a + HEAD_ROWS])[:, 0]
         return out.view(B, T)
 
-    def _mask(self, S: int, attention_mask_BS: Tensor | None) -> Tensor | None:
-        """Boolean [B|1, 1, S, S] mask of an uncached call, or None when SDPA's causal flag (or nothing) suffices."""
-        window = self.cfg.sliding_window if self.cfg.causal else None
+    def _mask(self, S: int, attention_mask_BS: Tensor | None, window: int | None) -> Tensor | None:
+        """Boolean [B|1, 1, S, S] mask of an uncached call through layers of sliding window `window`, or None when
+        SDPA's causal flag (or nothing) suffices."""
+        window = window if self.cfg.causal else None
         windowed = window is not None and S > window  # some query cannot see all before it
         if attention_mask_BS is None and not windowed:
             return None
@@ -383,20 +414,22 @@ class Transformer(nn.Module):
             allowed = allowed | torch.eye(S, dtype=torch.bool, device=pos.device)[None, None]
         return allowed
 
-    def _rope_and_mask(self, cache: CacheRows, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """cos and sin [B, 1, S, Dh] at the rows' positions, and their mask."""
+    def _rope_and_masks(self, cache: CacheRows, dtype: torch.dtype) -> tuple[Tensor, Tensor, dict[int | None, Tensor]]:
+        """cos and sin [B, 1, S, Dh] at the rows' positions, and their mask for each of the layers' windows."""
         pos = cache.positions
-        return self.rope_cos[pos][:, None].to(dtype), self.rope_sin[pos][:, None].to(dtype), self._cache_mask(cache)
+        return (self.rope_cos[pos][:, None].to(dtype), self.rope_sin[pos][:, None].to(dtype),
+                {w: self._cache_mask(cache, w) for w in self.windows})
 
-    def _cache_mask(self, cache: CacheRows) -> Tensor:
+    def _cache_mask(self, cache: CacheRows, window: int | None) -> Tensor:
         """[B, 1, S, L]: a query sees its sequence's keys up to its own position (causal, within the sliding
-        window), or every key its sequence wrote (bidirectional); never a key of an earlier owner of the slot."""
+        window `window`), or every key its sequence wrote (bidirectional); never a key of an earlier owner of the
+        slot."""
         q_BS1 = cache.positions[:, :, None]
         k_1L = torch.arange(cache.length, device=q_BS1.device)[None, None, :]
         if self.cfg.causal:
             allowed = k_1L <= q_BS1
-            if self.cfg.sliding_window is not None:
-                allowed = allowed & (k_1L > q_BS1 - self.cfg.sliding_window)
+            if window is not None:
+                allowed = allowed & (k_1L > q_BS1 - window)
         else:
             last_B11 = cache.positions.amax(dim=1)[:, None, None]
             allowed = (k_1L <= last_B11).expand(-1, q_BS1.shape[1], -1)

@@ -32,7 +32,8 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     made = {}
     for key, overrides in {"xmoe": dict(router="xmoe"), "softmax": dict(router="softmax"),
-                           "capacity": dict(router="softmax", capacity_factor=1.25)}.items():
+                           "capacity": dict(router="softmax", capacity_factor=1.25),
+                           "qk-norm": dict(router="softmax", qk_norm="head", qkv_bias=True)}.items():
         torch.manual_seed(0)
         model = Transformer(preset("tiny", **overrides))
         made[key] = save_checkpoint(root / key, model.cfg, model.state_dict())
@@ -98,6 +99,12 @@ def test_vq_table_on_a_softmax_model(checkpoints, out_dir):
 def test_capacity_factor_has_no_onnx_form(checkpoints, out_dir, mode):
     with pytest.raises(ExportError, match="capacity_factor=1.25"):
         export_onnx(checkpoints["capacity"], out_dir / "m.onnx", mode)
+    assert listing(out_dir) == []
+
+
+def test_a_family_addition_the_graph_lacks_is_refused_by_name(checkpoints, out_dir):
+    with pytest.raises(ExportError, match="turns on qkv_bias, qk_norm .*does not write yet"):
+        export_onnx(checkpoints["qk-norm"], out_dir / "m.onnx", "portable")
     assert listing(out_dir) == []
 
 

@@ -60,6 +60,35 @@ def test_kv_cache_one_token_at_a_time_from_start():
     torch.testing.assert_close(inc, full, rtol=0, atol=1e-5)
 
 
+def test_windows_per_layer():
+    """layer_windows (gpt-oss alternates windowed and full layers): a window on every layer is sliding_window; a
+    window on one layer only is neither the windowed nor the full model, and its cached decode, one row at a time
+    or rows of any lengths in one call (StepRows), equals its full forward."""
+    S, P = 14, 5
+    ids = rand_ids((2, S), seed=3)
+    windowed, mixed, full = (tiny(n_kv_heads=2, **kw).eval() for kw in (
+        dict(sliding_window=4), dict(layer_windows=[None, 4]), {}))
+    same = tiny(n_kv_heads=2, layer_windows=[4, 4]).eval()
+    assert [b.attention.window for b in mixed.layers] == [None, 4] and mixed.windows == [None, 4]
+    assert mixed.cfg.extensions == ["layer_windows"] and windowed.cfg.extensions == []
+    with torch.no_grad():
+        logits = {m: m(ids).logits for m in (windowed, mixed, full, same)}
+        torch.testing.assert_close(logits[same], logits[windowed], rtol=0, atol=0)
+        assert (logits[mixed] - logits[windowed]).abs().amax() > 1e-3
+        assert (logits[mixed] - logits[full]).abs().amax() > 1e-3
+        cache = KVCache.for_model(mixed, 2, 16)
+        parts = [mixed(ids[:, :P], cache=cache.rows([0, 1], [0, 0], P)).logits]
+        parts += [mixed(ids[:, t:t + 1], cache=cache.rows([0, 1], [t, t], 1)).logits for t in range(P, S)]
+        torch.testing.assert_close(torch.cat(parts, dim=1), logits[mixed], rtol=0, atol=1e-5)
+        cache = KVCache.for_model(mixed, 2, 16)
+        mixed(ids[:1, :S - 1], cache=cache.rows([0], [0], S - 1))
+        starts = [S - 1, 0]  # row 0's decode token beside row 1's whole prompt
+        rows = cache.step_rows([0, 1], starts, [1, S])
+        flat = torch.cat([ids[b, starts[b]:] for b in rows.order])
+        last = mixed(flat[None], cache=rows).logits[:, 0]
+    torch.testing.assert_close(last, logits[mixed][rows.order, -1], rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # causality
 

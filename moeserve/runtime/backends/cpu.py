@@ -168,7 +168,7 @@ class CpuKernelBackend(EagerBackend):
             return KernelQuantLinear.of(m)
         if plan.kernel_norms and type(m) is nn.RMSNorm and m.weight is not None:
             return KernelRMSNorm.of(m)
-        if plan.kernel_norms and type(m) is Attention and m.causal and getattr(m, "sinks", None) is None:
+        if plan.kernel_norms and type(m) is Attention and m.causal and m.sinks is None:
             return KernelAttention.of(m)  # the kernel's softmax has no sink (gpt-oss): that attention stays torch's
         return super().form(m, plan)
 
@@ -176,12 +176,8 @@ class CpuKernelBackend(EagerBackend):
         """The whole decode step in one call, where every part of it is on the kernel: each layer's attention half,
         router and experts, the final norm and the LM head. Else None: the ops one by one."""
         model = self.model
-        if not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm":
-            return None
-        c = self.cfg
-        if c.attention_sinks or c.qkv_bias or c.o_bias or c.router_bias or c.expert_bias \
-                or c.expert_act == "clamped_swiglu":
-            return None  # gpt-oss's sinks, biases and clamped experts: not in the C step; the ops one by one
+        if not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm" or self.cfg.extensions:
+            return None  # the C step composes moeserve's own blocks only: a Hugging Face family's additions go op by op
         parts = []
         for block in model.layers:
             ffn, norms, a = block.ffn, (block.attention_norm, block.ffn_norm), block.attention
