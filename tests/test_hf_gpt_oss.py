@@ -24,6 +24,7 @@ from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
 from moeserve.runtime.experts import BiasedExperts  # noqa: E402
 from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
+from moeserve.runtime.model import attend_with_sinks  # noqa: E402
 from moeserve.runtime.routing import SoftmaxRouter  # noqa: E402
 
 TOL = 1e-4  # fp32
@@ -33,11 +34,12 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
 
 
 def hf_gpt_oss(tmp: Path, seed: int = 0, save: bool = True, **overrides) -> GptOssForCausalLM:
-    """A tiny random gpt-oss, saved to `tmp` by transformers itself."""
+    """A tiny random gpt-oss, saved to `tmp` by transformers itself: weights of std 0.2 (at transformers' 0.02 greedy
+    decoding repeats one token) and a SwiGLU limit of 1.5, which the experts' pre-activations cross."""
     torch.manual_seed(seed)
     cfg = dict(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-               max_position_embeddings=256, rope_parameters=YARN)
+               max_position_embeddings=256, rope_parameters=YARN, swiglu_limit=1.5, initializer_range=0.2)
     model = GptOssForCausalLM(GptOssConfig(**{**cfg, **overrides})).eval()
     assert model.config._attn_implementation == "eager"  # the implementation with sinks, on a CPU
     with torch.no_grad():  # transformers initialises biases to zero and sinks near it: make them count
@@ -88,7 +90,8 @@ def test_every_piece_changes_the_answer(tmp_path: Path) -> None:
     ids = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = hf(ids).logits
-        for change in ({"sliding_window": 64}, {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}):
+        for change in ({"sliding_window": 64}, {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+                       {"swiglu_limit": 7.0}):
             other = GptOssForCausalLM(GptOssConfig(**{**hf.config.to_dict(), **change})).eval()
             other.load_state_dict(hf.state_dict())
             assert (other(ids).logits - reference).abs().max() > 1e-3, change
@@ -143,14 +146,61 @@ def test_router_is_gpt_oss_top_k_then_softmax() -> None:
     torch.testing.assert_close(routing.gates, top.softmax(dim=-1), atol=1e-6, rtol=0)
 
 
+# ---- the modules, against plain references ---------------------------------------------------------------------------
+def test_attention_with_sinks_is_sdpa_with_a_sink_column() -> None:
+    """attend_with_sinks equals SDPA over one more key and value of zeros whose mask entry is the sink (the exact
+    SDPA form), with grouped-query heads and a windowed mask."""
+    torch.manual_seed(0)
+    B, H, G, S, L, Dh = 2, 8, 2, 5, 12, 16
+    q, k, v, sinks = torch.randn(B, H, S, Dh), torch.randn(B, G, L, Dh), torch.randn(B, G, L, Dh), torch.randn(H) * 3
+    pos_S1, key_1L = torch.arange(L - S, L)[:, None], torch.arange(L)[None, :]
+    mask = ((key_1L <= pos_S1) & (key_1L > pos_S1 - 4))[None, None].expand(B, 1, S, L)
+    column = torch.zeros(B, H, S, L + 1).masked_fill(~torch.cat([mask, mask[..., :1] | True], dim=-1), float("-inf"))
+    column[..., L] = sinks.view(1, H, 1)
+    zero = torch.zeros(B, G, 1, Dh)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2),
+                                                           attn_mask=column, enable_gqa=True)
+    torch.testing.assert_close(attend_with_sinks(q, k, v, sinks, mask, False), ref, atol=1e-6, rtol=0)
+    causal = attend_with_sinks(q[..., :L, :].expand(B, H, S, Dh), k[:, :, :S], v[:, :, :S], sinks, None, True)
+    tril = torch.ones(S, S, dtype=torch.bool).tril()[None, None]
+    torch.testing.assert_close(causal, attend_with_sinks(q, k[:, :, :S], v[:, :, :S], sinks, tril, False))
+
+
+def test_biased_experts_paths_equal_the_per_token_sum() -> None:
+    """BiasedExperts' sorted dispatch and its indexed (compiled-step) path give sum_k g_k (h W2^T + b2), computed
+    one token and one expert at a time."""
+    torch.manual_seed(0)
+    experts = BiasedExperts(6, 32, 24, "clamped_swiglu", bias=True, limit=1.0, alpha=1.702)
+    with torch.no_grad():
+        for b in (experts.b1, experts.b2, experts.b3):
+            b.normal_()
+        for w in (experts.w1, experts.w2, experts.w3):
+            w.normal_(0, 0.3)
+    x, ids = torch.randn(9, 32), torch.randint(0, 6, (9, 2))
+    gates = torch.rand(9, 2)
+    ref = torch.zeros(9, 32)
+    for t in range(9):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = x[t] @ experts.w1[e].T + experts.b1[e], x[t] @ experts.w3[e].T + experts.b3[e]
+            h = (up.clamp(-1.0, 1.0) + 1) * gate.clamp(max=1.0) * torch.sigmoid(1.702 * gate.clamp(max=1.0))
+            ref[t] += gates[t, j] * (h @ experts.w2[e].T + experts.b2[e])
+    with torch.no_grad():
+        torch.testing.assert_close(experts(x, ids, gates), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(experts.indexed(x, ids, gates), ref, atol=1e-5, rtol=0)
+        keep = torch.rand(9, 2) > 0.3  # a capacity limit's dropped assignments add nothing
+        torch.testing.assert_close(experts(x, ids, gates, keep), experts(x, ids, gates * keep), atol=1e-6, rtol=0)
+
+
 # ---- the Engine --------------------------------------------------------------------------------------------------------
 PLANS = {"eager": DispatchPlan(), "eager-packed": DispatchPlan(pack_dense=True, pack_experts=True),
          "cpu-kernel": DispatchPlan(kernel_experts=True, kernel_dense=True, kernel_norms=True)}
 
 
-@pytest.mark.parametrize("backend", sorted(PLANS))
+@pytest.mark.parametrize("backend", [*sorted(PLANS), pytest.param("compiled", marks=pytest.mark.slow)])
 def test_engine_greedy_32_tokens_equal_transformers_generate(tmp_path: Path, backend: str) -> None:
     from moeserve.runtime.backends import cpu_kernel
+    from moeserve.runtime.backends.compiled import compile_unavailable
     from moeserve.runtime.backends.packing import onednn_packing_available
     from moeserve.runtime.engine import Engine, SamplingParams
 
@@ -158,23 +208,28 @@ def test_engine_greedy_32_tokens_equal_transformers_generate(tmp_path: Path, bac
         pytest.skip(cpu_kernel.unavailable_reason())
     if backend == "eager-packed" and not onednn_packing_available("cpu", torch.float32):
         pytest.skip("no oneDNN packing in this build of torch")
+    if backend == "compiled" and compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip(compile_unavailable(torch.device("cpu")))
     hf = hf_gpt_oss(tmp_path, seed=3)
     hf.generation_config.eos_token_id = None
-    engine = Engine.load(tmp_path, dtype="float32", device="cpu", plan=PLANS[backend])
+    engine = Engine.load(tmp_path, dtype="float32", device="cpu", plan=PLANS.get(backend, DispatchPlan()),
+                         compile="on" if backend == "compiled" else "off")
+    assert engine.runner.name == backend.split("-packed")[0]
     if backend == "cpu-kernel":  # sinks, biases, the clamped experts: not the kernel's whole step; the ops one by one
         assert engine.runner.step is None
     prompts = [[1, 17, 33, 5, 90], [1, 4], [1, 200, 3, 3, 3, 3, 3, 3, 3, 9, 12, 250]]
+    theirs = []
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
-            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-                                 min_new_tokens=32, pad_token_id=0)[0, len(p):].tolist()
-        ours = engine.complete([p], SamplingParams(max_new_tokens=32, ignore_eos=True))[0].token_ids
-        assert ours == theirs
-    # The batch of unequal prompts (the step engine's rows of different lengths) gives each the same 32 tokens.
-    done = engine.complete(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
-    alone = [engine.complete([p], SamplingParams(max_new_tokens=32, ignore_eos=True))[0].token_ids for p in prompts]
-    assert [c.token_ids for c in done] == alone
+            theirs.append(hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                                      min_new_tokens=32, pad_token_id=0)[0, len(p):].tolist())
+        assert len(set(theirs[-1])) > 4  # a model that says something, not one token again and again
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    # The prompts together (the step engine's rows of different lengths decoded as one batch), and each alone
+    assert [c.token_ids for c in engine.complete(prompts, params)] == theirs
+    if backend != "compiled":  # compiled, each batch size is a graph of its own: a minute of compiling on a CPU
+        assert [engine.complete([p], params)[0].token_ids for p in prompts] == theirs
 
 
 # ---- MXFP4 ----------------------------------------------------------------------------------------------------------

@@ -99,8 +99,10 @@ def attend_with_sinks(q_BHSDh: Tensor, k_BGLDh: Tensor, v_BGLDh: Tensor, sinks_H
 
     Computed as the equation, not by SDPA: SDPA does not return its normaliser, and the exact SDPA form (an extra
     key and value of zeros whose additive float mask entry is the sink) copies the whole cache per layer and step
-    to append that column and builds a float [B, H, S, L + 1] mask, which costs more than these two GEMMs at a
-    decode step's few queries. mask: bool [B|1, 1, S, L] (True = visible) or None (is_causal: S == L, causal)."""
+    to append that column and builds a float [B, H, S, L + 1] mask. Measured on one CPU thread at gpt-oss-20b's
+    heads (H 64, G 8, Dh 64), fp32: a decode step over 512 keys at batch 8, 5.5 ms here against 10.2 ms; over
+    2,048 keys at batch 1, 1.7 against 6.7 ms; a 256-token prompt, 46 against 37 ms (tests/test_hf_gpt_oss.py holds
+    the two equal). mask: bool [B|1, 1, S, L] (True = visible) or None (is_causal: S == L, causal)."""
     B, H, S, Dh = q_BHSDh.shape
     G, L = k_BGLDh.shape[1], k_BGLDh.shape[2]
     q_BGNDh = q_BHSDh.reshape(B, G, H // G * S, Dh)  # head h reads kv head h // (H / G), as SDPA's enable_gqa
