@@ -21,6 +21,7 @@ from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 from moeserve.checkpoint import CheckpointError, describe, is_expert_weight, load_checkpoint, load_expert_slice  # noqa: E402
 from moeserve.hf_gpt_oss import FP4_VALUES, dequantize_mxfp4  # noqa: E402
 from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
+from moeserve.runtime.backends.experts import moe_indexed_biased  # noqa: E402
 from moeserve.runtime.experts import BiasedExperts  # noqa: E402
 from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
@@ -167,7 +168,7 @@ def test_attention_with_sinks_is_sdpa_with_a_sink_column() -> None:
 
 
 def test_biased_experts_paths_equal_the_per_token_sum() -> None:
-    """BiasedExperts' sorted dispatch and its indexed (compiled-step) path give sum_k g_k (h W2^T + b2), computed
+    """BiasedExperts' sorted dispatch and the compiled step's indexed path (moe_indexed_biased) give sum_k g_k (h W2^T + b2), computed
     one token and one expert at a time."""
     torch.manual_seed(0)
     experts = BiasedExperts(6, 32, 24, "clamped_swiglu", bias=True, limit=1.0, alpha=1.702)
@@ -187,7 +188,7 @@ def test_biased_experts_paths_equal_the_per_token_sum() -> None:
             ref[t] += gates[t, j] * (h @ experts.w2[e].T + experts.b2[e])
     with torch.no_grad():
         torch.testing.assert_close(experts(x, ids, gates), ref, atol=1e-5, rtol=0)
-        torch.testing.assert_close(experts.indexed(x, ids, gates), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(moe_indexed_biased(x, ids, gates, experts), ref, atol=1e-5, rtol=0)
         keep = torch.rand(9, 2) > 0.3  # a capacity limit's dropped assignments add nothing
         torch.testing.assert_close(experts(x, ids, gates, keep), experts(x, ids, gates * keep), atol=1e-6, rtol=0)
 

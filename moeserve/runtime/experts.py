@@ -179,10 +179,9 @@ class BiasedExperts(nn.Module):
     of `Experts` plus b1, b3 [E, F] and b2 [E, D]. A gate multiplies its expert's whole output, bias included
     (y_t = sum_k g_tk (h W2^T + b2)), as gpt-oss computes it.
 
-    Its own type, so that no backend lays it out as an `Experts` (which would drop the biases); it has two paths,
-    both plain torch: the sorted dispatch of `moe_sorted` (any token count, one host sync for the counts), and,
-    inside a compiled step (torch.compiler.is_compiling()), each token's K experts indexed from the stack, with no
-    host sync and fixed shapes (backends/experts.moe_indexed's way, which reads T*K experts' weights)."""
+    Its own type, so that no backend lays it out as an `Experts` (which would drop the biases): the eager and CPU
+    kernel backends run this forward (moe_sorted's dispatch, one host sync for the counts); the compiled backend
+    lays it out as backends/experts.GraphBiasedExperts, whose traced decode step indexes each token's experts."""
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int, act: str, bias: bool = True,
                  limit: float = 7.0, alpha: float = 1.702):
@@ -215,19 +214,8 @@ class BiasedExperts(nn.Module):
         up = None if self.w3 is None else F.linear(x_ND, self.w3[e], None if self.b3 is None else self.b3[e])
         return F.linear(self.hidden(gate, up), self.w2[e], None if self.b2 is None else self.b2[e])
 
-    def indexed(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor) -> Tensor:
-        """The same sum with each token's K experts gathered from the stacks: no host sync, fixed shapes."""
-        def bias(b: Tensor | None) -> Tensor | float:
-            return 0.0 if b is None else b[expert_ids_TK]
-
-        gate = torch.einsum("td,tkfd->tkf", x_TD, self.w1[expert_ids_TK]) + bias(self.b1)
-        up = None if self.w3 is None else torch.einsum("td,tkfd->tkf", x_TD, self.w3[expert_ids_TK]) + bias(self.b3)
-        y_TKD = torch.einsum("tkf,tkdf->tkd", self.hidden(gate, up), self.w2[expert_ids_TK]) + bias(self.b2)
-        return (y_TKD * gates_TK[..., None].to(y_TKD.dtype)).sum(dim=1)
-
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
-        if keep_TK is None and torch.compiler.is_compiling():
-            return self.indexed(x_TD, expert_ids_TK, gates_TK)
+        """moe_sorted's dispatch -> compute -> combine, each expert through `ffn`."""
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
         ys = [self.ffn(e, x_ND) for e, x_ND in enumerate(d.blocks()) if x_ND.shape[0]]
         return combine(d, torch.cat(ys) if ys else d.x_ND.new_zeros(0, x_TD.shape[1]), x_TD)
