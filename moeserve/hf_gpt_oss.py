@@ -24,6 +24,7 @@ import torch
 
 from moeserve.config import ConfigError, MoEConfig
 from moeserve.errors import HFError
+from moeserve.hf_common import copied_fields, embedding_and_head, refuse_leftovers, taker, token_ids
 
 # MoEConfig field <- transformers GptOssConfig field, for the fields copied as they are.
 _FIELDS = {
@@ -77,11 +78,7 @@ def gpt_oss_config(raw: dict, where: Path, has_tokenizer: bool) -> MoEConfig:
             raw = {**raw, name: raw[alias]}
         elif raw.get(alias) is not None and raw[alias] != raw[name]:
             fail(f"field {alias!r} = {raw[alias]!r} and field {name!r} = {raw[name]!r}: expected them equal")
-    fields: dict = {}
-    for ours, theirs in _FIELDS.items():
-        if raw.get(theirs) is None and theirs not in _DEFAULTS:
-            fail(f"field {theirs!r} missing")
-        fields[ours] = raw[theirs] if raw.get(theirs) is not None else _DEFAULTS[theirs]
+    fields = copied_fields(raw, _FIELDS, _DEFAULTS, fail)
     rope, theta = _rope(raw, fail)
     n_layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
@@ -98,19 +95,14 @@ def gpt_oss_config(raw: dict, where: Path, has_tokenizer: bool) -> MoEConfig:
     bias = raw.get("attention_bias", _DEFAULTS["attention_bias"])
     if not isinstance(bias, bool):
         fail(f"field 'attention_bias' = {bias!r}: expected true or false")
-    eos = raw.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # several stop ids: the first is the tokenizer's eos
-    for name, value in (("bos_token_id", raw.get("bos_token_id")), ("eos_token_id", eos)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            fail(f"field {name!r} = {raw.get(name)!r}: expected a token id (integer >= 0) or null")
+    ids = token_ids(raw, fail)
     try:
         return MoEConfig(
             **fields, rope_theta=theta, rope_scaling=rope, norm="rmsnorm", causal=True, task="lm",
             layer_windows=[window if t == "sliding_attention" else None for t in types],
             qkv_bias=bias, o_bias=bias, attention_sinks=True, router="softmax", renormalize=True, router_bias=True,
             expert_bias=True, expert_act="clamped_swiglu", tokenizer="hf" if has_tokenizer else "none",
-            extra={"hf_model_type": "gpt_oss", "bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos,
-                   "mxfp4": raw.get("quantization_config") is not None},
+            extra={"hf_model_type": "gpt_oss", **ids, "mxfp4": raw.get("quantization_config") is not None},
         )
     except (ConfigError, TypeError, ValueError) as e:
         msg = str(e)
@@ -205,26 +197,13 @@ def from_gpt_oss(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
     """Hugging Face gpt-oss tensors -> the Transformer's state_dict names. `tensors` is consumed. Every tensor is
     in `dtype` (None: as stored; MXFP4 experts in their biases' dtype). experts=False: the experts are left out (the
     dense part of an expert-parallel rank, whose own come from `gpt_oss_expert_slice`)."""
-    src = dict(tensors)
+    src = {name: (name, t) for name, t in tensors.items()}
     tensors.clear()
-
-    def take(name: str, *shape: int, convert: bool = True) -> torch.Tensor:
-        if name not in src:
-            raise GptOssError(f"{where}: gpt-oss tensor {name!r} missing (expected shape {shape})")
-        t = src.pop(name)
-        if tuple(t.shape) != shape:
-            raise GptOssError(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
-                              f"config.json implies {shape}")
-        return t if dtype is None or not convert else t.to(dtype)
-
+    take = taker(src, origin, where, dtype, GptOssError, "gpt-oss")
     c = config
-    D, F, E, V, H = c.d_model, c.d_ff, c.n_experts, c.vocab_size, c.n_heads
+    D, F, E, H = c.d_model, c.d_ff, c.n_experts, c.n_heads
     q, kv = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
-    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D), "norm.weight": take("model.norm.weight", D)}
-    if not c.tie_embeddings:
-        out["output.weight"] = take("lm_head.weight", V, D)
-    elif "lm_head.weight" in src:  # tied: transformers ties the head to the embedding and ignores a saved copy
-        take("lm_head.weight", V, D)
+    out = embedding_and_head(take, src, c)
     for i in range(c.n_layers):
         p, m, o = f"model.layers.{i}.", f"model.layers.{i}.mlp.", f"layers.{i}."
         out[o + "attention_norm.weight"] = take(p + "input_layernorm.weight", D)
@@ -243,10 +222,7 @@ def from_gpt_oss(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
             continue
         out.update(_expert_tensors(lambda n, shape: take(m + "experts." + n, *shape, convert=False),
                                    lambda n: m + "experts." + n in src, o + "ffn.experts.", E, D, F, dtype, where))
-    unexpected = sorted(name for name in src if not name.endswith("rotary_emb.inv_freq"))  # recomputed
-    if unexpected:
-        raise GptOssError(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-                          f" for a gpt-oss model as config.json describes it")
+    refuse_leftovers(list(src), where, GptOssError, "gpt-oss")
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 
 from moeserve.config import ConfigError, MoEConfig
 from moeserve.errors import HFError
+from moeserve.hf_common import copied_fields, embedding_and_head, refuse_leftovers, taker, token_ids
 
 # MoEConfig field <- transformers MixtralConfig field, for the fields that are copied as they are.
 _MIXTRAL_FIELDS = {
@@ -61,22 +62,14 @@ def mixtral_config(raw: dict, where: Path, has_tokenizer: bool) -> MoEConfig:
     if raw.get("head_dim") is not None and isinstance(heads, int) and isinstance(width, int) and heads > 0 \
             and raw["head_dim"] != width // heads:
         fail(f"field 'head_dim' = {raw['head_dim']!r}: expected hidden_size / num_attention_heads = {width // heads}")
-    fields: dict = {}
-    for ours, theirs in _MIXTRAL_FIELDS.items():
-        if raw.get(theirs) is None and theirs not in _MIXTRAL_DEFAULTS:
-            fail(f"field {theirs!r} missing")
-        fields[ours] = raw[theirs] if raw.get(theirs) is not None else _MIXTRAL_DEFAULTS[theirs]
-    eos = raw.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # several stop ids: the first is the tokenizer's eos
-    for name, value in (("bos_token_id", raw.get("bos_token_id")), ("eos_token_id", eos)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            fail(f"field {name!r} = {raw.get(name)!r}: expected a token id (integer >= 0) or null")
+    fields = copied_fields(raw, _MIXTRAL_FIELDS, _MIXTRAL_DEFAULTS, fail)
+    ids = token_ids(raw, fail)
     try:
         return MoEConfig(
             **fields, rope_theta=float(theta if theta is not None else _MIXTRAL_DEFAULTS["rope_theta"]),
             norm="rmsnorm", causal=True, task="lm", expert_act="swiglu", router="softmax", renormalize=True,
             tokenizer="hf" if has_tokenizer else "none",
-            extra={"hf_model_type": "mixtral", "bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos},
+            extra={"hf_model_type": "mixtral", **ids},
         )
     except (ConfigError, TypeError, ValueError) as e:
         msg = str(e)
@@ -108,14 +101,7 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
             raise MixtralError(f"{where}: tensors {src[canon][0]!r} and {name!r} are the same Mixtral weight")
         src[canon] = (name, tensors.pop(name))
 
-    def take(canon: str, *shape: int, convert: bool = True) -> torch.Tensor:
-        if canon not in src:
-            raise MixtralError(f"{where}: Mixtral tensor {canon!r} missing (expected shape {shape})")
-        name, t = src.pop(canon)
-        if tuple(t.shape) != shape:
-            raise MixtralError(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                  f"config.json implies {shape}")
-        return t if dtype is None or not convert else t.to(dtype)
+    take = taker(src, origin, where, dtype, MixtralError, "Mixtral")
 
     def stack(m: str, *names: str) -> torch.Tensor:
         """[E, rows, cols]: expert e's matrices `names`, one under the other, copied and converted once."""
@@ -131,12 +117,8 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
         return out
 
     c = config
-    D, F, E, V, q, kv = c.d_model, c.d_ff, c.n_experts, c.vocab_size, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
-    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D), "norm.weight": take("model.norm.weight", D)}
-    if not c.tie_embeddings:
-        out["output.weight"] = take("lm_head.weight", V, D)
-    elif "lm_head.weight" in src:  # tied: transformers ties the head to the embedding and ignores a saved copy
-        take("lm_head.weight", V, D)
+    D, F, E, q, kv = c.d_model, c.d_ff, c.n_experts, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+    out = embedding_and_head(take, src, c)
     for i in range(c.n_layers):
         p, m, o = f"model.layers.{i}.", f"model.layers.{i}.block_sparse_moe.", f"layers.{i}."
         out[o + "attention_norm.weight"] = take(p + "input_layernorm.weight", D)
@@ -155,10 +137,7 @@ def from_mixtral(tensors: dict[str, torch.Tensor], config: MoEConfig, origin: di
         else:
             gate_up_E2FD, out[o + "ffn.experts.w2"] = stack(m, "w1", "w3"), stack(m, "w2")
         out[o + "ffn.experts.w1"], out[o + "ffn.experts.w3"] = gate_up_E2FD[:, :F], gate_up_E2FD[:, F:]
-    unexpected = sorted(name for name, _ in src.values() if not name.endswith("rotary_emb.inv_freq"))  # recomputed
-    if unexpected:
-        raise MixtralError(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-                              f" for a Mixtral model as config.json describes it")
+    refuse_leftovers([name for name, _ in src.values()], where, MixtralError, "Mixtral")
     return out
 
 
