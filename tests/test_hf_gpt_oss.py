@@ -83,6 +83,9 @@ def test_logits_match_transformers(tmp_path: Path) -> None:
     assert set(cfg.extensions) == {"d_head", "qkv_bias", "o_bias", "attention_sinks", "layer_windows", "rope_scaling",
                                    "router_bias", "expert_bias", "clamped_swiglu"}
     assert isinstance(load_model(tmp_path)[0].layers[0].ffn.experts, BiasedExperts)
+    n, experts = sum(p.numel() for p in hf.parameters()), 2 * 4 * (64 * 128 + 64 * 64 + 128 + 64)  # biases too
+    text = describe(tmp_path)
+    assert f"total: {n / 1e6:.2f}M ({n:,})" in text and f"experts: {experts / 1e6:.2f}M ({experts:,})" in text
 
 
 def test_every_piece_changes_the_answer(tmp_path: Path) -> None:
@@ -231,6 +234,15 @@ def test_engine_greedy_32_tokens_equal_transformers_generate(tmp_path: Path, bac
     assert [c.token_ids for c in engine.complete(prompts, params)] == theirs
     if backend != "compiled":  # compiled, each batch size is a graph of its own: a minute of compiling on a CPU
         assert [engine.complete([p], params)[0].token_ids for p in prompts] == theirs
+
+
+def test_calibration_times_the_clamped_swiglu_as_the_swiglu(tmp_path: Path) -> None:
+    """A measured plan (Engine.load's default outside the tests) times plain Experts of the model's shape: gpt-oss's
+    three matrices, as the SwiGLU's (an Experts of act 'clamped_swiglu' would have no w3)."""
+    from moeserve.runtime.backends.calibration import ExpertShape
+
+    hf_gpt_oss(tmp_path)
+    assert ExpertShape.of(load_checkpoint(tmp_path).config) == ExpertShape(64, 64, 4, 2, "swiglu")
 
 
 # ---- MXFP4 ----------------------------------------------------------------------------------------------------------
