@@ -88,6 +88,21 @@ def test_logits_match_transformers(tmp_path: Path) -> None:
     assert f"total: {n / 1e6:.2f}M ({n:,})" in text and f"experts: {experts / 1e6:.2f}M ({experts:,})" in text
 
 
+def test_a_released_checkpoints_config_json(tmp_path: Path) -> None:
+    """The config.json of the released checkpoints (written by transformers 4.55): rope_scaling and rope_theta at the
+    top level, experts_per_token beside num_experts_per_tok, initial_context_length, a list of eos ids."""
+    hf = hf_gpt_oss(tmp_path)
+    edit_config(tmp_path, rope_parameters=..., rope_theta=150000,
+                rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"}, experts_per_token=2,
+                initial_context_length=64, eos_token_id=[7, 3], pad_token_id=5, transformers_version="4.55.0.dev0")
+    cfg = load_checkpoint(tmp_path).config
+    assert cfg.rope_theta == 150000.0 and cfg.rope_scaling["factor"] == 4.0 and cfg.extra["eos_token_id"] == 7
+    assert_logits_match(tmp_path, hf, lengths=(70,))
+    edit_config(tmp_path, experts_per_token=3)
+    with pytest.raises(CheckpointError, match="field 'experts_per_token' = 3 and field 'num_experts_per_tok' = 2"):
+        load_checkpoint(tmp_path)
+
+
 def test_every_piece_changes_the_answer(tmp_path: Path) -> None:
     """The parity above is not vacuous: without the window, YaRN, the sinks or the expert biases the logits differ."""
     hf = hf_gpt_oss(tmp_path, save=False)
