@@ -136,19 +136,23 @@ def test_padded_batch_matches(tmp_path: Path) -> None:
 
 
 def test_kv_cached_decode_matches_full_forward(tmp_path: Path) -> None:
-    """Prefill 5 tokens, then decode one at a time past the window: the cached paths attend with the sinks too."""
+    """Two sequences in two cache slots: each prefilled (5 and 9 tokens), then decoded together a token a step past
+    the window of 8; the cached paths attend with the sinks and each layer's window too."""
     hf = hf_gpt_oss(tmp_path)
     model, _ = load_model(tmp_path)
-    n, prefill = 20, 5
-    ids = torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(2))
+    n, starts = 22, (5, 9)
+    ids = torch.randint(0, V, (2, n), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         reference = hf(ids).logits
-        cache = KVCache.for_model(model, 1, n)
-        out = model(ids[:, :prefill], cache=cache.rows([0], [0], prefill)).logits
-        torch.testing.assert_close(out, reference[:, :prefill], atol=TOL, rtol=0)
-        for pos in range(prefill, n):
-            step = model(ids[:, pos:pos + 1], cache=cache.rows([0], [pos], 1)).logits[:, -1]
-            torch.testing.assert_close(step, reference[:, pos], atol=TOL, rtol=0)
+        cache = KVCache.for_model(model, 2, n)
+        for row, start in enumerate(starts):
+            got = model(ids[row:row + 1, :start], cache=cache.rows([row], [0], start)).logits
+            torch.testing.assert_close(got, reference[row:row + 1, :start], atol=TOL, rtol=0)
+        for step in range(n - max(starts)):
+            pos = [start + step for start in starts]
+            x = torch.stack([ids[row, p] for row, p in enumerate(pos)])[:, None]
+            got = model(x, cache=cache.rows([0, 1], pos, 1)).logits[:, -1]
+            torch.testing.assert_close(got, reference[[0, 1], pos], atol=TOL, rtol=0)
 
 
 def test_router_is_gpt_oss_top_k_then_softmax() -> None:
