@@ -155,6 +155,23 @@ def test_kv_cached_decode_matches_full_forward(tmp_path: Path) -> None:
             torch.testing.assert_close(got, reference[[0, 1], pos], atol=TOL, rtol=0)
 
 
+def test_rows_of_any_lengths_in_one_call_match(tmp_path: Path) -> None:
+    """StepRows (the step engine's call): a decode row and a prompt's chunk of 6 together, each row's last logits
+    transformers' at its position (the chunk crosses the window of 8)."""
+    hf = hf_gpt_oss(tmp_path)
+    model, _ = load_model(tmp_path)
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = hf(ids).logits
+        cache = KVCache.for_model(model, 2, 16)
+        model(ids[:, :5], cache=cache.rows([0, 1], [0, 0], 5))
+        lengths = [1, 6]  # slot 0: its token 5; slot 1: tokens 5..10
+        rows = cache.step_rows([0, 1], [5, 5], lengths)
+        tokens = torch.cat([ids[b, 5:5 + lengths[b]] for b in rows.order])[None]
+        got = model(tokens, cache=rows).logits[:, -1]
+    torch.testing.assert_close(got, reference[[0, 1], [5, 10]], atol=TOL, rtol=0)
+
+
 def test_router_is_gpt_oss_top_k_then_softmax() -> None:
     """softmax over all E, top K, renormalised (SoftmaxRouter) is gpt-oss's softmax over the top K logits."""
     torch.manual_seed(0)
