@@ -5,7 +5,8 @@
   half-copied file is caught at load time, naming the file, not later as garbage generations.
 - saving is atomic (temporary sibling, fsync, rename): a crash or a full disk during a periodic save
   never leaves a half-written checkpoint where a complete one used to be.
-- a Hugging Face Mixtral directory (what `MixtralForCausalLM.save_pretrained` writes) loads as it is:
+- a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE directory (what `save_pretrained` writes; the
+  families of hf_families.py) loads as it is:
   its config.json is mapped onto MoEConfig and its tensors onto the Transformer's names; anything
   that would change the math and that the Transformer does not implement is refused by name.
 """

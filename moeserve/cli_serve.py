@@ -56,6 +56,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"moeserve serve: {e}", file=sys.stderr)
             return 2
     path = args.checkpoint
+    if path is not None:  # a config the runtime cannot run is named now (exit 2), not after the server started
+        from moeserve.checkpoint import CheckpointError, read_config
+
+        try:
+            read_config(path)
+        except CheckpointError as e:
+            print(f"moeserve serve: {e}", file=sys.stderr)
+            return 2
     if path is None:  # the default model: verified here, so the server loads its weights once, unhashed
         from moeserve.training.default_model import DEFAULT_MODEL_NAME
 

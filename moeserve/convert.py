@@ -1,4 +1,4 @@
-"""`moeserve convert`: a checkpoint (a Hugging Face Mixtral directory, typically) written once in moeserve's own
+"""`moeserve convert`: a checkpoint (a Hugging Face MoE directory, typically) written once in moeserve's own
 format, whose weights then load as they lie.
 
 A Mixtral directory keeps each expert's w1, w2 and w3 apart; the engine runs a layer's experts stacked, so every
@@ -54,9 +54,9 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, overwrit
 
 
 def add_convert(sub) -> None:
-    c = sub.add_parser("convert", help="write a checkpoint (a Hugging Face Mixtral directory) in moeserve's format, "
+    c = sub.add_parser("convert", help="write a checkpoint (a Hugging Face MoE directory) in moeserve's format, "
                        "which loads without copying its experts",
-                       description="Load a checkpoint (a Hugging Face Mixtral directory, or a moeserve one) and write "
+                       description="Load a checkpoint (a Hugging Face MoE directory, or a moeserve one) and write "
                        "it as a moeserve checkpoint with its tokenizer and chat template files: a Mixtral's experts "
                        "are stacked once here rather than at every load, so loading reads the file as it lies "
                        "(memory-mapped, no copy).")

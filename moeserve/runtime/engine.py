@@ -152,7 +152,7 @@ class Engine:
              *, verify: bool = True, plan: DispatchPlan | None = None, calibration: str | None = None,
              compile: str = "off", experts_factory: ExpertsFactory | None = None,
              quantize: str | QuantSpec | None = None) -> "Engine":
-        """A moeserve checkpoint or a Hugging Face Mixtral directory, in `dtype` on `device`; with
+        """A moeserve checkpoint or a Hugging Face directory (Mixtral, Qwen-MoE, OLMoE), in `dtype` on `device`; with
         `experts_factory`, without its experts, which the factory's modules compute (loading.load_model).
         `quantize` ('int8', 'int4' or a QuantSpec): its weights quantized as they load (runtime/quant.py); 'fp8' on a
         GPU that has fp8 arithmetic (runtime/quant_fp8.py; elsewhere Fp8Unavailable, before any weight is read)."""

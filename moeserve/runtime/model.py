@@ -199,8 +199,9 @@ class Block(nn.Module):
         is_moe = layer_id in cfg.moe_layer_ids
         if is_moe:
             self.ffn: nn.Module = MoELayer(cfg, experts_factory(layer_id) if experts_factory is not None else None)
-        else:
-            self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.expert_act)
+        else:  # Qwen's dense layers are wider than its experts (intermediate_size vs moe_intermediate_size)
+            self.ffn = FeedForward(cfg.d_model, cfg.dense_d_ff if cfg.dense_d_ff is not None else cfg.d_ff,
+                                   cfg.expert_act)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 token_mask: Tensor | None = None,
@@ -302,16 +303,24 @@ class Transformer(nn.Module):
 
     def quantizable(self) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every module a weight-only quantization replaces (runtime/quant.py): attention's and
-        the dense FFNs' linear maps, each MoE layer's own experts and the LM head. The embedding, norms, routers, VQ
-        codebooks, a classifier and any map with a bias stay in full precision."""
+        the dense FFNs' linear maps (a shared expert's too), each MoE layer's own experts and the LM head. The
+        embedding, norms, routers (a shared expert's gate, [1, D], is one), VQ codebooks, a classifier and any map with
+        a bias stay in full precision."""
         out: list[tuple[nn.Module, str]] = []
+
+        def dense(ffn: FeedForward) -> list[tuple[nn.Module, str]]:
+            return [(ffn, n) for n in ("w1", "w2", "w3") if getattr(ffn, n) is not None]
+
         for block in self.layers:  # a map with a bias stays in float: the quantized forms have none
             out += [(block.attention, n) for n in ("wq", "wk", "wv", "wo")
                     if getattr(getattr(block.attention, n), "bias", None) is None]
             if isinstance(block.ffn, FeedForward):
-                out += [(block.ffn, n) for n in ("w1", "w2", "w3") if getattr(block.ffn, n) is not None]
-            elif type(block.ffn.experts) in (Experts, QuantExperts):  # its own, not an experts_factory's
+                out += dense(block.ffn)
+                continue
+            if type(block.ffn.experts) in (Experts, QuantExperts):  # its own, not an experts_factory's
                 out.append((block.ffn, "experts"))
+            if block.ffn.shared is not None:
+                out += dense(block.ffn.shared)
         if self.cfg.task == "lm":
             out.append((self, "output"))
         return out

@@ -3,6 +3,7 @@
   softmax / sigmoid / xmoe   y = sum_k g_k(x) f_{e_k}(x)
   vq, mixed (pre-training)   y = g_c(x) SMoE(x) + g_d(x) f_{k(x)}(x~),  [g_c, g_d] = softmax(W_g x)   (eq. 4)
   vq, discrete (serving)     y = f_{k(x)}(x~): no router, no gate, one expert per token            (eq. 5)
+  with a shared expert       y + sigmoid(w_s . x) f_s(x)  (Qwen1.5 / Qwen2-MoE; the gate only where shared_gate)
 
 Each forward returns its output and an `MoEAux`: what the balance and VQ losses (training/losses.py)
 and the expert-load accounting need, at the cost of one bincount. Nothing is left in the module, so
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.experts import make_experts
+from moeserve.runtime.experts import FeedForward, make_experts
 from moeserve.runtime.routing import Routing, VectorQuantizer, capacity_keep, make_router
 
 
@@ -34,7 +35,7 @@ class MoEAux:
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, experts: nn.Module | None = None):
         """experts: called as `experts(x_TD, expert_ids_TK, gates_TK, keep_TK) -> y_TD` (default: this
-        layer's own stacked `Experts`; expert_parallel.py for experts split across ranks)."""
+        layer's own `make_experts(cfg)`: stacked `Experts`, or gpt-oss's `BiasedExperts`; expert_parallel.py for experts split across ranks)."""
         super().__init__()
         self.cfg = cfg
         self.n_experts = cfg.n_experts
@@ -46,6 +47,10 @@ class MoELayer(nn.Module):
             if is_vq else None
         )
         self.mix = nn.Linear(cfg.d_model, 2, bias=False) if is_vq and cfg.vq_mode == "mixed" else None
+        # Qwen2-MoE's shared expert: a dense FFN every token goes through beside the routed ones. Its weights are
+        # dense (not `.ffn.experts.`), so each expert-parallel rank holds all of them, as it holds attention's.
+        self.shared = FeedForward(cfg.d_model, cfg.shared_d_ff, cfg.expert_act) if cfg.shared_d_ff is not None else None
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_gate else None
         self.count_load = True  # the bincount of MoEAux.counts; off only to measure what it costs
 
     def _discrete(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -84,8 +89,16 @@ class MoELayer(nn.Module):
                 continuous_TD = self.experts(x_TD, routing.expert_ids, routing.gates, routing.keep)
                 g_T2 = self.mix(x_TD).float().softmax(dim=-1).to(x_TD.dtype)
                 y_TD = g_T2[:, :1] * continuous_TD + g_T2[:, 1:] * discrete_TD
+        if self.shared is not None:
+            y_TD = y_TD + self._shared(x_TD)
         counts = self._counts(routing, codes_T) if self.count_load else None
         return y_TD.reshape(x_BSD.shape), MoEAux(counts, routing, codes_T, z, v)
+
+    def _shared(self, x_TD: Tensor) -> Tensor:
+        """The shared expert's output f_s(x) [T, D], scaled by its gate sigmoid(w_s . x) [T, 1] where it has one
+        (transformers' Qwen2MoeSparseMoeBlock: sigmoid in the model's dtype, then the product)."""
+        y_TD = self.shared(x_TD)
+        return y_TD if self.shared_gate is None else torch.sigmoid(self.shared_gate(x_TD)) * y_TD
 
     def _counts(self, routing: Routing | None, codes_T: Tensor | None) -> Tensor:
         """Tokens per expert: the continuous router's kept assignments, else the VQ codes."""

@@ -180,6 +180,25 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------
+# the variables render() itself passes, which a request cannot set
+TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+
+
+def _template_variables(req: ChatCompletionRequest) -> dict:
+    """chat_template_kwargs and reasoning_effort, as apply_chat_template's keyword arguments."""
+    variables = dict(req.chat_template_kwargs or {})
+    for name, value in variables.items():
+        if name in TEMPLATE_RESERVED:
+            raise ApiError("invalid_value", f"chat_template_kwargs cannot set {name!r} (the server passes it)",
+                           param=f"chat_template_kwargs.{name}")
+        _check_unicode(name, "chat_template_kwargs")
+        if isinstance(value, str):
+            _check_unicode(value, f"chat_template_kwargs.{name}")
+    if req.reasoning_effort is not None:
+        variables["reasoning_effort"] = req.reasoning_effort
+    return variables
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC,
              summary="answer a conversation (OpenAI chat completions), through the model's chat template")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -196,12 +215,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 for m in req.messages]
     for i, m in enumerate(messages):
         _check_unicode(m["content"], f"messages[{i}].content")
+    variables = _template_variables(req)
     try:
-        text = state.chat_template.render(messages, add_generation_prompt=True)
+        text = state.chat_template.render(messages, add_generation_prompt=True, **variables)
     except ChatTemplateError as e:
         raise ApiError("invalid_value", str(e), param="messages") from None
     tokenizer = _tokenizer(engine, "the rendered conversation needs the model's tokenizer", "messages")
-    row = tokenizer.encode(text, bos=not state.chat_template.writes_bos)
+    row = tokenizer.encode(text, bos=state.chat_template.needs_bos)
     ctx = engine.cfg.max_seq_len
     if len(row) > ctx - 1:
         raise ApiError("invalid_value", f"the conversation (messages) is {len(row)} tokens; at most {ctx - 1} fit this model's "

@@ -68,6 +68,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 128  # n and best_of, as OpenAI; the server's max_inputs bounds prompts x best_of further
 MAX_LOGPROBS = 20
+MAX_TEMPLATE_KWARGS = 16  # chat_template_kwargs: variables a template reads are few
 
 
 class StreamOptions(BaseModel):
@@ -144,6 +145,11 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=0)
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = Field(False, description="extension (as vLLM): generate max tokens whatever the model says")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="the chat template's reasoning_effort variable (gpt-oss's template defaults to medium)")
+    chat_template_kwargs: dict[str, bool | int | float | str] | None = Field(
+        None, max_length=MAX_TEMPLATE_KWARGS, description="extension (as vLLM): more variables for the chat template, "
+        "as transformers' apply_chat_template(**kwargs), e.g. {\"enable_thinking\": false} for Qwen3")
 
 
 class TextsRequest(BaseModel):

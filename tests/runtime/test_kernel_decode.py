@@ -101,7 +101,10 @@ def step_outputs(engine: Engine, ids: torch.Tensor, host: bool = False) -> tuple
 @pytest.mark.parametrize("router,overrides", [
     ("softmax", {}), ("softmax", dict(renormalize=True, tie_embeddings=False, n_kv_heads=2, sliding_window=5)),
     ("sigmoid", dict(expert_act="gelu")), ("xmoe", {}), ("xmoe", dict(xmoe_gate="sigmoid")),
-], ids=["softmax", "renormalized-untied-gqa-window", "sigmoid-gelu", "xmoe", "xmoe-sigmoid"])
+    ("softmax", dict(renormalize=True, n_kv_heads=2, qk_norm="head", d_head=24)),  # Qwen3-MoE's attention
+    ("softmax", dict(qk_norm="all")),  # OLMoE's
+], ids=["softmax", "renormalized-untied-gqa-window", "sigmoid-gelu", "xmoe", "xmoe-sigmoid", "qk-norm-per-head-wide",
+        "qk-norm-whole"])
 def test_a_decode_step_in_one_call_is_the_layers_calls(router, overrides, dtype, monkeypatch):
     """torch.equal with and without the one-call step (both on the kernel); generation takes it at every decode
     step, alone and in a batch, giving the same tokens."""
@@ -131,12 +134,13 @@ def test_a_decode_step_in_one_call_is_the_layers_calls(router, overrides, dtype,
 
 
 @requires_kernel
-@pytest.mark.parametrize("router", ["softmax", "sigmoid", "xmoe"])
-def test_a_model_on_the_kernel_gives_the_plain_models_tokens(router):
+@pytest.mark.parametrize("router,overrides", [("softmax", {}), ("sigmoid", {}), ("xmoe", {}),
+                                              ("softmax", dict(qk_norm="head", d_head=24, n_kv_heads=2))])
+def test_a_model_on_the_kernel_gives_the_plain_models_tokens(router, overrides):
     """In float32, the kernel's routing and whole step give torch's greedy tokens, alone and in a batch; the step's
     logits within float32 sums of torch's."""
-    plain = make_engine(router)
-    kern = kernel_engine(router, "float32")
+    plain = make_engine(router, **overrides)
+    kern = kernel_engine(router, "float32", **overrides)
     assert kern.runner.step is not None and not hasattr(plain.runner, "step")
     alone = [plain.generate([p], max_new_tokens=16)[0] for p in PROMPTS]
     assert [kern.generate([p], max_new_tokens=16)[0] for p in PROMPTS] == alone
@@ -150,6 +154,8 @@ def test_a_model_on_the_kernel_gives_the_plain_models_tokens(router):
     ("vq", {}, "VQ layers route by code"),
     ("softmax", dict(capacity_factor=1.0), "a capacity limit drops assignments"),
     ("softmax", dict(moe_layers=[1]), "a dense FFN layer"),
+    ("softmax", dict(qkv_bias=True), "biased maps (Qwen2-MoE)"),
+    ("softmax", dict(layer_windows=[None, 4]), "a window per layer (gpt-oss)"),
 ])
 def test_models_the_step_does_not_take_keep_the_layers_calls(router, overrides, why):
     engine = kernel_engine(router, "float32", **overrides)

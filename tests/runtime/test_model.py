@@ -352,3 +352,27 @@ def test_model_deepcopies_after_a_training_forward():
     assert len(out.aux) == 2 and all(a.counts.sum() > 0 for a in out.aux)
     clone = copy.deepcopy(model)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), clone.state_dict().values()))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_shared_expert_adds_its_output_to_the_routed_one(gated):
+    """Qwen2-MoE's layer: y = routed(x) + sigmoid(w_s . x) f_s(x) (without the gate, + f_s(x)); padding stays 0."""
+    torch.manual_seed(0)
+    layer = MoELayer(preset("tiny", shared_d_ff=40, shared_gate=gated))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, mask = torch.randn(2, 5, 64), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    with torch.no_grad():
+        y, _ = layer(x, mask)
+        shared = layer.shared(x) * (torch.sigmoid(layer.shared_gate(x)) if gated else 1)
+        layer.shared = None
+        routed, _ = layer(x, mask)
+    torch.testing.assert_close(y[mask], (routed + shared)[mask])
+    assert not y[~mask].any()
+
+
+def test_dense_layers_of_their_own_width_and_a_quantizable_shared_expert():
+    model = tiny(moe_layers=[0], dense_d_ff=96, shared_d_ff=40)
+    assert model.layers[1].ffn.w1.weight.shape == (96, 64) and model.layers[0].ffn.experts.w1.shape[1] == 128
+    names = {(id(parent), attr) for parent, attr in model.quantizable()}
+    assert all((id(model.layers[0].ffn.shared), w) in names for w in ("w1", "w2", "w3"))

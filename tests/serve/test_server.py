@@ -475,9 +475,23 @@ def test_serve_cli_errors(tmp_path, capsys):
     assert "max_batch_size" in capsys.readouterr().err
 
 
+def test_serve_exits_2_naming_a_config_it_cannot_run(tmp_path, capsys):
+    """Read before the server starts: a directory with no config.json, or a Hugging Face one with a setting the
+    runtime lacks (issue 41: a RoPE scaling type), exits 2 naming the file and the field."""
+    assert main(["serve", str(tmp_path)]) == 2
+    assert "config.json: missing" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 16, "num_experts": 4,
+        "num_experts_per_tok": 2, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    assert main(["serve", str(tmp_path)]) == 2
+    assert "field 'rope_scaling' has rope_type 'yarn'" in capsys.readouterr().err
+
+
 def test_serve_exits_1_when_the_model_fails_to_load(tmp_path):
-    """A directory that is not a checkpoint: the server starts, the load fails, the process says why and exits 1."""
+    """A config and nothing else: the server starts, the load fails, the process says why and exits 1."""
+    (tmp_path / "config.json").write_text(preset("tiny").to_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-m", "moeserve.cli", "serve", str(tmp_path), "--port", str(free_port())],
                        env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "failed to load" in r.stderr and "config.json" in r.stderr
+    assert r.returncode == 1 and "failed to load" in r.stderr and "moeserve.json: missing" in r.stderr

@@ -32,6 +32,11 @@ from moeserve.runtime.quant import QuantExperts, QuantLinear
 from moeserve.runtime.routing import Routing, SigmoidRouter, SoftmaxRouter, XMoERouter
 
 
+# The additions of MoEConfig.extensions that the whole decode step computes (a head width of its own, QK-norm); a
+# model with any other goes op by op (a dense layer's width never reaches the step: a dense FFN goes op by op anyway)
+STEP_EXTENSIONS = {"d_head", "qk_norm", "dense_d_ff"}
+
+
 class KernelLinear(Laid, nn.Linear):
     """A bias-free linear map (an nn.Linear or the tied head) on the kernel's GEMM, up to `max_rows` rows; past
     them torch's GEMM on the same weight, faster there (DispatchPlan.dense_kernel_max_tokens), in float32 on an
@@ -176,22 +181,28 @@ class CpuKernelBackend(EagerBackend):
         """The whole decode step in one call, where every part of it is on the kernel: each layer's attention half,
         router and experts, the final norm and the LM head. Else None: the ops one by one."""
         model = self.model
-        if not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm" or self.cfg.extensions:
-            return None  # the C step composes moeserve's own blocks only: a Hugging Face family's additions go op by op
+        if (not (plan.kernel_dense and plan.kernel_norms) or self.cfg.task != "lm"
+                or set(self.cfg.extensions) - STEP_EXTENSIONS):
+            return None  # the C step composes moeserve's blocks and these additions only: the others go op by op
         parts = []
         for block in model.layers:
             ffn, norms, a = block.ffn, (block.attention_norm, block.ffn_norm), block.attention
-            if (not isinstance(ffn, MoELayer) or not isinstance(ffn.router, KernelRouted)
+            if (not isinstance(ffn, MoELayer) or not isinstance(ffn.router, KernelRouted) or ffn.shared is not None
                     or not all(isinstance(n, KernelRMSNorm) for n in norms) or not isinstance(a, KernelAttention)):
-                return None  # a dense FFN, a VQ layer, a capacity limit, LayerNorm: the ops one by one
+                return None  # a dense FFN, a VQ layer, a capacity limit, a shared expert, LayerNorm: ops one by one
             n = ((norms[0].weight, norms[0].epsilon), (norms[1].weight, norms[1].epsilon))
             linears = (a.wq, a.wk, a.wv, a.wo)
+            qk = None
+            if a.qk_norm is not None:
+                if not all(isinstance(m, KernelRMSNorm) for m in (a.q_norm, a.k_norm)):
+                    return None
+                qk = (a.qk_norm, a.q_norm.weight, a.k_norm.weight, a.q_norm.epsilon)
             if isinstance(ffn.experts, KernelQuantMoE) and all(isinstance(m, KernelQuantLinear) for m in linears):
                 attention = DecodeAttention(n, tuple(m.qweight for m in linears), a.n_heads, a.n_kv_heads,
-                                            tuple(m.spec for m in linears), tuple(m.scale for m in linears))
+                                            tuple(m.spec for m in linears), tuple(m.scale for m in linears), qk)
                 parts.append((attention, ffn.router.kernel, ffn.experts.kernel))
             elif isinstance(ffn.experts, FusedExperts) and all(isinstance(m, KernelLinear) for m in linears):
-                attention = DecodeAttention(n, tuple(m.weight for m in linears), a.n_heads, a.n_kv_heads)
+                attention = DecodeAttention(n, tuple(m.weight for m in linears), a.n_heads, a.n_kv_heads, qk_norm=qk)
                 parts.append((attention, ffn.router.kernel, ffn.experts.w.fused))
             else:
                 return None

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from moeserve.errors import MoeServeError
 
-ABI = 3  # the MOESERVE_KERNEL_ABI the bindings here, in cpu_kernel.py and in kernel_decode.py are written for
+ABI = 4  # the MOESERVE_KERNEL_ABI the bindings here, in cpu_kernel.py and in kernel_decode.py are written for
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -182,7 +182,9 @@ class _Layer(ctypes.Structure):  # struct layer
                 *((n, ctypes.c_void_p) for n in ("cq", "ck", "cv", "co", "c1", "c3", "c2")),
                 *((n, ctypes.c_long) for n in ("t1", "t3", "t2")), ("fmt", ctypes.c_int), ("group", ctypes.c_long),
                 # ABI 3: attention's maps' own formats (an int4 layer keeping some at int8)
-                *((n, ctypes.c_int) for n in ("fq", "fk", "fv", "fo")), *((n, ctypes.c_long) for n in ("gq", "gk", "gv", "go"))]
+                *((n, ctypes.c_int) for n in ("fq", "fk", "fv", "fo")), *((n, ctypes.c_long) for n in ("gq", "gk", "gv", "go")),
+                # ABI 4: QK-norm (qk 0: none; 1 per head, 2 over the whole projection)
+                ("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p), ("qk_eps", ctypes.c_float), ("qk", ctypes.c_int)]
 
 
 class _Model(ctypes.Structure):  # struct model

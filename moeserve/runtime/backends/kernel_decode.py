@@ -23,6 +23,8 @@ from moeserve.runtime.backends.kernel_abi import KernelError, _check_weights, _L
 from moeserve.runtime.backends.quant_kernel import FMT, KernelQuantExperts, check_weight
 from moeserve.runtime.quant import QuantSpec
 
+QK_NORMS = ("head", "all")  # struct layer's qk, less one
+
 def _lib() -> ctypes.CDLL:
     why = unavailable_reason()
     if why is not None:
@@ -33,7 +35,7 @@ def _lib() -> ctypes.CDLL:
 @dataclass(frozen=True)
 class DecodeAttention:
     """A decode layer's attention half as the whole step takes it: the two norms' (weight, eps) around it and wq,
-    wk, wv, wo as nn.Linear holds them, checked here once. h = x + attention(RMSNorm(x)), and RMSNorm(h) the MoE
+    wk, wv, wo as nn.Linear holds them (and its QK-norm's weights where it has one), checked here once. h = x + attention(RMSNorm(x)), and RMSNorm(h) the MoE
     half's input, computed by step.c inside KernelDecodeStep (not an op of its own).
 
     Quantized (specs given, one a map: an int4 model may keep wv at int8): weights are the quantized wq, wk, wv, wo
@@ -45,6 +47,8 @@ class DecodeAttention:
     n_kv_heads: int
     specs: tuple[QuantSpec, QuantSpec, QuantSpec, QuantSpec] | None = None
     scales: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    # QK-norm: (model.Attention.qk_norm, "head" or "all"; the q and k norms' weights; their eps)
+    qk_norm: tuple[str, Tensor, Tensor, float] | None = None
 
     def __post_init__(self) -> None:
         (n1, _), (n2, _) = self.norms
@@ -62,6 +66,12 @@ class DecodeAttention:
                 if check_weight(f"decode attention's {name}", w, sc, spec) != shape:
                     raise KernelError(f"decode attention: {name} must be {list(shape)} (as a float weight), not "
                                       f"{list(w.shape)} {spec.name}")
+        if self.qk_norm is not None:
+            kind, qn, kn, _ = self.qk_norm
+            if kind not in QK_NORMS:
+                raise KernelError(f"decode attention: QK-norm {kind!r}, expected one of {QK_NORMS}")
+            want |= {"q norm": (qn, (Dh,) if kind == "head" else (H * Dh,)),
+                     "k norm": (kn, (Dh,) if kind == "head" else (G * Dh,))}
         _check_weights("decode attention", n1.dtype, want)
         if H % G or Dh % 2:
             raise KernelError(f"decode attention: {H} query heads over {G} kv heads of {Dh} (the kv heads must divide "
@@ -163,8 +173,12 @@ class KernelDecodeStep:
             else:
                 w1, w3, w2, s1, s3, s2 = experts.pointers
                 extra = ()
+            qk = {}
+            if a.qk_norm is not None:
+                kind, qn, kn, qk_eps = a.qk_norm
+                qk = dict(qn=qn.data_ptr(), kn=kn.data_ptr(), qk_eps=qk_eps, qk=1 + QK_NORMS.index(kind))
             structs.append(_Layer(n1.data_ptr(), wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wo.data_ptr(),
-                                  n2.data_ptr(), eps1, eps2, router.args, w1, w3, w2, s1, s3, s2, *extra))
+                                  n2.data_ptr(), eps1, eps2, router.args, w1, w3, w2, s1, s3, s2, *extra, **qk))
         self._layers = (_Layer * len(structs))(*structs)
         # the weights' storage does not move while this holds them
         self._held = (layers, norm[0], head_VD, embedding_ND, cos, sin, head_quant)

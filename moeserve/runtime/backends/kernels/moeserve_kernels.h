@@ -11,7 +11,7 @@
 #ifndef MOESERVE_KERNELS_H
 #define MOESERVE_KERNELS_H
 
-#define MOESERVE_KERNEL_ABI 3 /* raise on any change to a prototype or struct below */
+#define MOESERVE_KERNEL_ABI 4 /* raise on any change to a prototype or struct below */
 
 typedef unsigned short bf16;
 
@@ -105,6 +105,12 @@ struct layer {
        of them at int8 (runtime/quant.py's QuantSpec.int8); the experts' are fmt and group above */
     int fq, fk, fv, fo;
     long gq, gk, gv, go;
+    /* ABI 4: QK-norm (Qwen3, OLMoE), RMSNorm of q and k before RoPE with weights qn and kn and epsilon qk_eps: qk 1
+       over each head's Dh values, 2 over a row's whole q (H Dh) and k (G Dh); 0 (as a struct filled only up to
+       here is): none */
+    const void *qn, *kn;
+    float qk_eps;
+    int qk;
 };
 
 struct model {

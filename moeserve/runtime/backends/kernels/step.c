@@ -3,7 +3,8 @@
    makes one call a token. */
 #include "common.h"
 
-/* A decode layer's attention half, for B rows of one token each: xn = RMSNorm(x), q k v = xn W^T, RoPE, the
+/* A decode layer's attention half, for B rows of one token each: xn = RMSNorm(x), q k v = xn W^T, QK-norm where
+   the layer has it, RoPE, the
    cache write and attention as attend_decode, h = x + attention Wo^T, hn = RMSNorm(h) (the MoE half's input).
    The same operations as rms_norm, linear_nt and attend_decode called one by one, so the same numbers, in one
    parallel region: a fork and join of the threads, not eight. The weights are nn.Linear's [out, in] with
@@ -54,6 +55,14 @@ static void gemv_q_bf16(const struct qx *x, const void *w, const void *c, int fm
                 GEMV(xn, (const T *)ly->wv, vn, B, G * Dh, D, t, nt);                                  \
             }                                                                                          \
             _Pragma("omp barrier")                                                                     \
+            if (ly->qk) {                                                                              \
+                _Pragma("omp single") /* in place: RMS reads a row whole before it writes it */       \
+                {                                                                                      \
+                    const long wq_ = ly->qk == 1 ? Dh : H * Dh, wk_ = ly->qk == 1 ? Dh : G * Dh;       \
+                    RMS(q, (const T *)ly->qn, q, B * H * Dh / wq_, wq_, ly->qk_eps);                   \
+                    RMS(kn, (const T *)ly->kn, kn, B * G * Dh / wk_, wk_, ly->qk_eps);                 \
+                }                                                                                      \
+            }                                                                                          \
             ATTEND_ROWS(q, kn, vn, cs, sn, kc, vc, att, slots, lo, hi, B, H, G, Dh, max_len, scale); /* a barrier */ \
             if (fmt) {                                                                                 \
                 _Pragma("omp single")                                                                  \
