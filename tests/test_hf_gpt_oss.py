@@ -379,6 +379,14 @@ def test_config_refused_by_name(tmp_path: Path, changes: dict, message: str) -> 
             call(tmp_path)
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "yarn", "factor": 4.0}])
+def test_a_moeserve_config_takes_yarn_only(scaling: dict) -> None:
+    from moeserve.config import ConfigError, MoEConfig
+
+    with pytest.raises(ConfigError, match="config field 'rope_scaling' = .*expected null or .*yarn"):
+        MoEConfig(rope_scaling=scaling)
+
+
 def test_tensors_refused_by_name(tmp_path: Path) -> None:
     hf_gpt_oss(tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
