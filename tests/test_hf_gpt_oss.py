@@ -201,9 +201,12 @@ def test_attention_with_sinks_is_sdpa_with_a_sink_column() -> None:
     ref = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2),
                                                            attn_mask=column, enable_gqa=True)
     torch.testing.assert_close(attend_with_sinks(q, k, v, sinks, mask, False), ref, atol=1e-6, rtol=0)
-    causal = attend_with_sinks(q[..., :L, :].expand(B, H, S, Dh), k[:, :, :S], v[:, :, :S], sinks, None, True)
-    tril = torch.ones(S, S, dtype=torch.bool).tril()[None, None]
-    torch.testing.assert_close(causal, attend_with_sinks(q, k[:, :, :S], v[:, :, :S], sinks, tril, False))
+    torch.testing.assert_close(attend_with_sinks(q, k, v, sinks, mask, False, block=2), ref, atol=1e-6, rtol=0)
+    # is_causal with no mask: the S queries are the last S of the L positions, whole or two queries at a time
+    causal = (key_1L <= pos_S1)[None, None]
+    explicit = attend_with_sinks(q, k, v, sinks, causal, False)
+    torch.testing.assert_close(attend_with_sinks(q, k, v, sinks, None, True), explicit)
+    torch.testing.assert_close(attend_with_sinks(q, k, v, sinks, None, True, block=2), explicit)
 
 
 def test_biased_experts_paths_equal_the_per_token_sum() -> None:
