@@ -121,13 +121,18 @@ def as_nbits(m: torch.nn.Module, nbits: bool) -> bool:
 
 
 def linear(g: Graph, x: str, m: torch.nn.Module, hint: str, nbits: bool = False) -> str:
-    """x @ W^T of a linear module (nn.Linear, the tied head, QuantLinear). A quantized one with `nbits` is ONNX
-    Runtime's MatMulNBits on its own bytes (no float copy), else its weight dequantized into a float MatMul."""
+    """x @ W^T (+ b) of a linear module (nn.Linear, the tied head, QuantLinear). A quantized one with `nbits` is ONNX
+    Runtime's MatMulNBits on its own bytes (no float copy), else its weight dequantized into a float MatMul. A bias
+    (Qwen2-MoE's q, k, v; gpt-oss's o) is an Add after it; a map with one is never quantized (Transformer.quantizable),
+    so it is always the float MatMul's."""
     if as_nbits(m, nbits):
         b, scales, bits = nbits_arrays(m)
-        return g.op("MatMulNBits", x, g.weight(b, f"{hint}.qweight"), g.weight(scales, f"{hint}.scales"),
-                    domain=MS_DOMAIN, K=m.in_features, N=m.out_features, bits=bits, block_size=NBITS_BLOCK, hint=hint)
-    return g.linear(x, float_weight(m), hint)
+        y = g.op("MatMulNBits", x, g.weight(b, f"{hint}.qweight"), g.weight(scales, f"{hint}.scales"),
+                 domain=MS_DOMAIN, K=m.in_features, N=m.out_features, bits=bits, block_size=NBITS_BLOCK, hint=hint)
+    else:
+        y = g.linear(x, float_weight(m), hint)
+    bias = getattr(m, "bias", None)
+    return y if bias is None else g.op("Add", y, g.weight(np32(bias), f"{hint}.bias"))
 
 
 PORTABLE_WHY = "portable graphs hold standard operators only (TensorRT's parser's set)"
@@ -219,6 +224,12 @@ def dense_ffn(g: Graph, x: str, w1_FD: np.ndarray, w2_DF: np.ndarray, w3_FD: np.
         return g.linear(activation(g, g.linear(x, w1_FD, f"{hint}.w1"), "gelu"), w2_DF, f"{hint}.w2")
     h = g.linear(x, np.concatenate([w1_FD, w3_FD]), f"{hint}.w13")
     return g.linear(activation(g, h, "swiglu", w1_FD.shape[0]), w2_DF, f"{hint}.w2")
+
+
+def feed_forward(g: Graph, x: str, ffn: torch.nn.Module, hint: str) -> str:
+    """A FeedForward module (a dense layer's FFN, a shared expert) as dense_ffn, quantized weights dequantized."""
+    w3 = None if ffn.w3 is None else float_weight(ffn.w3)
+    return dense_ffn(g, x, float_weight(ffn.w1), float_weight(ffn.w2), w3, hint)
 
 
 def all_experts(g: Graph, x_TD: str, gates_TE: str, experts: Experts, hint: str) -> str:
@@ -386,8 +397,26 @@ def discrete_path(g: Graph, x_TD: str, layer: MoELayer, form: str, hint: str) ->
     return all_experts(g, x_tilde, onehot, layer.experts, hint), codes
 
 
+def shared_expert(g: Graph, x_TD: str, layer: MoELayer, hint: str) -> str:
+    """Qwen2-MoE's shared expert f_s(x) [T, D], scaled by sigmoid(w_s . x) where it has a gate (MoELayer._shared): a
+    dense FFN every token goes through, written as the dense layers' (float MatMuls, quantized weights dequantized)."""
+    y = feed_forward(g, x_TD, layer.shared, f"{hint}.shared")
+    if layer.shared_gate is None:
+        return y
+    return g.op("Mul", g.op("Sigmoid", g.linear(x_TD, np32(layer.shared_gate.weight), f"{hint}.shared_gate")), y)
+
+
 def moe_layer(g: Graph, x_TD: str, layer: MoELayer, mode: str, block: int) -> tuple[str, str, LayerForm]:
-    """(y [T, D], expert ids [T, K] as the engine counts them, how it was written)."""
+    """(y [T, D], expert ids [T, K] as the engine counts them, how it was written): the routed experts in the form
+    `mode` asks for (routed_experts), plus the shared expert where the layer has one, whatever that form."""
+    y, ids, form = routed_experts(g, x_TD, layer, mode, block)
+    if layer.shared is not None:
+        y = g.op("Add", y, shared_expert(g, x_TD, layer, f"layers.{block}.moe"))
+    return y, ids, form
+
+
+def routed_experts(g: Graph, x_TD: str, layer: MoELayer, mode: str, block: int) -> tuple[str, str, LayerForm]:
+    """moe_layer's routed part: (y [T, D], expert ids [T, K], how it was written)."""
     cfg, hint = layer.cfg, f"layers.{block}.moe"
     r = router_graph(g, x_TD, layer.router, f"{hint}.router") if layer.router is not None else None
     want_fused = mode in ("fused", "vq-table")

@@ -53,16 +53,33 @@ def check_destination(out: str | os.PathLike) -> Path:
     return out
 
 
+# The MoEConfig.extensions the graph does not write, each with why. The others (d_head, qkv_bias, o_bias, qk_norm,
+# layer_windows, dense_d_ff, shared_d_ff, shared_gate) are standard operators in every mode (onnx_graph.py, moe_graph.py).
+NOT_WRITTEN = {
+    "attention_sinks": "a learned logit per head joining each softmax's denominator, which neither moeserve's torch "
+                       "model nor the graph's Softmax computes here",
+    "rope_scaling": "scaled (YaRN) RoPE tables, which moeserve's rope_tables does not compute here (the graph takes its "
+                    "tables from the model's)",
+    "router_bias": "a bias on the router's logits, which the graph's routers (export/moe_graph.py router_graph) lack",
+    "expert_bias": "biases in the experts' maps, which the MoE and QMoE operators as written here and the portable "
+                   "experts lack",
+    "clamped_swiglu": "the clamped SwiGLU of gpt-oss's experts, which the graph's SwiGLU (and the MoE operator's) "
+                      "does not clamp",
+}
+
+
 def check_combination(cfg, mode: str) -> None:
     if mode not in MODES:
         raise ExportError(f"unknown export mode {mode!r}; expected one of: {', '.join(MODES)}")
     if mode == "vq-table" and cfg.router != "vq":
         raise ExportError(f"--mode vq-table folds VQ layers into tables; this model's router is {cfg.router!r} "
                           f"(use portable or fused)")
-    if cfg.extensions:
-        raise ExportError(f"this model turns on {', '.join(cfg.extensions)} (a Hugging Face family's "
+    if lacking := [n for n in cfg.extensions if n in NOT_WRITTEN]:
+        raise ExportError(f"this model turns on {', '.join(lacking)} (a Hugging Face family's "
                           f"{cfg.extra.get('hf_model_type', 'architecture')}), which the ONNX graph "
-                          f"(export/onnx_graph.py) does not write yet; serve it with moeserve's own backends")
+                          f"(export/onnx_graph.py) does not write yet: "
+                          f"{'; '.join(f'{n}: {NOT_WRITTEN[n]}' for n in lacking)}; serve it with moeserve's own "
+                          f"backends")
     if cfg.capacity_factor is not None and not (cfg.router == "vq" and cfg.vq_mode == "discrete"):
         raise ExportError(f"capacity_factor={cfg.capacity_factor} (tokens dropped past each expert's capacity) has "
                           f"no ONNX form; export a dropless model (capacity_factor null), as serving runs anyway")

@@ -19,7 +19,7 @@ import torch
 from moeserve.config import MoEConfig
 from moeserve.export import MODES
 from moeserve.export.graph import FLOAT, INT64, Graph
-from moeserve.export.moe_graph import LayerForm, dense_ffn, float_weight, linear, moe_layer, np32
+from moeserve.export.moe_graph import LayerForm, feed_forward, linear, moe_layer, np32
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoELayer
 
@@ -60,12 +60,19 @@ def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias:
     a = block.attention
     H, G, Dh = a.n_heads, a.n_kv_heads, a.head_dim
 
-    def heads(w, n: int, name: str) -> str:
-        y = g.reshape(linear(g, x, w, f"{hint}.{name}", nbits), [0, 0, n, Dh])
-        return g.op("Transpose", y, perm=[0, 2, 1, 3])  # [B, n, S, Dh]
+    def heads(w, n: int, name: str, qk_norm: torch.nn.Module | None = None) -> str:
+        """[B, n, S, Dh] of one projection, QK-normed as Attention._project: over the whole projection ("all",
+        OLMoE) before the split into heads, or over each head's Dh ("head", Qwen3) after it."""
+        y = linear(g, x, w, f"{hint}.{name}", nbits)
+        if qk_norm is not None and a.qk_norm == "all":
+            y = norm(g, y, qk_norm, f"{hint}.{name[1]}_norm")
+        y = g.reshape(y, [0, 0, n, Dh])
+        if qk_norm is not None and a.qk_norm == "head":
+            y = norm(g, y, qk_norm, f"{hint}.{name[1]}_norm")
+        return g.op("Transpose", y, perm=[0, 2, 1, 3])
 
-    q = rope(g, heads(a.wq, H, "wq"), cos, sin, Dh)
-    k = rope(g, heads(a.wk, G, "wk"), cos, sin, Dh)
+    q = rope(g, heads(a.wq, H, "wq", getattr(a, "q_norm", None)), cos, sin, Dh)
+    k = rope(g, heads(a.wk, G, "wk", getattr(a, "k_norm", None)), cos, sin, Dh)
     v = heads(a.wv, G, "wv")
     present = None
     if past is not None:
@@ -84,15 +91,16 @@ def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias:
     return linear(g, o, a.wo, f"{hint}.wo", nbits), present
 
 
-def mask_bias(g: Graph, cfg: MoEConfig, q_pos: str, k_pos: str, attention_mask: str) -> str:
-    """[B, 1, S, L]: 0 where query i may see key j, -inf elsewhere (model._mask): causal (and the sliding
-    window) for language models, padding keys never; every query sees itself, so no row is all -inf."""
+def mask_bias(g: Graph, cfg: MoEConfig, q_pos: str, k_pos: str, attention_mask: str, window: int | None) -> str:
+    """[B, 1, S, L]: 0 where query i may see key j, -inf elsewhere (model._mask): causal (and within the sliding
+    `window`, i - window < j) for language models, padding keys never; every query sees itself, so no row is all
+    -inf."""
     i, j = g.unsqueeze(q_pos, [1]), g.unsqueeze(k_pos, [0])
     allowed = g.unsqueeze(g.op("Cast", attention_mask, to=onnx.TensorProto.BOOL), [1, 2])  # [B, 1, 1, S]
     if cfg.causal:
         causal = g.op("LessOrEqual", j, i)
-        if cfg.sliding_window is not None:
-            causal = g.op("And", causal, g.op("Greater", j, g.op("Sub", i, g.const(cfg.sliding_window))))
+        if window is not None:
+            causal = g.op("And", causal, g.op("Greater", j, g.op("Sub", i, g.const(window))))
         allowed = g.op("And", allowed, causal)
     allowed = g.op("Or", allowed, g.op("Equal", i, j))
     return g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
@@ -132,14 +140,15 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
         q_pos = k_pos = g.op("Range", g.const(0), seq, g.const(1), hint="positions")
     cos = g.op("Gather", g.weight(np32(model.rope_cos), "rope_cos"), q_pos, axis=0)  # [S, Dh]
     sin = g.op("Gather", g.weight(np32(model.rope_sin), "rope_sin"), q_pos, axis=0)
-    bias = mask_bias(g, cfg, q_pos, k_pos, attention_mask)
+    # one mask per distinct sliding window (gpt-oss alternates windowed and full layers), as Transformer.windows
+    biases = {w: mask_bias(g, cfg, q_pos, k_pos, attention_mask, w) for w in model.windows}
     ids_shape = g.op("Shape", ids)
 
     forms, expert_outputs, presents = [], [], []
     for b, block in enumerate(model.layers):
         hint = f"layers.{b}"
         h, present = attention(g, norm(g, x, block.attention_norm, f"{hint}.attention_norm"), block, cfg,
-                               cos, sin, bias, f"{hint}.attention", pasts[b], nbits)
+                               cos, sin, biases[block.attention.window], f"{hint}.attention", pasts[b], nbits)
         presents.append(present)
         x = g.op("Add", x, h)
         h = norm(g, x, block.ffn_norm, f"{hint}.ffn_norm")
@@ -150,9 +159,7 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
             expert_outputs.append(g.op("Reshape", experts_TK, g.op("Concat", ids_shape, g.const([k]), axis=0)))
             forms.append(form)
         else:
-            f = block.ffn
-            y = dense_ffn(g, h, float_weight(f.w1), float_weight(f.w2), None if f.w3 is None else float_weight(f.w3),
-                          f"{hint}.ffn")
+            y = feed_forward(g, h, block.ffn, f"{hint}.ffn")  # its own width (dense_d_ff) from its weights
         x = g.op("Add", x, y)
     x = norm(g, x, model.norm, "norm")
 

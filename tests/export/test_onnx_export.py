@@ -43,9 +43,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TOL = 1e-4  # fp32 parity, as the exporter's own check (parity.TOLERANCE["float32"])
 TRT_OPS = Path(__file__).resolve().parents[2] / "moeserve" / "export" / "tensorrt_onnx_ops.json"
 
-# One tiny model per config. The first nine are the router kinds the exporter has forms for; the last
+# One tiny model per config. The first nine are the router kinds the exporter has forms for; the next
 # four reach the trunk's other branches (cosine VQ with a projection, erf-gelu experts, grouped-query
-# attention + sliding window + a dense FFN layer + untied head, a bidirectional LayerNorm classifier).
+# attention + sliding window + a dense FFN layer + untied head, a bidirectional LayerNorm classifier); the
+# last four the Hugging Face families' additions (MoEConfig.extensions) the graph writes: Qwen3-MoE's
+# per-head QK-norm, head width of its own and renormalised gates; OLMoE's QK-norm over whole projections;
+# Qwen2-MoE's q/k/v biases, gated shared expert and a dense layer wider than the experts; gpt-oss's
+# sliding window per layer and biased output map; and a gated shared expert beside a VQ table.
 CONFIGS: dict[str, dict] = {
     "softmax": dict(router="softmax"),
     "softmax-renorm": dict(router="softmax", renormalize=True),
@@ -60,7 +64,14 @@ CONFIGS: dict[str, dict] = {
     "gelu": dict(router="softmax", expert_act="gelu"),
     "gqa-window-dense": dict(router="softmax", n_kv_heads=2, sliding_window=8, moe_layers=[1], tie_embeddings=False),
     "classify": dict(router="xmoe", task="classify", n_classes=3, causal=False, norm="layernorm"),
+    "qwen3-like": dict(router="softmax", renormalize=True, qk_norm="head", d_head=24, n_kv_heads=2),
+    "olmoe-like": dict(router="softmax", qk_norm="all", n_kv_heads=2),
+    "qwen2-like": dict(router="softmax", qkv_bias=True, shared_d_ff=64, shared_gate=True, moe_layers=[1],
+                       dense_d_ff=96, n_kv_heads=2),
+    "windows": dict(router="softmax", layer_windows=[8, None], qkv_bias=True, o_bias=True),
+    "vq-code-shared": dict(router="vq", vq_mode="discrete", vq_input="code", shared_d_ff=64, shared_gate=True),
 }
+FAMILY_CONFIGS = ["qwen3-like", "olmoe-like", "qwen2-like", "windows"]
 
 
 def modes_of(name: str) -> list[str]:
@@ -297,7 +308,10 @@ def test_parity_with_torch(zoo, name, mode):
     assert worst <= TOL, f"{name} {mode}: max |logits diff| {worst:.3g} > {TOL}"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# vq-code-shared: its shared expert's output, beside one table row per code, scales the residual stream up, and the
+# final RMSNorm shrinks this 1e-2 change to ~7e-4 in the logits (still 7x the tolerance); vq-code checks that layer
+# form, and the no-op shared expert of test_each_family_addition_shows_in_the_logits the shared part
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "vq-code-shared"])
 def test_parity_fails_after_perturbing_one_expert_weight(zoo, name):
     """The parity check can fail: one row of the down projection of the most used expert of the last MoE
     layer (output dim 0; a change along all dims alike would vanish in a LayerNorm), +1e-2 on each of its
@@ -318,6 +332,7 @@ def test_parity_fails_after_perturbing_one_expert_weight(zoo, name):
 @pytest.mark.parametrize(("name", "per_layer", "form"), [
     ("softmax", 1, "fused"), ("softmax-renorm", 1, "fused"), ("sigmoid-k1", 1, "fused"), ("xmoe", 1, "fused"),
     ("vq-mixed", 2, "fused+fused"), ("vq-code", 1, "fused"), ("vq-blend", 1, "fused"),
+    *[(name, 1, "fused") for name in FAMILY_CONFIGS],
 ])
 def test_fused_graph_uses_the_onnxruntime_moe_operator(zoo, name, per_layer, form):
     proto, forms = zoo.graph(name, "fused")
@@ -358,8 +373,87 @@ def test_fused_mode_falls_back_to_portable_with_a_reason(zoo, name, reason):
         assert f.fallback and reason in f.fallback.lower(), f.fallback
 
 
+# ---- 2b. the Hugging Face families' additions -------------------------------------------------------------
+def without(model: Transformer, name: str) -> Transformer:
+    """A copy of `model` with one family addition turned into a no-op (zero bias, unit norm, silent shared expert,
+    no window), for the check that parity would notice a graph that dropped it."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in m.layers:
+            a = block.attention
+            if name == "bias":
+                for lin in (a.wq, a.wk, a.wv, a.wo):
+                    if lin.bias is not None:
+                        lin.bias.zero_()
+            elif name == "qk_norm":
+                a.q_norm.weight.fill_(1.0), a.k_norm.weight.fill_(1.0)
+            elif name == "window":
+                a.window = None
+        for layer in m.moe_layers:
+            if name == "shared":
+                layer.shared.w2.weight.zero_()
+            elif name == "shared_gate":
+                layer.shared_gate.weight.zero_()  # sigmoid(0) = 1/2 for every token
+    return m
+
+
+@pytest.mark.parametrize(("name", "addition"), [
+    ("qwen3-like", "qk_norm"), ("olmoe-like", "qk_norm"), ("qwen2-like", "bias"), ("qwen2-like", "shared"),
+    ("qwen2-like", "shared_gate"), ("windows", "bias"), ("windows", "window"), ("vq-code-shared", "shared"),
+])
+def test_each_family_addition_shows_in_the_logits(zoo, name, addition):
+    """The parity of the family configs means something: each addition, made a no-op in the torch model, moves its
+    logits far past the tolerance (a graph that left it out would fail parity); a window of 8 needs the 33- and
+    64-token cases."""
+    cases = zoo.cases(name)[-2:]
+    assert max_diff(zoo.session(name, "portable"), engine_of(without(zoo.model(name), addition)), cases) > 100 * TOL
+
+
+def initializer_shapes(proto) -> dict[str, list[int]]:
+    return {t.name: list(t.dims) for t in proto.graph.initializer}
+
+
+def test_family_additions_are_written_where_the_model_has_them(zoo):
+    """What each addition puts in the graph: biases and norm weights as initializers of their width (d_head 24: q is
+    4 x 24 = 96 wide), the dense layer at its own width (dense_d_ff 96, the experts' 128), the shared expert and its
+    [1, D] gate; one mask per distinct window."""
+    q3 = initializer_shapes(zoo.graph("qwen3-like", "fused")[0])
+    assert q3["layers.0.attention.wq"] == [64, 96] and q3["layers.0.attention.wk"] == [64, 48]
+    assert q3["layers.0.attention.q_norm.weight"] == [24] and q3["layers.1.attention.k_norm.weight"] == [24]
+    ol = initializer_shapes(zoo.graph("olmoe-like", "fused")[0])
+    assert ol["layers.0.attention.q_norm.weight"] == [64] and ol["layers.0.attention.k_norm.weight"] == [32]
+    q2 = initializer_shapes(zoo.graph("qwen2-like", "fused")[0])
+    assert [q2[f"layers.0.attention.{n}.bias"] for n in ("wq", "wk", "wv")] == [[64], [32], [32]]
+    assert "layers.0.attention.wo.bias" not in q2
+    assert q2["layers.0.ffn.w13"] == [64, 2 * 96] and q2["layers.0.ffn.w2"] == [96, 64]
+    assert q2["layers.1.moe.shared.w13"] == [64, 2 * 64] and q2["layers.1.moe.shared_gate"] == [64, 1]
+    for mode in ("portable", "fused"):
+        assert "layers.1.moe.shared.w2" in initializer_shapes(zoo.graph("qwen2-like", mode)[0])
+    windows = zoo.graph("windows", "portable")[0]
+    assert initializer_shapes(windows)["layers.1.attention.wo.bias"] == [64]
+    assert sum(n.op_type == "Where" for n in windows.graph.node) == 2  # window 8 (layer 0) and none (layer 1)
+    assert sum(n.op_type == "Where" for n in zoo.graph("softmax", "portable")[0].graph.node) == 1
+
+
+@pytest.mark.parametrize("mode", ["portable", "fused"])
+@pytest.mark.parametrize("name", FAMILY_CONFIGS)
+def test_family_kv_cache_graph_decodes_with_parity(zoo, name, mode):
+    """The KV-cache graph of each family config through the exporter's own parity check (export/parity.py): every
+    held-out shape from an empty cache, and its last token as a decode step on the cache of the others (a window of
+    8 cuts into the 64-token case's cache)."""
+    from moeserve.export.parity import check
+
+    with torch.no_grad():
+        proto, _ = build_graph(zoo.model(name), mode, kv_cache=True)
+    parity = check(session_of(proto), zoo.engine(name))
+    assert set(parity.outputs) == {"logits", "logits, cached step"}
+    worst = {k: d.max_abs for k, d in parity.outputs.items()}
+    assert max(worst.values()) <= TOL, worst
+    assert parity.top1_agreement() == [1.0] * n_moe(zoo.model(name).cfg)
+
+
 # ---- 3. vq-table ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["vq-code", "vq-code-cosine-proj"])
+@pytest.mark.parametrize("name", ["vq-code", "vq-code-cosine-proj", "vq-code-shared"])
 def test_vq_table_holds_no_expert_matrices(zoo, name):
     model = zoo.model(name)
     cfg = model.cfg
@@ -507,6 +601,25 @@ def test_quantized_checkpoints_export_with_parity(tmp_path, name, fmt):
     assert sum(op_count(tmp_path / "portable.onnx", op) for op in ("MatMulNBits", "QMoE", "MoE")) == 0
     assert portable.extra["qmoe"] == [] and len(portable.extra["dequantized"]) == 4 * L + len(dense) + len(moe) + 1
     assert set(portable.extra["dequantized"].values()) == {PORTABLE_WHY}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["qwen3-like", "qwen2-like"])
+def test_quantized_family_checkpoints_export_with_parity(tmp_path, name, fmt):
+    """The family additions beside quantized weights, in ONNX Runtime's graph: a map with a bias stays float
+    (Transformer.quantizable), so Qwen2-like q, k, v are float MatMuls + Add and only o and the head run as
+    MatMulNBits; Qwen3-like's q, k, v, o (d_head 24: q 96 wide, whole blocks of 32) all do. The shared expert is
+    written dequantized, as a dense FFN, and the report says so; the experts go to QMoE."""
+    model = quantized(name, fmt)
+    cfg, L = model.cfg, model.cfg.n_layers
+    report = export_onnx(write_checkpoint(tmp_path / "ckpt", model), tmp_path / "fused.onnx", "fused")
+    assert report.passed and report.outputs["logits"]["max_abs_diff"] <= TOL
+    proto = onnx.load(str(tmp_path / "fused.onnx"))
+    assert op_count(proto, "MatMulNBits") == (L + 1 if cfg.qkv_bias else 4 * L + 1)
+    assert (op_count(proto, "QMoE"), op_count(proto, "MoE")) == (n_moe(cfg), 0)
+    shared = [f"layers.{b}.ffn.shared.w{i}" for b in cfg.moe_layer_ids for i in (1, 2, 3)] if cfg.shared_d_ff else []
+    assert set(shared) <= set(report.extra["dequantized"])
+    assert all(report.extra["dequantized"][n] == "the dense FFN is written as float MatMuls" for n in shared)
 
 
 @pytest.mark.parametrize(("fmt", "group"), [("int8", None), ("int4", 32), ("int4", 64)])

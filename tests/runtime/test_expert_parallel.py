@@ -1,7 +1,8 @@
 """Expert parallelism (runtime/expert_parallel.py, runtime/ep_rank.py) in real processes: two ranks on gloo over
 127.0.0.1, each with its own requests at once, give the single-process engine's answers (fp32: tokens identical,
 greedy and seeded; log-probabilities and scores within 1e-5) for the softmax, xmoe and vq (mixed and discrete)
-routers; each rank holds only its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
+routers, quantized checkpoints and a Hugging Face Qwen2-MoE (its shared expert on every rank); each rank holds only
+its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
 exchange itself equals the reference loop, with zero rows on a rank, in one process and in two. Scores, sums of
 many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ep_serve.py)."""
 
@@ -29,12 +30,37 @@ ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
            "vq-mixed": dict(router="vq", vq_mode="mixed"), "vq-discrete": dict(router="vq", vq_mode="discrete"),
            # quantized checkpoints: each rank reads its experts' integers and scales (int4 keeping wk, wv at int8, and
            # the head at int8 too: 64 wide, not a multiple of int6's 128)
-           "softmax-int4": dict(router="softmax", quantize="int4"), "xmoe-int8": dict(router="xmoe", quantize="int8")}
+           "softmax-int4": dict(router="softmax", quantize="int4"), "xmoe-int8": dict(router="xmoe", quantize="int8"),
+           # a Hugging Face Qwen2-MoE directory: q/k/v biases, and a gated shared expert that every rank holds whole
+           "qwen2-moe": dict(family="qwen2_moe")}
 BUSY_S = 2.0
 RUN_TIMEOUT_S = 120  # the whole two-rank run; a hang fails the tests after it rather than stalling CI
 
 
-def checkpoint(root: Path, name: str, quantize: str | None = None, **kw) -> Path:
+def qwen2_moe(path: Path) -> Path:
+    """A tiny Qwen2-MoE written by transformers (context 64, 2 MoE layers of 4 experts, top-2, as tiny), with a
+    byte-level BPE tokenizer.json, so the ranks' text requests tokenize."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x\nimport os\n"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    torch.manual_seed(0)
+    Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=0,
+        pad_token_id=0)).save_pretrained(path)
+    return path
+
+
+def checkpoint(root: Path, name: str, quantize: str | None = None, family: str | None = None, **kw) -> Path:
+    if family == "qwen2_moe":
+        return qwen2_moe(root / name)
     torch.manual_seed(0)
     model = Transformer(preset("tiny", **kw))  # context 64, byte tokenizer, 2 MoE layers of 4 experts, top-2
     if quantize is not None:
