@@ -363,6 +363,22 @@ def test_expert_slices_are_the_imported_stacks(tmp_path: Path, mxfp4: bool) -> N
     assert sorted(dense) == sorted(k for k in whole if not is_expert_weight(k))
 
 
+def test_an_expert_parallel_rank_refuses_it_by_name(tmp_path: Path) -> None:
+    """A rank's ExpertShard has no biases and no clamped SwiGLU: serving gpt-oss expert-parallel is refused, naming
+    why, rather than run without them (the slices above are what a rank will read once it has them)."""
+    from moeserve.bench.server_process import free_port
+    from moeserve.runtime.ep_rank import load_rank_engine
+    from moeserve.runtime.expert_parallel import ExpertParallelError, join_group
+
+    hf_gpt_oss(tmp_path)
+    group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, timeout_s=30)
+    try:
+        with pytest.raises(ExpertParallelError, match="biases or the clamped SwiGLU \\(gpt-oss\\)"):
+            load_rank_engine(str(tmp_path), group)
+    finally:
+        group.leave()
+
+
 # ---- refusals -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("changes, message", [
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'quantization_config' = .*'gptq'.*only quant_method 'mxfp4'"),
