@@ -1,8 +1,9 @@
 """What the Hugging Face MoE families read alike (hf_mixtral.py, hf_qwen_moe.py, hf_olmoe.py; hf_gpt_oss.py its small
-helpers): the config.json fields every Llama-style MoE shares (sizes, RoPE, token ids), and the tensors of a pre-norm decoder whose FFN is a routed MoE
-block (with, where the config says, attention biases, q/k norms, dense FFN layers and a shared expert), renamed and
-stacked into the Transformer's layout. A family is a `Layout` (how it names its tensors) and its own config mapping;
-like those modules, this one imports nothing of moeserve but the config and errors.
+helpers): the config.json fields every Llama-style MoE shares (sizes, RoPE, token ids), and the tensors of a pre-norm
+decoder whose FFN is a routed MoE block (with, where the config says, attention biases, q/k norms, dense FFN layers
+and a shared expert), renamed and stacked into the Transformer's layout. A family is a `Layout` (how it names its
+tensors) and its own config mapping; like those modules, this one imports nothing of moeserve but the config and
+errors.
 
 Shape legend: D model dim, F expert hidden dim, E experts, V vocabulary, H heads, G kv heads, Dh head dim.
 """
@@ -98,7 +99,8 @@ def embedding_and_head(take: Take, src: dict, c: MoEConfig) -> dict[str, torch.T
     """The embedding, the final norm and (untied) the LM head, under the Transformer's names. Tied: transformers ties
     the head to the embedding and ignores a saved copy, and so does this."""
     V, D = c.vocab_size, c.d_model
-    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D), "norm.weight": take("model.norm.weight", D)}
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D),
+           "norm.weight": take("model.norm.weight", D)}
     if not c.tie_embeddings:
         out["output.weight"] = take("lm_head.weight", V, D)
     elif "lm_head.weight" in src:

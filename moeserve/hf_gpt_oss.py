@@ -69,7 +69,8 @@ def gpt_oss_config(raw: dict, where: Path, has_tokenizer: bool) -> MoEConfig:
         fail(f"field(s) {unknown} not supported (not a field moeserve reads for gpt-oss)")
     if (arch := raw.get("architectures")) is not None and arch != ["GptOssForCausalLM"]:
         fail(f"field 'architectures' = {arch!r}: expected ['GptOssForCausalLM'] (a language-model head)")
-    if (q := raw.get("quantization_config")) is not None and (not isinstance(q, dict) or q.get("quant_method") != "mxfp4"):
+    q = raw.get("quantization_config")
+    if q is not None and (not isinstance(q, dict) or q.get("quant_method") != "mxfp4"):
         fail(f"field 'quantization_config' = {q!r}: only quant_method 'mxfp4' (experts dequantized at load) is "
              f"supported")
     for name in ("num_experts_per_tok", "num_local_experts"):  # aliases a config.json may hold instead
@@ -165,11 +166,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 # ---- tensors -----------------------------------------------------------------------------------------------------
-def _expert_tensors(get: Callable[[str, tuple[int, ...]], torch.Tensor], has: Callable[[str], bool], o: str, E: int, D: int, F: int, dtype: torch.dtype | None, where: Path) -> dict[str, torch.Tensor]:
+def _expert_tensors(get: Callable[[str, tuple[int, ...]], torch.Tensor], has: Callable[[str], bool], o: str, E: int,
+                    D: int, F: int, dtype: torch.dtype | None, where: Path) -> dict[str, torch.Tensor]:
     """One layer's experts (E of them: all, or a rank's slice) as the Transformer's w1, w3 (the halves of one
-    [E, 2F, D] tensor), w2 [E, D, F] and biases b1, b3 [E, F], b2 [E, D]. `get(name, shape)` reads checkpoint tensor
-    `name` of the layer's experts; bf16 / fp32 `gate_up_proj` [E, D, 2F] (gate, up interleaved on the last axis) and `down_proj`
-    [E, F, D], or their MXFP4 `_blocks` and `_scales`, dequantized here to `dtype` (None: the biases' dtype)."""
+    [E, 2F, D] tensor), w2 [E, D, F] and biases b1, b3 [E, F], b2 [E, D]. `get(name, shape)` reads the layer's
+    experts' tensor `name`: bf16 / fp32 `gate_up_proj` [E, D, 2F] (gate, up interleaved on the last axis) and
+    `down_proj` [E, F, D], or their MXFP4 `_blocks` and `_scales`, dequantized here to `dtype` (None: the biases')."""
     gate_up_bias = get("gate_up_proj_bias", (E, 2 * F))
     dt = dtype or gate_up_bias.dtype
     if has("gate_up_proj_blocks"):
@@ -178,8 +180,8 @@ def _expert_tensors(get: Callable[[str, tuple[int, ...]], torch.Tensor], has: Ca
                               f"not {D} and {F}")
         gate_up_E2FD = dequantize_mxfp4(get("gate_up_proj_blocks", (E, 2 * F, D // 32, 16)),
                                         get("gate_up_proj_scales", (E, 2 * F, D // 32)), dt)
-        w2_EDF = dequantize_mxfp4(get("down_proj_blocks", (E, D, F // 32, 16)), get("down_proj_scales", (E, D, F // 32)),
-                                  dt)
+        w2_EDF = dequantize_mxfp4(get("down_proj_blocks", (E, D, F // 32, 16)),
+                                  get("down_proj_scales", (E, D, F // 32)), dt)
     else:
         gate_up_E2FD = get("gate_up_proj", (E, D, 2 * F)).transpose(1, 2)
         w2_EDF = get("down_proj", (E, F, D)).transpose(1, 2).to(dt).contiguous()

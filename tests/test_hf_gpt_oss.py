@@ -18,7 +18,9 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
-from moeserve.checkpoint import CheckpointError, describe, is_expert_weight, load_checkpoint, load_expert_slice  # noqa: E402
+from moeserve.checkpoint import (  # noqa: E402
+    CheckpointError, describe, is_expert_weight, load_checkpoint, load_expert_slice,
+)
 from moeserve.hf_gpt_oss import FP4_VALUES, dequantize_mxfp4  # noqa: E402
 from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
 from moeserve.runtime.backends.experts import moe_indexed_biased  # noqa: E402
@@ -70,7 +72,7 @@ def assert_logits_match(path: Path, hf: GptOssForCausalLM, lengths=(1, 17, 130))
             torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
 
 
-# ---- logits parity --------------------------------------------------------------------------------------------------
+# ---- logits parity ---------------------------------------------------------------------------------------------------
 def test_logits_match_transformers(tmp_path: Path) -> None:
     hf = hf_gpt_oss(tmp_path)
     assert_logits_match(tmp_path, hf)
@@ -210,8 +212,8 @@ def test_attention_with_sinks_is_sdpa_with_a_sink_column() -> None:
 
 
 def test_biased_experts_paths_equal_the_per_token_sum() -> None:
-    """BiasedExperts' sorted dispatch and the compiled step's indexed path (moe_indexed_biased) give sum_k g_k (h W2^T + b2), computed
-    one token and one expert at a time."""
+    """BiasedExperts' sorted dispatch and the compiled step's indexed path (moe_indexed_biased) give
+    sum_k g_k (h W2^T + b2), computed one token and one expert at a time."""
     torch.manual_seed(0)
     experts = BiasedExperts(6, 32, 24, "clamped_swiglu", bias=True, limit=1.0, alpha=1.702)
     with torch.no_grad():
@@ -235,7 +237,7 @@ def test_biased_experts_paths_equal_the_per_token_sum() -> None:
         torch.testing.assert_close(experts(x, ids, gates, keep), experts(x, ids, gates * keep), atol=1e-6, rtol=0)
 
 
-# ---- the Engine --------------------------------------------------------------------------------------------------------
+# ---- the Engine ------------------------------------------------------------------------------------------------------
 PLANS = {"eager": DispatchPlan(), "eager-packed": DispatchPlan(pack_dense=True, pack_experts=True),
          "cpu-kernel": DispatchPlan(kernel_experts=True, kernel_dense=True, kernel_norms=True)}
 
@@ -284,7 +286,7 @@ def test_calibration_times_the_clamped_swiglu_as_the_swiglu(tmp_path: Path) -> N
     assert ExpertShape.of(load_checkpoint(tmp_path).config) == ExpertShape(64, 64, 4, 2, "swiglu")
 
 
-# ---- MXFP4 ----------------------------------------------------------------------------------------------------------
+# ---- MXFP4 -----------------------------------------------------------------------------------------------------------
 def random_mxfp4(*shape: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random blocks [*shape, 16] and scales [*shape] (2^-7 .. 2^-3: weights of a sensible size)."""
     g = torch.Generator().manual_seed(seed)
@@ -331,7 +333,8 @@ def write_mxfp4(path: Path, hf: GptOssForCausalLM) -> None:
     state = load_file(str(path / "model.safetensors"))
     state = {k: t for k, t in state.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     save_file({**state, **packed}, str(path / "model.safetensors"), metadata={"format": "pt"})
-    edit_config(path, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
+    edit_config(path, quantization_config={"quant_method": "mxfp4",
+                                           "modules_to_not_convert": ["model.layers.*.self_attn"]})
 
 
 def test_mxfp4_directory_loads_dequantized_and_matches(tmp_path: Path) -> None:
@@ -346,7 +349,7 @@ def test_mxfp4_directory_loads_dequantized_and_matches(tmp_path: Path) -> None:
     assert "format: hf-gpt_oss" in describe(tmp_path)
 
 
-# ---- expert slices (serve --ray --expert-parallel N) ------------------------------------------------------------------
+# ---- expert slices (serve --ray --expert-parallel N) -----------------------------------------------------------------
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
 def test_expert_slices_are_the_imported_stacks(tmp_path: Path, mxfp4: bool) -> None:
     hf = hf_gpt_oss(tmp_path, save=not mxfp4)
@@ -379,9 +382,10 @@ def test_an_expert_parallel_rank_refuses_it_by_name(tmp_path: Path) -> None:
         group.leave()
 
 
-# ---- refusals -----------------------------------------------------------------------------------------------------------
+# ---- refusals --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("changes, message", [
-    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'quantization_config' = .*'gptq'.*only quant_method 'mxfp4'"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "'quantization_config' = .*'gptq'.*only quant_method 'mxfp4'"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type 'linear'"),
     ({"rope_parameters": {**YARN, "partial_rotary_factor": 0.5}}, "partial_rotary_factor 0.5"),
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "field 'layer_types' = .*'chunked_attention'"),
@@ -411,5 +415,6 @@ def test_tensors_refused_by_name(tmp_path: Path) -> None:
     state = load_file(str(tmp_path / "model.safetensors"))
     del state["model.layers.1.self_attn.sinks"]
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.1\.self_attn\.sinks' missing \(expected shape \(4,\)\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"tensor 'model\.layers\.1\.self_attn\.sinks' missing \(expected shape \(4,\)\)"):
         load_checkpoint(tmp_path)
