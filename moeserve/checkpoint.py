@@ -42,7 +42,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TRAIN_STATE_FILE = "train_state.safetensors"
 TRAIN_META_FILE = "train_state.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.w[123](_qweight)?$")
+_EXPERT_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.(w[123](_qweight)?|b[123])$")  # b: biases (gpt-oss)
 QUANT_STATE = ("qweight", "scale")  # the name endings of a quantized weight and its scales (runtime/quant.py)
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -444,7 +444,8 @@ def verify_checkpoint(path: str | os.PathLike, remembered: bool = True) -> dict[
 def parameter_counts(config: MoEConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     """{"total", "active_per_token", "experts"} from tensor shapes alone (no tensor data needed).
 
-    Stacked expert tensors `layers.{i}.ffn.experts.w1|w2|w3` count at experts_per_token / E per token;
+    Stacked expert tensors `layers.{i}.ffn.experts.w1|w2|w3` (and biases b1|b2|b3) count at experts_per_token / E
+    per token;
     everything else is dense. A tied LM head (`output.weight` absent, or present with tie_embeddings
     and the embedding's shape, as a module's state_dict lists it) is counted once. A quantized weight
     counts its weights, not its scales: int8 one a byte; int4 and int6, whose scales are per group of a known

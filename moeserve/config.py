@@ -258,8 +258,15 @@ class MoEConfig:
                        for w in self.layer_windows)):
             fail("layer_windows", self.layer_windows, f"a list of n_layers={self.n_layers} windows (positive "
                  f"integers, or null for a layer that sees the whole context)")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
-            fail("rope_scaling", self.rope_scaling, "a JSON object or null")
+        rs = self.rope_scaling
+        if rs is not None and not (  # what runtime/model.yarn_inv_freq reads
+                isinstance(rs, dict) and rs.get("rope_type") == "yarn"
+                and not isinstance(rs.get("factor"), bool) and isinstance(rs.get("factor"), (int, float))
+                and rs["factor"] > 0 and not isinstance(rs.get("original_max_position_embeddings"), bool)
+                and isinstance(rs.get("original_max_position_embeddings"), int)
+                and rs["original_max_position_embeddings"] > 0):
+            fail("rope_scaling", rs, 'null or {"rope_type": "yarn", "factor": a positive number, '
+                 '"original_max_position_embeddings": a positive integer, ...} (YaRN, the one scaling implemented)')
 
         if self.d_head is None and self.d_model % self.n_heads:
             fail("n_heads", self.n_heads, f"a divisor of d_model={self.d_model} (or a d_head of its own)")

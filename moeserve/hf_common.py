@@ -1,8 +1,9 @@
-"""What the Hugging Face MoE families read alike (hf_mixtral.py, hf_qwen_moe.py, hf_olmoe.py): the config.json fields
-every Llama-style MoE shares (sizes, RoPE, token ids), and the tensors of a pre-norm decoder whose FFN is a routed MoE
-block (with, where the config says, attention biases, q/k norms, dense FFN layers and a shared expert), renamed and
-stacked into the Transformer's layout. A family is a `Layout` (how it names its tensors) and its own config mapping;
-like those modules, this one imports nothing of moeserve but the config and errors.
+"""What the Hugging Face MoE families read alike (hf_mixtral.py, hf_qwen_moe.py, hf_olmoe.py; hf_gpt_oss.py its small
+helpers): the config.json fields every Llama-style MoE shares (sizes, RoPE, token ids), and the tensors of a pre-norm
+decoder whose FFN is a routed MoE block (with, where the config says, attention biases, q/k norms, dense FFN layers
+and a shared expert), renamed and stacked into the Transformer's layout. A family is a `Layout` (how it names its
+tensors) and its own config mapping; like those modules, this one imports nothing of moeserve but the config and
+errors.
 
 Shape legend: D model dim, F expert hidden dim, E experts, V vocabulary, H heads, G kv heads, Dh head dim.
 """
@@ -49,6 +50,72 @@ class Layout:
 GATE_UP_DOWN = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # Qwen's and OLMoE's per-expert names
 
 
+# ---- small helpers every family uses ----------------------------------------------------------------------------
+# take(key, *shape, convert=True) -> the tensor, popped from a reader's tensors, checked, in the asked dtype
+Take = Callable[..., torch.Tensor]
+
+
+def token_ids(raw: dict, fail: Fail) -> dict:
+    """{"bos_token_id", "eos_token_id"} of a config.json for MoEConfig.extra: several eos ids give the first (the
+    tokenizer's own eos); anything but a token id or null is refused by name."""
+    eos = raw.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    for name, value in (("bos_token_id", raw.get("bos_token_id")), ("eos_token_id", eos)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            fail(f"field {name!r} = {raw.get(name)!r}: expected a token id (integer >= 0) or null")
+    return {"bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos}
+
+
+def copied_fields(raw: dict, fields: dict[str, str], defaults: dict[str, Any], fail: Fail) -> dict:
+    """MoEConfig's fields that config.json holds as they are (ours <- theirs), each the family's default where
+    config.json leaves it out; a size with no default that is missing is refused by name."""
+    values: dict = {}
+    for ours, theirs in fields.items():
+        if raw.get(theirs) is None and theirs not in defaults:
+            fail(f"field {theirs!r} missing")
+        values[ours] = raw[theirs] if raw.get(theirs) is not None else defaults[theirs]
+    return values
+
+
+def taker(src: dict[str, tuple[str, torch.Tensor]], origin: dict[str, Path], where: Path, dtype: torch.dtype | None,
+          error: type[HFError], title: str) -> Take:
+    """take(key, *shape, convert=True): the tensor `src` holds under `key` (src: key -> (its name in the files, it)),
+    popped, its shape checked against what config.json implies, in `dtype` unless convert=False; errors name the
+    tensor and its file."""
+
+    def take(key: str, *shape: int, convert: bool = True) -> torch.Tensor:
+        if key not in src:
+            raise error(f"{where}: {title} tensor {key!r} missing (expected shape {shape})")
+        name, t = src.pop(key)
+        if tuple(t.shape) != shape:
+            raise error(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
+                        f"config.json implies {shape}")
+        return t if dtype is None or not convert else t.to(dtype)
+
+    return take
+
+
+def embedding_and_head(take: Take, src: dict, c: MoEConfig) -> dict[str, torch.Tensor]:
+    """The embedding, the final norm and (untied) the LM head, under the Transformer's names. Tied: transformers ties
+    the head to the embedding and ignores a saved copy, and so does this."""
+    V, D = c.vocab_size, c.d_model
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D),
+           "norm.weight": take("model.norm.weight", D)}
+    if not c.tie_embeddings:
+        out["output.weight"] = take("lm_head.weight", V, D)
+    elif "lm_head.weight" in src:
+        take("lm_head.weight", V, D)
+    return out
+
+
+def refuse_leftovers(names: list[str], where: Path, error: type[HFError], title: str) -> None:
+    """Tensors no weight of the model took (a RoPE table, recomputed, aside): refused by name, never ignored."""
+    unexpected = sorted(name for name in names if not name.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise error(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+                    f" for a {title} model as config.json describes it")
+
+
 # ---- config.json ------------------------------------------------------------------------------------------------
 def check_common(raw: dict, fail: Fail, architecture: str) -> float | None:
     """Refuse by name what no family here implements (another head, another activation, a quantized checkpoint, RoPE
@@ -77,22 +144,14 @@ def build_config(raw: dict, fail: Fail, fields: dict[str, str], defaults: dict[s
     """The MoEConfig of `fields` (ours <- theirs, `defaults` for those a config.json may leave out: theirs -> value,
     "rope_theta" among them) and the family's `math` (router, norms, ...); a value MoEConfig refuses is named by its
     transformers field."""
-    values: dict = {}
-    for ours, theirs in fields.items():
-        if raw.get(theirs) is None and theirs not in defaults:
-            fail(f"field {theirs!r} missing")
-        values[ours] = raw[theirs] if raw.get(theirs) is not None else defaults[theirs]
-    eos = raw.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # several stop ids: the first is the tokenizer's eos
-    for name, value in (("bos_token_id", raw.get("bos_token_id")), ("eos_token_id", eos)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            fail(f"field {name!r} = {raw.get(name)!r}: expected a token id (integer >= 0) or null")
+    values = copied_fields(raw, fields, defaults, fail)
+    ids = token_ids(raw, fail)
     try:
         return MoEConfig(
             **values, rope_theta=float(theta if theta is not None else defaults["rope_theta"]),
             norm="rmsnorm", causal=True, task="lm", expert_act="swiglu", router="softmax",
             tokenizer="hf" if has_tokenizer else "none", **math,
-            extra={"hf_model_type": model_type, "bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos},
+            extra={"hf_model_type": model_type, **ids},
         )
     except (ConfigError, TypeError, ValueError) as e:
         msg = str(e)
@@ -124,14 +183,7 @@ def import_tensors(layout: Layout, tensors: dict[str, torch.Tensor], config: MoE
             raise layout.error(f"{where}: tensors {src[canon][0]!r} and {name!r} are the same {title} weight")
         src[canon] = (name, tensors.pop(name))
 
-    def take(canon: str, *shape: int, convert: bool = True) -> torch.Tensor:
-        if canon not in src:
-            raise layout.error(f"{where}: {title} tensor {canon!r} missing (expected shape {shape})")
-        name, t = src.pop(canon)
-        if tuple(t.shape) != shape:
-            raise layout.error(f"{origin.get(name, where)}: tensor {name!r} has shape {tuple(t.shape)}, "
-                               f"config.json implies {shape}")
-        return t if dtype is None or not convert else t.to(dtype)
+    take = taker(src, origin, where, dtype, layout.error, title)
 
     def stack(m: str, *names: str) -> torch.Tensor:
         """[E, rows, cols]: expert e's matrices `names`, one under the other, copied and converted once."""
@@ -153,15 +205,10 @@ def import_tensors(layout: Layout, tensors: dict[str, torch.Tensor], config: MoE
             out[f"{ours}{w}.weight"] = take(f"{theirs}{GATE_UP_DOWN[w]}.weight", *shape)
 
     c = config
-    D, F, E, V, Dh = c.d_model, c.d_ff, c.n_experts, c.vocab_size, c.head_dim
+    D, F, E, Dh = c.d_model, c.d_ff, c.n_experts, c.head_dim
     q, kv = c.n_heads * Dh, c.kv_heads * Dh
     norm_q, norm_k = {"head": (Dh, Dh), "all": (q, kv), None: (0, 0)}[c.qk_norm]
-    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", V, D),
-           "norm.weight": take("model.norm.weight", D)}
-    if not c.tie_embeddings:
-        out["output.weight"] = take("lm_head.weight", V, D)
-    elif "lm_head.weight" in src:  # tied: transformers ties the head to the embedding and ignores a saved copy
-        take("lm_head.weight", V, D)
+    out = embedding_and_head(take, src, c)
     for i in range(c.n_layers):
         p, m, o = f"model.layers.{i}.", f"model.layers.{i}.{layout.moe}.", f"layers.{i}."
         out[o + "attention_norm.weight"] = take(p + "input_layernorm.weight", D)
@@ -192,10 +239,7 @@ def import_tensors(layout: Layout, tensors: dict[str, torch.Tensor], config: MoE
         else:
             gate_up_E2FD, out[o + "ffn.experts.w2"] = stack(m, "w1", "w3"), stack(m, "w2")
         out[o + "ffn.experts.w1"], out[o + "ffn.experts.w3"] = gate_up_E2FD[:, :F], gate_up_E2FD[:, F:]
-    unexpected = sorted(name for name, _ in src.values() if not name.endswith("rotary_emb.inv_freq"))  # recomputed
-    if unexpected:
-        raise layout.error(f"{where}: unexpected tensor(s) {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-                           f" for a {title} model as config.json describes it")
+    refuse_leftovers([name for name, _ in src.values()], where, layout.error, title)
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from moeserve import hf_mixtral, hf_olmoe, hf_qwen_moe
+from moeserve import hf_gpt_oss, hf_mixtral, hf_olmoe, hf_qwen_moe
 from moeserve.config import MoEConfig
 from moeserve.errors import HFError
 
@@ -46,6 +46,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("hf-qwen3_moe", hf_qwen_moe.qwen3_moe_config, hf_qwen_moe.from_qwen3_moe,
                         hf_qwen_moe.qwen3_moe_expert_slice),
     "olmoe": Family("hf-olmoe", hf_olmoe.olmoe_config, hf_olmoe.from_olmoe, hf_olmoe.olmoe_expert_slice),
+    "gpt_oss": Family("hf-gpt_oss", hf_gpt_oss.gpt_oss_config, hf_gpt_oss.from_gpt_oss, hf_gpt_oss.gpt_oss_expert_slice),
 }
 
 

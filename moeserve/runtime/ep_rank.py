@@ -71,6 +71,9 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
         spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts", cfg.d_model)
     if not cfg.moe_layer_ids:
         raise ExpertParallelError(f"{checkpoint} has no MoE layer: nothing to split across ranks")
+    if cfg.expert_bias or cfg.expert_act == "clamped_swiglu":  # an ExpertShard has no biases nor that activation
+        raise ExpertParallelError(f"{checkpoint}: experts with biases or the clamped SwiGLU (gpt-oss) are not yet "
+                                  f"served expert-parallel; serve it without --expert-parallel")
     dev = resolve_device(device or group.device)
     if dev.type != group.device.type:
         raise ExpertParallelError(f"device {dev} for a {group.backend} group, which exchanges on {group.device}")

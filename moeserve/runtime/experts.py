@@ -2,8 +2,10 @@
 
 Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K experts per token.
 
-  gelu    y = gelu(x W1^T) W2^T
-  swiglu  y = (silu(x W1^T) * (x W3^T)) W2^T        (Mixtral: w1 gate, w3 up, w2 down)
+  gelu            y = gelu(x W1^T) W2^T
+  swiglu          y = (silu(x W1^T) * (x W3^T)) W2^T        (Mixtral: w1 gate, w3 up, w2 down)
+  clamped_swiglu  g = min(x W1^T + b1, l), u = clip(x W3^T + b3, -l, l),
+                  y = ((u + 1) * g * sigmoid(a g)) W2^T + b2   (gpt-oss: BiasedExperts)
 
 `moe_reference` is the plain per-expert loop: readable, differentiable, and the reference every faster dispatch
 path is tested against. `moe_sorted` is the training path, in three steps that are also the seam for experts that
@@ -11,6 +13,9 @@ live elsewhere (expert_parallel.py): `dispatch` (one gather of the tokens sorted
 contiguous block per expert), `combine` (one scatter back). Indexing a stacked [E, F, D] parameter once per expert
 would make autograd allocate a full-size zero gradient for each index (E^2 F D memory traffic); unbinding it once
 gives each expert a view whose gradients are stacked once.
+
+`BiasedExperts` (experts with biases, or the clamped SwiGLU) is a module of its own, not an `Experts`: the backends
+lay out `type(m) is Experts` only, so they leave it as the plain math here rather than run it without its biases.
 
 Faster inference paths over the same weights (fused gate-up, oneDNN packing, gather by token count, the C
 kernel, the compiled step's sync-free paths) are the backends' (runtime/backends/experts.py): a backend lays
@@ -161,11 +166,77 @@ class Experts(nn.Module):
         return moe_sorted(x_TD, expert_ids_TK, gates_TK, self.w1, self.w2, self.w3, keep_TK, self.observer)
 
 
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float, alpha: float) -> Tensor:
+    """gpt-oss's expert activation (OpenAI, gpt-oss-120b & gpt-oss-20b model card, 2025, sec. 2.1: "a gated SwiGLU
+    activation with clamping and a residual connection"; transformers' GptOssExperts._apply_gate): the gate clamped
+    from above and the up projection on both sides at `limit`, swish with slope `alpha`, and up + 1."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class BiasedExperts(nn.Module):
+    """E experts whose linear maps have biases and whose activation may be the clamped SwiGLU (gpt-oss): the math
+    of `Experts` plus b1, b3 [E, F] and b2 [E, D]. A gate multiplies its expert's whole output, bias included
+    (y_t = sum_k g_tk (h W2^T + b2)), as gpt-oss computes it.
+
+    Its own type, so that no backend lays it out as an `Experts` (which would drop the biases): the eager and CPU
+    kernel backends run this forward (moe_sorted's dispatch, one host sync for the counts); the compiled backend
+    lays it out as backends/experts.GraphBiasedExperts, whose traced decode step indexes each token's experts."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, act: str, bias: bool = True,
+                 limit: float = 7.0, alpha: float = 1.702):
+        super().__init__()
+        if act not in ("gelu", "swiglu", "clamped_swiglu"):
+            raise ValueError(f"expert activation {act!r}: expected 'gelu', 'swiglu' or 'clamped_swiglu'")
+        self.act, self.limit, self.alpha = act, limit, alpha
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d_ff, d_model)) if act != "gelu" else None
+        self.b1 = nn.Parameter(torch.zeros(n_experts, d_ff)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(n_experts, d_model)) if bias else None
+        self.b3 = nn.Parameter(torch.zeros(n_experts, d_ff)) if bias and act != "gelu" else None
+        for w in (self.w1, self.w2, self.w3):
+            if w is not None:
+                nn.init.normal_(w, std=0.02)
+
+    @property
+    def n_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def hidden(self, gate: Tensor, up: Tensor | None) -> Tensor:
+        if self.act == "clamped_swiglu":
+            return clamped_swiglu(gate, up, self.limit, self.alpha)
+        return F.gelu(gate) if up is None else F.silu(gate) * up
+
+    def ffn(self, e: int, x_ND: Tensor) -> Tensor:
+        """Expert e on its rows: (act(x W1^T + b1, x W3^T + b3)) W2^T + b2."""
+        gate = F.linear(x_ND, self.w1[e], None if self.b1 is None else self.b1[e])
+        up = None if self.w3 is None else F.linear(x_ND, self.w3[e], None if self.b3 is None else self.b3[e])
+        return F.linear(self.hidden(gate, up), self.w2[e], None if self.b2 is None else self.b2[e])
+
+    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        """moe_sorted's dispatch -> compute -> combine, each expert through `ffn`."""
+        d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
+        ys = [self.ffn(e, x_ND) for e, x_ND in enumerate(d.blocks()) if x_ND.shape[0]]
+        return combine(d, torch.cat(ys) if ys else d.x_ND.new_zeros(0, x_TD.shape[1]), x_TD)
+
+
+def make_experts(cfg) -> nn.Module:
+    """A MoE layer's own experts as `cfg` describes them: `Experts`, or `BiasedExperts` where the config turns on
+    expert biases or the clamped SwiGLU (gpt-oss)."""
+    if cfg.expert_bias or cfg.expert_act == "clamped_swiglu":
+        return BiasedExperts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act, cfg.expert_bias,
+                             cfg.swiglu_limit, cfg.swiglu_alpha)
+    return Experts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act)
+
+
 class FeedForward(nn.Module):
     """The dense FFN of layers that `moe_layers` leaves out: one expert, always on."""
 
     def __init__(self, d_model: int, d_ff: int, act: str):
         super().__init__()
+        if act == "clamped_swiglu":  # gpt-oss has no dense FFN layers; refused rather than run as gelu
+            raise ValueError("a dense FFN with the clamped SwiGLU is not implemented (gpt-oss's layers are all MoE)")
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
         self.w3 = nn.Linear(d_model, d_ff, bias=False) if act == "swiglu" else None

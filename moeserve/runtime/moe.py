@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.experts import Experts, FeedForward
+from moeserve.runtime.experts import FeedForward, make_experts
 from moeserve.runtime.routing import Routing, VectorQuantizer, capacity_keep, make_router
 
 
@@ -35,11 +35,11 @@ class MoEAux:
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, experts: nn.Module | None = None):
         """experts: called as `experts(x_TD, expert_ids_TK, gates_TK, keep_TK) -> y_TD` (default: this
-        layer's own stacked `Experts`; expert_parallel.py for experts split across ranks)."""
+        layer's own `make_experts(cfg)`: stacked `Experts`, or gpt-oss's `BiasedExperts`; expert_parallel.py for experts split across ranks)."""
         super().__init__()
         self.cfg = cfg
         self.n_experts = cfg.n_experts
-        self.experts = experts if experts is not None else Experts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act)
+        self.experts = experts if experts is not None else make_experts(cfg)
         is_vq = cfg.router == "vq"
         self.router = make_router(cfg) if not (is_vq and cfg.vq_mode == "discrete") else None
         self.quantizer = (

@@ -32,12 +32,17 @@ class Routing:
 
 
 class SoftmaxRouter(nn.Module):
-    """Switch / Mixtral routing: softmax over all E scores, then the top K."""
+    """Switch / Mixtral routing: softmax over all E scores, then the top K.
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int, renormalize: bool = False):
+    bias: s = W_g h + b (gpt-oss). gpt-oss takes the top K of s and a softmax over those K (OpenAI, gpt-oss model
+    card, 2025, sec. 2.1); with renormalize that is this router exactly: softmax is monotone, so the K largest
+    probabilities are the K largest scores, and p_k / sum_K p_j = exp(s_k) / sum_K exp(s_j). The two roundings
+    differ by under 1e-6 in float32 (tests/test_hf_gpt_oss.py)."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, renormalize: bool = False, bias: bool = False):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = nn.Linear(d_model, n_experts, bias=False)
+        self.gate = nn.Linear(d_model, n_experts, bias=bias)
 
     def forward(self, x_TD: Tensor) -> Routing:
         scores_TE = self.gate(x_TD)
@@ -187,4 +192,6 @@ def make_router(cfg: MoEConfig) -> nn.Module:
     if cfg.router == "xmoe":
         return XMoERouter(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.router_dim, cfg.xmoe_gate, cfg.tau_init,
                           cfg.xmoe_expert_norm)
-    return SoftmaxRouter(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.renormalize)
+    if cfg.router_bias and cfg.router != "softmax":
+        raise ValueError(f"router_bias with router {cfg.router!r}: only the softmax router has a bias")
+    return SoftmaxRouter(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.renormalize, cfg.router_bias)

@@ -194,7 +194,9 @@ class ExpertShape:
     @classmethod
     def of(cls, cfg: MoEConfig) -> "ExpertShape":
         discrete = cfg.router == "vq" and cfg.vq_mode == "discrete"  # one expert per token
-        return cls(cfg.d_model, cfg.d_ff, cfg.n_experts, 1 if discrete else cfg.top_k, cfg.expert_act)
+        # gpt-oss's clamped SwiGLU times as the SwiGLU: the same three matrices, which is what the paths differ in
+        act = "swiglu" if cfg.expert_act == "clamped_swiglu" else cfg.expert_act
+        return cls(cfg.d_model, cfg.d_ff, cfg.n_experts, 1 if discrete else cfg.top_k, act)
 
 
 def resolve_mode(mode: str | None = None) -> str:

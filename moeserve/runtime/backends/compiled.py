@@ -38,8 +38,9 @@ from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.calibration import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
+from moeserve.runtime.backends.experts import GraphBiasedExperts
 from moeserve.runtime.expert_parallel import ExpertParallelExperts
-from moeserve.runtime.experts import Experts
+from moeserve.runtime.experts import BiasedExperts, Experts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
@@ -77,7 +78,7 @@ def model_uncompilable(model: Transformer) -> str | None:
             return ("its experts exchange rows with other ranks in buffers sized on the host (the variable "
                     "all-to-all; experts_factory: expert parallelism): call use_fixed on every rank's layers to "
                     "compile it, or serve it with --compile off")
-        if not isinstance(e, (Experts, QuantExperts, ExpertParallelExperts)):
+        if not isinstance(e, (Experts, BiasedExperts, QuantExperts, ExpertParallelExperts)):
             return ("its experts are an experts_factory's: they run past this process's graph; serve it with "
                     "--compile off")
     return None
@@ -243,10 +244,12 @@ class CompiledBackend(EagerBackend):
                     decode_grouped=plan.decode_grouped, graph=True)
 
     def form(self, m: nn.Module, plan: DispatchPlan) -> nn.Module | None:
-        """The plan's forms, and quantized experts indexed per token whatever the plan (on a CPU, too): the
-        reference's dispatch reads its counts on the host, which a traced step cannot."""
+        """The plan's forms, and quantized and biased (gpt-oss) experts indexed per token whatever the plan (on a CPU,
+        too): the reference's dispatch reads its counts on the host, which a traced step cannot."""
         if type(m) in (QuantExperts, Fp8Experts):
             return indexed_experts(m, plan.gather_max)
+        if type(m) is BiasedExperts:
+            return GraphBiasedExperts.of(m)
         return super().form(m, plan)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:

@@ -123,7 +123,7 @@ class KernelRouted(Laid, nn.Module):
 def kernel_router(router: nn.Module) -> KernelRouter | None:
     """`router` on the C kernel, where it is one the kernel computes; else None. Its weights as they are now (X-MoE's
     tau is read here): a backend made after they change builds it again."""
-    if isinstance(router, SoftmaxRouter):
+    if isinstance(router, SoftmaxRouter) and router.gate.bias is None:  # the kernel's router has no bias (gpt-oss)
         return KernelRouter(router.gate.weight, router.top_k, "softmax", router.renormalize)
     if isinstance(router, SigmoidRouter):
         return KernelRouter(router.gate.weight, router.top_k, "sigmoid")
@@ -173,8 +173,8 @@ class CpuKernelBackend(EagerBackend):
             return KernelQuantLinear.of(m)
         if plan.kernel_norms and type(m) is nn.RMSNorm and m.weight is not None:
             return KernelRMSNorm.of(m)
-        if plan.kernel_norms and type(m) is Attention and m.causal:
-            return KernelAttention.of(m)
+        if plan.kernel_norms and type(m) is Attention and m.causal and m.sinks is None:
+            return KernelAttention.of(m)  # the kernel's softmax has no sink (gpt-oss): that attention stays torch's
         return super().form(m, plan)
 
     def _step(self, plan: DispatchPlan) -> KernelDecodeStep | None:

@@ -36,7 +36,7 @@ from torch import Tensor
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.layout import Laid
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
-from moeserve.runtime.experts import Experts, combine, dispatch, expert_forward, moe_sorted
+from moeserve.runtime.experts import BiasedExperts, Experts, combine, dispatch, expert_forward, moe_sorted
 
 
 @dataclass
@@ -222,6 +222,28 @@ class GraphExperts(TorchExperts):
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
         if torch.compiler.is_compiling():
             return (moe_grouped if self.w.decode_grouped else moe_indexed)(x_TD, expert_ids_TK, gates_TK, self.w)
+        return super().forward(x_TD, expert_ids_TK, gates_TK, keep_TK)
+
+
+def moe_indexed_biased(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, e: BiasedExperts) -> Tensor:
+    """moe_indexed for BiasedExperts: y_t = sum_k g_tk (act(x W1^T + b1, x W3^T + b3) W2^T + b2), each token's K
+    experts' weights and biases gathered from the stacks, with no host sync and fixed shapes."""
+    def bias(b: Tensor | None) -> Tensor | float:
+        return 0.0 if b is None else b[expert_ids_TK]
+
+    gate = torch.einsum("td,tkfd->tkf", x_TD, e.w1[expert_ids_TK]) + bias(e.b1)
+    up = None if e.w3 is None else torch.einsum("td,tkfd->tkf", x_TD, e.w3[expert_ids_TK]) + bias(e.b3)
+    y_TKD = torch.einsum("tkf,tkdf->tkd", e.hidden(gate, up), e.w2[expert_ids_TK]) + bias(e.b2)
+    return (y_TKD * gates_TK[..., None].to(y_TKD.dtype)).sum(dim=1)
+
+
+class GraphBiasedExperts(Laid, BiasedExperts):
+    """The compiled backend's BiasedExperts (gpt-oss): eager calls (a prompt) as the module's own sorted dispatch;
+    the traced decode step indexes each token's experts (moe_indexed_biased), as GraphExperts does for `Experts`."""
+
+    def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
+        if keep_TK is None and torch.compiler.is_compiling():
+            return moe_indexed_biased(x_TD, expert_ids_TK, gates_TK, self)
         return super().forward(x_TD, expert_ids_TK, gates_TK, keep_TK)
 
 
