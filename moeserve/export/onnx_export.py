@@ -56,10 +56,8 @@ def check_destination(out: str | os.PathLike) -> Path:
 # The MoEConfig.extensions the graph does not write, each with why. The others (d_head, qkv_bias, o_bias, qk_norm,
 # layer_windows, dense_d_ff, shared_d_ff, shared_gate) are standard operators in every mode (onnx_graph.py, moe_graph.py).
 NOT_WRITTEN = {
-    "attention_sinks": "a learned logit per head joining each softmax's denominator, which neither moeserve's torch "
-                       "model nor the graph's Softmax computes here",
-    "rope_scaling": "scaled (YaRN) RoPE tables, which moeserve's rope_tables does not compute here (the graph takes its "
-                    "tables from the model's)",
+    "attention_sinks": "a learned logit per head joining each softmax's denominator, which the graph's Softmax does "
+                       "not take (a key of zeros whose mask entry is the sink would: not written yet)",
     "router_bias": "a bias on the router's logits, which the graph's routers (export/moe_graph.py router_graph) lack",
     "expert_bias": "biases in the experts' maps, which the MoE and QMoE operators as written here and the portable "
                    "experts lack",

@@ -70,8 +70,11 @@ CONFIGS: dict[str, dict] = {
                        dense_d_ff=96, n_kv_heads=2),
     "windows": dict(router="softmax", layer_windows=[8, None], qkv_bias=True, o_bias=True),
     "vq-code-shared": dict(router="vq", vq_mode="discrete", vq_input="code", shared_d_ff=64, shared_gate=True),
+    # gpt-oss's YaRN: only the RoPE tables change, and the graph takes them from the model
+    "yarn": dict(router="softmax", rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                 "original_max_position_embeddings": 16, "truncate": False}),
 }
-FAMILY_CONFIGS = ["qwen3-like", "olmoe-like", "qwen2-like", "windows"]
+FAMILY_CONFIGS = ["qwen3-like", "olmoe-like", "qwen2-like", "windows", "yarn"]
 
 
 def modes_of(name: str) -> list[str]:
