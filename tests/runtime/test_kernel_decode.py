@@ -234,3 +234,33 @@ def test_a_layers_attention_weights_are_refused_where_the_step_would_misread_the
         DecodeAttention(norms, (w["wq"].bfloat16(), w["wk"], w["wv"], w["wo"]), H, G)
     with pytest.raises(KernelError, match="the kv heads must divide the query heads"):
         DecodeAttention(norms, (w["wq"], torch.randn(3 * 4, D), torch.randn(3 * 4, D), w["wo"]), H, 3)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_biased_maps_and_experts_run_on_the_kernels_gemm(dtype):
+    """Qwen2-MoE's q/k/v biases and gpt-oss's biased, clamped experts: their maps on the kernel's GEMM with the bias
+    added after (KernelLinear, KernelBiasedExperts), the plain model's logits within the roundings of the GEMM, and
+    its greedy tokens; past the kernel's row count (a long prompt) torch's GEMM as before."""
+    from moeserve.runtime.backends.cpu import KernelBiasedExperts
+
+    overrides = dict(qkv_bias=True, o_bias=True, expert_bias=True, expert_act="clamped_swiglu", swiglu_limit=1.5)
+    plain, kern = make_engine("softmax", **overrides), make_engine("softmax", **overrides)
+    with torch.no_grad():  # biases of their own (a new model's are zeros), the same in both
+        torch.manual_seed(3)
+        for (name, p), q in zip(plain.model.named_parameters(), kern.model.parameters()):
+            if p.dim() == 1 or name.endswith(("experts.b1", "experts.b2", "experts.b3")):
+                p.copy_(torch.randn_like(p) * 0.3)
+                q.copy_(p)
+    assert plain.model.layers[0].ffn.experts.b2.abs().sum() > 0
+    plain = Engine.from_model(plain.model, ByteTokenizer(), dtype=dtype)
+    kern = Engine.from_model(kern.model, ByteTokenizer(), dtype=dtype, plan=KERNEL_PLAN)
+    layer = kern.model.layers[0]
+    assert isinstance(layer.attention.wq, KernelLinear) and layer.attention.wq.bias is not None
+    assert isinstance(layer.ffn.experts, KernelBiasedExperts) and kern.runner.step is None
+    ids = torch.tensor([kern.encode("def f(x):\n    return x")])
+    atol = 1e-4 if dtype == "float32" else 5e-2
+    with torch.no_grad():
+        torch.testing.assert_close(kern.model(ids).logits, plain.model(ids).logits, atol=atol, rtol=0)
+    if dtype == "float32":
+        assert kern.generate(PROMPTS, max_new_tokens=10) == plain.generate(PROMPTS, max_new_tokens=10)

@@ -16,6 +16,7 @@ rides in a prompt's call, runs the ops one by one.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.runtime.backends import cpu_kernel
@@ -25,6 +26,7 @@ from moeserve.runtime.backends.experts import FusedExperts
 from moeserve.runtime.backends.layout import Laid
 from moeserve.runtime.backends.kernel_decode import DecodeAttention, KernelDecodeStep, KernelRouter
 from moeserve.runtime.backends.quant_kernel import KernelQuantExperts, linear_q
+from moeserve.runtime.experts import BiasedExperts
 from moeserve.runtime.kv_cache import CacheRows, KVCache
 from moeserve.runtime.model import Attention, ModelOutput, apply_rope
 from moeserve.runtime.moe import MoEAux, MoELayer
@@ -38,20 +40,23 @@ STEP_EXTENSIONS = {"d_head", "qk_norm", "dense_d_ff"}
 
 
 class KernelLinear(Laid, nn.Linear):
-    """A bias-free linear map (an nn.Linear or the tied head) on the kernel's GEMM, up to `max_rows` rows; past
-    them torch's GEMM on the same weight, faster there (DispatchPlan.dense_kernel_max_tokens), in float32 on an
-    upcast copy where `upcast` (a CPU without bf16 arithmetic: DispatchPlan.upcast_dense)."""
+    """A linear map (an nn.Linear or the tied head) on the kernel's GEMM, up to `max_rows` rows, its bias (Qwen2-MoE's
+    q, k, v; gpt-oss's maps) added after; past them torch's GEMM on the same weight, faster there
+    (DispatchPlan.dense_kernel_max_tokens), in float32 on an upcast copy where `upcast` (a CPU without bf16
+    arithmetic: DispatchPlan.upcast_dense)."""
 
     weight: Tensor
     max_rows: int | None = None
     upcast: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
+        bias = self._parameters.get("bias")  # None: an unbiased map, or the tied head
         if self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]:
             if self.upcast:
-                return torch.nn.functional.linear(x.float(), self.weight.float()).to(x.dtype)
-            return torch.nn.functional.linear(x, self.weight)
-        return cpu_kernel.linear(x, self.weight)
+                return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).to(x.dtype)
+            return F.linear(x, self.weight, bias)
+        y = cpu_kernel.linear(x, self.weight)
+        return y if bias is None else y + bias
 
 
 class KernelQuantLinear(Laid, QuantLinear):
@@ -72,6 +77,26 @@ class KernelQuantMoE(Laid, QuantExperts):
         if keep_TK is not None:  # a capacity limit drops assignments: the reference's dispatch
             return super().forward(x_TD, expert_ids_TK, gates_TK, keep_TK)
         return self.kernel.moe(x_TD, expert_ids_TK, gates_TK)
+
+
+class KernelBiasedExperts(Laid, BiasedExperts):
+    """gpt-oss's experts (BiasedExperts: biases, the clamped SwiGLU) with each expert's maps on the kernel's GEMM up to
+    `max_rows` rows, its biases added after (torch's GEMMs past them, as KernelLinear): a decode step's few rows per
+    expert read each weight once at the kernel's pace rather than through torch's addmm."""
+
+    max_rows: int | None = None
+
+    def ffn(self, e: int, x_ND: Tensor) -> Tensor:
+        if self.max_rows is not None and x_ND.shape[0] > self.max_rows:
+            return super().ffn(e, x_ND)
+
+        def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            y = cpu_kernel.linear(x, w)
+            return y if b is None else y + b
+
+        gate = linear(x_ND, self.w1[e], None if self.b1 is None else self.b1[e])
+        up = None if self.w3 is None else linear(x_ND, self.w3[e], None if self.b3 is None else self.b3[e])
+        return linear(self.hidden(gate, up), self.w2[e], None if self.b2 is None else self.b2[e])
 
 
 class KernelRMSNorm(Laid, nn.RMSNorm):
@@ -167,12 +192,14 @@ class CpuKernelBackend(EagerBackend):
                     kernel_max_tokens=plan.kernel_max_tokens, upcast=plan.upcast_experts)
 
     def form(self, m: nn.Module, plan: DispatchPlan) -> nn.Module | None:
-        if plan.kernel_dense and is_linear(m):
+        if plan.kernel_dense and (is_linear(m) or type(m) is nn.Linear):
             return KernelLinear.of(m, weight=m.weight, max_rows=plan.dense_kernel_max_tokens, upcast=plan.upcast_dense)
         if plan.kernel_dense and type(m) is QuantLinear:
             return KernelQuantLinear.of(m)
         if plan.kernel_norms and type(m) is nn.RMSNorm and m.weight is not None:
             return KernelRMSNorm.of(m)
+        if plan.kernel_experts and type(m) is BiasedExperts:
+            return KernelBiasedExperts.of(m, max_rows=plan.dense_kernel_max_tokens)
         if plan.kernel_norms and type(m) is Attention and m.causal and m.sinks is None:
             return KernelAttention.of(m)  # the kernel's softmax has no sink (gpt-oss): that attention stays torch's
         return super().form(m, plan)
@@ -192,6 +219,8 @@ class CpuKernelBackend(EagerBackend):
                 return None  # a dense FFN, a VQ layer, a capacity limit, a shared expert, LayerNorm: ops one by one
             n = ((norms[0].weight, norms[0].epsilon), (norms[1].weight, norms[1].epsilon))
             linears = (a.wq, a.wk, a.wv, a.wo)
+            if any(m._parameters.get("bias") is not None for m in linears):
+                return None  # the step's GEMVs add no bias
             qk = None
             if a.qk_norm is not None:
                 if not all(isinstance(m, KernelRMSNorm) for m in (a.q_norm, a.k_norm)):
