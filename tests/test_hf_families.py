@@ -10,7 +10,6 @@ The 1-D weights (biases, norms), which transformers initialises to 0 and 1, are 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,8 @@ from moeserve.runtime.backends import cpu_kernel  # noqa: E402
 from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
 from moeserve.runtime.backends.compiled import compile_unavailable  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
+
+from .test_hf_mixtral import edit_config  # noqa: E402
 
 TOL = 1e-4  # fp32
 V = 300
@@ -55,12 +56,6 @@ def hf_model(family: str, tmp: Path, save_kwargs: dict | None = None, seed: int 
                 p.add_(0.2 * torch.randn_like(p))
     model.eval().save_pretrained(tmp, **(save_kwargs or {}))
     return model
-
-
-def edit_config(path: Path, **changes) -> None:
-    data = json.loads((path / "config.json").read_text())
-    data.update(changes)
-    (path / "config.json").write_text(json.dumps(data))
 
 
 def ids_of(shape: tuple[int, int], seed: int) -> torch.Tensor:

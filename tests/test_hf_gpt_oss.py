@@ -8,7 +8,6 @@ biased clamped-SwiGLU experts. MXFP4 directories are written here from weights p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,8 @@ from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
 from moeserve.runtime.model import attend_with_sinks  # noqa: E402
 from moeserve.runtime.routing import SoftmaxRouter  # noqa: E402
+
+from .test_hf_mixtral import edit_config  # noqa: E402
 
 TOL = 1e-4  # fp32
 V = 300
@@ -52,16 +53,6 @@ def hf_gpt_oss(tmp: Path, seed: int = 0, save: bool = True, **overrides) -> GptO
     if save:
         model.save_pretrained(tmp)
     return model
-
-
-def edit_config(path: Path, **changes) -> None:
-    data = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if value is ...:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    (path / "config.json").write_text(json.dumps(data))
 
 
 def assert_logits_match(path: Path, hf: GptOssForCausalLM, lengths=(1, 17, 130)) -> None:
