@@ -328,7 +328,7 @@ def markdown(report: dict) -> str:
     for r in report["results"]:
         same = "yes" if r["same_tokens"] else f"no (first {r.get('matching_prefix')} equal)"
         lines.append(f"| {r['dtype']} | {r['impl']} | {r['tokens_per_s']} | {r['p50_s']} | "
-                     f"{r.get('decode_tokens_per_s', '-')} | " + (f"{r['prefill_tokens_per_s']} | " * prefill)
+                     f"{r.get('decode_tokens_per_s', '-')} | " + (f"{r['prefill_tokens_per_s']} | " if prefill else "")
                      + f"{same} | "
                      f"{r.get('speedup_of_moeserve', '-')} |"
                      + (f" {r['weights_gb_per_s']} | {r['pct_of_copy_bandwidth']}% |" if per_token else "")
