@@ -409,3 +409,16 @@ def test_tensors_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError,
                        match=r"tensor 'model\.layers\.1\.self_attn\.sinks' missing \(expected shape \(4,\)\)"):
         load_checkpoint(tmp_path)
+
+
+def test_quantizing_it_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    """Its experts (biased, clamped) have no quantized form and its biased maps stay float: --quantize would quantize
+    the head alone under a quantized config, so it says why instead (the Engine, and `moeserve quantize` exit 2)."""
+    from moeserve.cli import main
+    from moeserve.runtime.engine import Engine
+
+    hf_gpt_oss(tmp_path / "oss")
+    with pytest.raises(ValueError, match="int8: this model's experts have biases or the clamped SwiGLU"):
+        Engine.load(tmp_path / "oss", dtype="float32", device="cpu", quantize="int8")
+    assert main(["quantize", str(tmp_path / "oss"), "--bits", "4", "--out", str(tmp_path / "q")]) == 2
+    assert "no quantized form here" in capsys.readouterr().err and not (tmp_path / "q").exists()

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from moeserve.config import describe_quantization
 from moeserve.errors import UserError
 from moeserve.runtime import QUANT_FORMATS
-from moeserve.runtime.experts import Experts, combine, dispatch, expert_forward
+from moeserve.runtime.experts import BiasedExperts, Experts, combine, dispatch, expert_forward
 
 # A scale is viewed as an integer while a module is converted (Module.to(dtype), .half(), ...): a float cast would
 # round int8's float32 scales to the model's bf16 (0.4% off every weight) and leave int4's no longer float16.
@@ -410,12 +410,22 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantExperts)) for m in model.modules())
 
 
+def check_quantizable(model: nn.Module, fmt: str) -> None:
+    """QuantError where quantizing `model` would leave its experts, the bulk of its bytes, in float: experts with
+    biases or the clamped SwiGLU (gpt-oss's BiasedExperts) have no quantized form here, and its biased maps stay float
+    too, so `fmt` would quantize little more than the head while the config said the model was quantized."""
+    if any(isinstance(layer.experts, BiasedExperts) for layer in model.moe_layers):
+        raise QuantError(f"{fmt}: this model's experts have biases or the clamped SwiGLU (gpt-oss), which have no "
+                         f"quantized form here; serve it in float32 or bfloat16")
+
+
 def quantize_model_(model: nn.Module, spec: QuantSpec) -> None:
     """Quantize a loaded float model in place (`--quantize` at load), its config saying so, as a quantized
     checkpoint's does: saved, it is one."""
     if model.cfg.quantization is not None:
         raise QuantError(f"the model is already quantized ({QuantSpec.from_dict(model.cfg.quantization).name}); "
                          "quantize the unquantized checkpoint instead")
+    check_quantizable(model, spec.name)
     names = {id(m): n for n, m in model.named_modules()}
     for parent, name in model.quantizable():
         m = getattr(parent, name)

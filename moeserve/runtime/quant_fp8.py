@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.runtime.experts import Experts
-from moeserve.runtime.quant import QuantError, QuantExperts, QuantLinear
+from moeserve.runtime.quant import QuantError, QuantExperts, QuantLinear, check_quantizable
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 ROW_SCALE_MIN = 1e-12  # the least activation scale: a zero row quantizes to zeros, not to 0 / 0
@@ -214,6 +214,7 @@ def quantize_model_fp8_(model: nn.Module) -> None:
     if model.cfg.quantization is not None:
         raise QuantError(f"the model is already quantized ({model.cfg.quantization}); quantize the unquantized "
                          "checkpoint instead")
+    check_quantizable(model, "fp8")
     quantize_fp8_(model)
     model.cfg = dataclasses.replace(model.cfg, quantization=dict(CONFIG))
 
