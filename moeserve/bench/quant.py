@@ -250,14 +250,14 @@ def plot(report: dict, path: Path) -> None:
 
 def main(args) -> int:
     def measure(progress) -> dict:
+        gguf = _gguf(args.gguf or [])  # the flags first: a bad one is named before the default model is trained
+        if args.llama_perplexity and "float" not in gguf:
+            raise BenchError("--llama-perplexity compares with the F32 GGUF's logits: give --gguf float=F32.gguf")
         checkpoint = args.checkpoint
         if checkpoint is None:
             from moeserve.training.default_model import default_model_path
 
             checkpoint = default_model_path(progress=True)
-        gguf = _gguf(args.gguf or [])
-        if args.llama_perplexity and "float" not in gguf:
-            raise BenchError("--llama-perplexity compares with the F32 GGUF's logits: give --gguf float=F32.gguf")
         return bench_quant(checkpoint, args.formats, args.group_size, args.dtype, args.records, args.tokens,
                            args.new_tokens, args.repeats, progress=progress, llama_perplexity=args.llama_perplexity,
                            llama_bench=args.llama_bench, gguf=gguf, int8=kept_weights(args.int8_weights),
