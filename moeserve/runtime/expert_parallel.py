@@ -75,10 +75,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError, UserError
-from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard, contiguous_ranges
+from moeserve.runtime.backends.expert_shards import BiasedExpertShard, ExpertShard, QuantExpertShard, contiguous_ranges
 from moeserve.runtime.backends.experts import expert_counts
 from moeserve.runtime.expert_replicas import as_bytes, copies_of, shard_like, shard_tensors, split_rows
-from moeserve.runtime.experts import Experts, combine, dispatch, expert_rows
+from moeserve.runtime.experts import BiasedExperts, Experts, combine, dispatch, expert_rows
 
 __all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "FixedBuffers", "LockstepError",
            "join_group", "use_fixed_exchange"]
@@ -190,7 +190,7 @@ class ExpertParallelExperts(nn.Module):
     this rank's contiguous slice (`local`, global ids group.experts_of(E)) and exchanges the routed rows with the
     other ranks' slices (module docstring). Every rank must call it together, with its own tokens or none."""
 
-    def __init__(self, group: EPGroup, n_experts: int, local: ExpertShard | QuantExpertShard):
+    def __init__(self, group: EPGroup, n_experts: int, local: ExpertShard | QuantExpertShard | BiasedExpertShard):
         super().__init__()
         want = list(group.experts_of(n_experts))
         if local.expert_ids != want:
@@ -208,9 +208,18 @@ class ExpertParallelExperts(nn.Module):
         self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
 
     @classmethod
-    def of(cls, experts: Experts, group: EPGroup) -> "ExpertParallelExperts":
+    def of(cls, experts: Experts | BiasedExperts, group: EPGroup) -> "ExpertParallelExperts":
         """This rank's slice copied out of a whole layer's experts (tests, benchmarks)."""
-        return cls(group, experts.n_experts, ExpertShard.of(experts, group.experts_of(experts.n_experts)))
+        shard = BiasedExpertShard if isinstance(experts, BiasedExperts) else ExpertShard
+        return cls(group, experts.n_experts, shard.of(experts, group.experts_of(experts.n_experts)))
+
+    def check_replicable(self) -> None:
+        """Raise unless this layer's experts can have redundant copies (set_replicas): the copies are moved as
+        plain or quantized weights (expert_replicas.shard_tensors), which a BiasedExpertShard's biases are not."""
+        if isinstance(self.local, BiasedExpertShard):
+            raise ExpertParallelError("redundant experts copy plain or quantized expert weights; these experts have "
+                                      "biases or the clamped SwiGLU (gpt-oss), which the copies would lose: serve "
+                                      "them without redundant experts")
 
     def prepare_inference(self) -> bool:
         """The local experts on the CPU kernel where it runs (ExpertShard.prepare_inference); whether they are."""
@@ -230,9 +239,10 @@ class ExpertParallelExperts(nn.Module):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ExpertParallelError(f"max_tokens = {max_tokens!r}: expected an integer >= 1 (the most tokens a "
                                       f"rank passes one layer call)")
-        if not isinstance(self.local, ExpertShard):
-            raise ExpertParallelError(f"the fixed exchange computes plain weights; this rank's experts are a "
-                                      f"{type(self.local).__name__}: use the variable exchange")
+        if not isinstance(self.local, ExpertShard):  # quantized, or with biases / the clamped SwiGLU (gpt-oss)
+            raise ExpertParallelError(f"the fixed exchange computes plain weights (no biases, no clamped SwiGLU); "
+                                      f"this rank's experts are a {type(self.local).__name__}: use the variable "
+                                      f"exchange")
         if any(self.placement):
             raise ExpertParallelError(f"the fixed exchange has no redundant experts; placement {self.placement}")
         R, E, dev = self.group.world_size, self.n_experts, self.group.device
@@ -376,6 +386,7 @@ class ExpertParallelExperts(nn.Module):
                                       f"ranks' experts (of {self.n_experts}, ranks' own {self.ranges})")
         if placement == self.placement:
             return 0
+        self.check_replicable()
         if self.fixed is not None:
             raise ExpertParallelError(f"placement {placement}: the fixed exchange has no redundant experts")
         new = [[e for e in ids if e not in old] for ids, old in zip(placement, self.placement)]  # copies to send
