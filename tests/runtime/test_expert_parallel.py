@@ -1,8 +1,8 @@
 """Expert parallelism (runtime/expert_parallel.py, runtime/ep_rank.py) in real processes: two ranks on gloo over
 127.0.0.1, each with its own requests at once, give the single-process engine's answers (fp32: tokens identical,
 greedy and seeded; log-probabilities and scores within 1e-5) for the softmax, xmoe and vq (mixed and discrete)
-routers, quantized checkpoints and a Hugging Face Qwen2-MoE (its shared expert on every rank); each rank holds only
-its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
+routers, quantized checkpoints, a Hugging Face Qwen2-MoE (its shared expert on every rank) and a Hugging Face
+gpt-oss (each rank its experts' weights and biases, with the clamped SwiGLU); each rank holds only its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
 exchange itself equals the reference loop, with zero rows on a rank, in one process and in two. Scores, sums of
 many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ep_serve.py)."""
 
@@ -16,12 +16,13 @@ import torch
 from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
+from moeserve.runtime.backends.expert_shards import BiasedExpertShard
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.ep_rank import EPRank, RankOptions, load_rank_engine
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExpertParallelError, ExpertParallelExperts, expert_major, join_group,
 )
-from moeserve.runtime.experts import Experts, moe_reference
+from moeserve.runtime.experts import BiasedExperts, Experts, moe_reference
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import QuantSpec, quantize_model_
 
@@ -238,6 +239,40 @@ def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
     assert ep.stats.calls > 0 and ep.stats.rows_sent == 0  # one rank: nothing leaves it
 
 
+def test_biased_experts_in_one_process_equal_biased_experts(solo_group):
+    """gpt-oss's experts (biases b1, b3, b2 and the clamped SwiGLU, limit and alpha its own) behind the exchange
+    equal BiasedExperts' forward, at 0, 1 and 9 tokens, with and without a capacity mask; the gate multiplies the
+    down bias too. What they do not have yet is refused by name: the fixed exchange, redundant copies."""
+    torch.manual_seed(0)
+    ex = BiasedExperts(6, 16, 24, "clamped_swiglu", limit=1.5, alpha=1.3)
+    with torch.no_grad():  # biases large enough to matter, pre-activations past the limit
+        for p in ex.parameters():
+            p.normal_(0.0, 0.5)
+    ep = ExpertParallelExperts.of(ex, solo_group)
+    assert isinstance(ep.local, BiasedExpertShard) and ep.local.experts.limit == 1.5 and ep.local.experts.alpha == 1.3
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for T in (0, 1, 9):
+            x = torch.randn(T, 16, generator=g)
+            ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
+            gates = torch.rand(T, 2, generator=g)
+            keep = torch.rand(T, 2, generator=g) < 0.7
+            for k in (None, keep):
+                torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
+        assert not ep.prepare_inference()  # no kernel computes biases: torch's loop, BiasedExperts' own math
+        x = torch.randn(9, 16, generator=g)
+        ids = torch.randn(9, 6, generator=g).topk(2, dim=-1).indices
+        unbiased = BiasedExperts(6, 16, 24, "clamped_swiglu", limit=1.5, alpha=1.3)
+        unbiased.load_state_dict({**ex.state_dict(), "b2": torch.zeros(6, 16)})
+        gates = torch.full((9, 2), 0.5)  # the gated down bias: half of b2 twice, once per expert
+        want = unbiased(x, ids, gates) + 0.5 * (ex.b2[ids[:, 0]] + ex.b2[ids[:, 1]])
+        torch.testing.assert_close(ep(x, ids, gates), want, atol=1e-5, rtol=0)
+    with pytest.raises(ExpertParallelError, match="fixed exchange computes plain weights.*BiasedExpertShard"):
+        ep.use_fixed(9)
+    with pytest.raises(ExpertParallelError, match="redundant experts.*biases"):
+        ep.check_replicable()
+
+
 def test_expert_major_order():
     recv = torch.tensor([[2, 1], [0, 3]])  # rank 0 sends 2 rows of expert a and 1 of b; rank 1 three of b
     # received: a0 a0 b0 | b1 b1 b1  ->  expert-major: a0 a0 | b0 b1 b1 b1
@@ -264,6 +299,10 @@ def test_a_rank_in_one_process_serves_as_the_engine(solo_group, checkpoints):
 
 
 def test_a_rank_refuses_what_would_pass_the_exchange(solo_group, checkpoints):
+    gpt_oss_engine = load_rank_engine(checkpoints["gpt-oss"], solo_group)
+    assert all(isinstance(m.experts.local, BiasedExpertShard) for m in gpt_oss_engine.model.moe_layers)
+    with pytest.raises(ExpertParallelError, match="redundant experts.*biases or the clamped SwiGLU"):
+        EPRank(gpt_oss_engine, solo_group, RankOptions(redundant_experts=1))  # at load, not mid-serving
     engine = load_rank_engine(checkpoints["softmax"], solo_group)
     ep = EPRank(engine, solo_group)
     with pytest.raises(Exception, match="agreed on 0"):  # a model call outside the loop's steps
