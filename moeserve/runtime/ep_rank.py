@@ -63,13 +63,14 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
     read as safetensors slices (checkpoint.load_expert_slice). Every rank of the group must call it together: a VQ
     layer's code table is built through the exchange while the backend lays the model out."""
     cfg = read_config(checkpoint)
-    biased = cfg.expert_bias or cfg.expert_act == "clamped_swiglu"  # BiasedExperts (gpt-oss): float, never quantized
+    biased = cfg.expert_bias or cfg.expert_act == "clamped_swiglu"  # make_experts' BiasedExperts (gpt-oss)
     spec = None
-    if cfg.quantization is not None and not biased:  # int8 / int4 checkpoints: each rank reads its experts' integers
+    if cfg.quantization is not None:  # int8 / int4 checkpoints: each rank reads its experts' integers and scales
         if "bits" not in cfg.quantization:
             raise ExpertParallelError(f"{checkpoint}: {describe(cfg.quantization)} weights are quantized at load on "
                                       f"one GPU; expert parallelism serves int8 and int4 checkpoints")
-        spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts", cfg.d_model)
+        if not biased:  # experts with a bias are never quantized (Transformer.quantizable): they stay float
+            spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts", cfg.d_model)
     if not cfg.moe_layer_ids:
         raise ExpertParallelError(f"{checkpoint} has no MoE layer: nothing to split across ranks")
     dev = resolve_device(device or group.device)
@@ -201,11 +202,8 @@ class EPRank:
         self.lockstep = Lockstep(group, engine.model)
         self.stats = RankStats()
         # the copies of hot experts, placed every rebalance_every steps with work (None: off)
-        self.replication = None
-        if o.redundant_experts:
-            for ep in self.experts:  # refused at load, not at the first rebalance mid-serving
-                ep.check_replicable()
-            self.replication = Replication(self.experts, o.redundant_experts, o.rebalance_every)
+        self.replication = (Replication(self.experts, o.redundant_experts, o.rebalance_every)
+                            if o.redundant_experts else None)
         self._inbox: queue.SimpleQueue[Sequence | _ScoreJob] = queue.SimpleQueue()
         self._futures: dict[Sequence, Future] = {}
         self._scores: list[_ScoreJob] = []

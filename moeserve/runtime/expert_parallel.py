@@ -203,7 +203,7 @@ class ExpertParallelExperts(nn.Module):
         self.routed_E = torch.zeros(n_experts, dtype=torch.int64, device="cpu")
         # redundant copies (expert_replicas.py), the same on every rank: per rank, the other ranks' experts it holds
         self.placement: list[list[int]] = [[] for _ in range(group.world_size)]
-        self.replicas: ExpertShard | QuantExpertShard | None = None  # this rank's: placement[rank], stacked
+        self.replicas: ExpertShard | QuantExpertShard | BiasedExpertShard | None = None  # this rank's: placement[rank], stacked
         self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
         self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
 
@@ -212,14 +212,6 @@ class ExpertParallelExperts(nn.Module):
         """This rank's slice copied out of a whole layer's experts (tests, benchmarks)."""
         shard = BiasedExpertShard if isinstance(experts, BiasedExperts) else ExpertShard
         return cls(group, experts.n_experts, shard.of(experts, group.experts_of(experts.n_experts)))
-
-    def check_replicable(self) -> None:
-        """Raise unless this layer's experts can have redundant copies (set_replicas): the copies are moved as
-        plain or quantized weights (expert_replicas.shard_tensors), which a BiasedExpertShard's biases are not."""
-        if isinstance(self.local, BiasedExpertShard):
-            raise ExpertParallelError("redundant experts copy plain or quantized expert weights; these experts have "
-                                      "biases or the clamped SwiGLU (gpt-oss), which the copies would lose: serve "
-                                      "them without redundant experts")
 
     def prepare_inference(self) -> bool:
         """The local experts on the CPU kernel where it runs (ExpertShard.prepare_inference); whether they are."""
@@ -386,7 +378,6 @@ class ExpertParallelExperts(nn.Module):
                                       f"ranks' experts (of {self.n_experts}, ranks' own {self.ranges})")
         if placement == self.placement:
             return 0
-        self.check_replicable()
         if self.fixed is not None:
             raise ExpertParallelError(f"placement {placement}: the fixed exchange has no redundant experts")
         new = [[e for e in ids if e not in old] for ids, old in zip(placement, self.placement)]  # copies to send

@@ -22,9 +22,12 @@ from moeserve.runtime.ep_rank import EPRank, RankOptions, load_rank_engine
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExpertParallelError, ExpertParallelExperts, expert_major, join_group,
 )
+from moeserve.runtime.expert_replicas import shard_like, shard_tensors
 from moeserve.runtime.experts import BiasedExperts, Experts, moe_reference
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import QuantSpec, quantize_model_
+
+from . import hf_dirs
 
 HERE = Path(__file__).parent
 ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
@@ -41,59 +44,9 @@ BUSY_S = 2.0
 RUN_TIMEOUT_S = 120  # the whole two-rank run; a hang fails the tests after it rather than stalling CI
 
 
-def byte_level_tokenizer(path: Path) -> int:
-    """A byte-level BPE tokenizer.json written to a new directory `path`, so the ranks' text requests tokenize; its
-    vocabulary size (token 0 is <|endoftext|>)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(["def f(x):\n    return x\nimport os\n"] * 10, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    path.mkdir()
-    tok.save(str(path / "tokenizer.json"))
-    return tok.get_vocab_size()
-
-
-def qwen2_moe(path: Path) -> Path:
-    """A tiny Qwen2-MoE written by transformers (context 64, 2 MoE layers of 4 experts, top-2, as tiny)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    vocab = byte_level_tokenizer(path)
-    torch.manual_seed(0)
-    Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=0,
-        pad_token_id=0)).save_pretrained(path)
-    return path
-
-
-def gpt_oss(path: Path) -> Path:
-    """A tiny gpt-oss written by transformers (context 64, 2 MoE layers of 4 experts, top-2; the first layer sliding
-    with a window of 8), as tests/test_hf_gpt_oss.py writes them so that greedy tokens mean something: weights of
-    std 0.2, a SwiGLU limit of 1.5 that the experts' pre-activations cross, and biases and sinks large enough to
-    matter."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    vocab = byte_level_tokenizer(path)
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        swiglu_limit=1.5, initializer_range=0.2, bos_token_id=None, eos_token_id=0, pad_token_id=0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or name.endswith("sinks"):
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    return path
-
-
 def checkpoint(root: Path, name: str, quantize: str | None = None, family: str | None = None, **kw) -> Path:
-    if family is not None:
-        return {"qwen2_moe": qwen2_moe, "gpt_oss": gpt_oss}[family](root / name)
+    if family is not None:  # a Hugging Face directory written by transformers
+        return getattr(hf_dirs, family)(root / name)
     torch.manual_seed(0)
     model = Transformer(preset("tiny", **kw))  # context 64, byte tokenizer, 2 MoE layers of 4 experts, top-2
     if quantize is not None:
@@ -242,7 +195,8 @@ def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
 def test_biased_experts_in_one_process_equal_biased_experts(solo_group):
     """gpt-oss's experts (biases b1, b3, b2 and the clamped SwiGLU, limit and alpha its own) behind the exchange
     equal BiasedExperts' forward, at 0, 1 and 9 tokens, with and without a capacity mask; the gate multiplies the
-    down bias too. What they do not have yet is refused by name: the fixed exchange, redundant copies."""
+    down bias too; a replica's tensors (expert_replicas) carry the biases. The fixed exchange, which has no
+    biases, refuses them by name."""
     torch.manual_seed(0)
     ex = BiasedExperts(6, 16, 24, "clamped_swiglu", limit=1.5, alpha=1.3)
     with torch.no_grad():  # biases large enough to matter, pre-activations past the limit
@@ -267,10 +221,13 @@ def test_biased_experts_in_one_process_equal_biased_experts(solo_group):
         gates = torch.full((9, 2), 0.5)  # the gated down bias: half of b2 twice, once per expert
         want = unbiased(x, ids, gates) + 0.5 * (ex.b2[ids[:, 0]] + ex.b2[ids[:, 1]])
         torch.testing.assert_close(ep(x, ids, gates), want, atol=1e-5, rtol=0)
+        copy = shard_like(ep.local, ep.local.expert_ids, shard_tensors(ep.local))  # what a replica is built from
+        assert sorted(shard_tensors(ep.local)) == ["b1", "b2", "b3", "w1", "w2", "w3"]
+        counts = [3, 0, 2, 1, 0, 3]
+        x = torch.randn(sum(counts), 16, generator=g)
+        assert torch.equal(copy(x, counts), ep.local(x, counts))
     with pytest.raises(ExpertParallelError, match="fixed exchange computes plain weights.*BiasedExpertShard"):
         ep.use_fixed(9)
-    with pytest.raises(ExpertParallelError, match="redundant experts.*biases"):
-        ep.check_replicable()
 
 
 def test_expert_major_order():
@@ -299,10 +256,6 @@ def test_a_rank_in_one_process_serves_as_the_engine(solo_group, checkpoints):
 
 
 def test_a_rank_refuses_what_would_pass_the_exchange(solo_group, checkpoints):
-    gpt_oss_engine = load_rank_engine(checkpoints["gpt-oss"], solo_group)
-    assert all(isinstance(m.experts.local, BiasedExpertShard) for m in gpt_oss_engine.model.moe_layers)
-    with pytest.raises(ExpertParallelError, match="redundant experts.*biases or the clamped SwiGLU"):
-        EPRank(gpt_oss_engine, solo_group, RankOptions(redundant_experts=1))  # at load, not mid-serving
     engine = load_rank_engine(checkpoints["softmax"], solo_group)
     ep = EPRank(engine, solo_group)
     with pytest.raises(Exception, match="agreed on 0"):  # a model call outside the loop's steps
