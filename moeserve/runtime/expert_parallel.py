@@ -23,7 +23,10 @@ exchange at serving time. Paths that would call experts past this module are ref
 decode step on the variable exchange (compiled.model_uncompilable names it; on the fixed one it compiles), the CPU
 kernel's whole-step decode (it needs the layer's experts as FusedExperts, which these are not:
 ep_rank.load_rank_engine checks). A quantized checkpoint's ranks load their slice's integers and scales as stored
-(QuantExpertShard), and the exchange moves activations only, so it is the same for every weight format.
+(QuantExpertShard), and the exchange moves activations only, so it is the same for every weight format. Experts
+with biases or the clamped SwiGLU (gpt-oss's BiasedExperts) are a BiasedExpertShard of the slice's weights and
+biases, computed by BiasedExperts' own math; each row comes back as its expert's whole output, down bias included,
+so combine's gate multiplies all of it, as BiasedExperts does.
 
 With redundant experts (expert_replicas.py: off by default), a rank also holds copies of other ranks' hot experts
 in slots after its own, the same placement on every rank. Each sender splits an expert's rows over its copies and
@@ -56,9 +59,10 @@ rank with the same max_tokens (use_fixed_exchange), since the buffers' size is p
 then take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
 smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step all-reduce
 (ep_rank.py) could carry but does not yet. The fixed path has no redundant experts and no quantized shards (their
-row splits are made on the host), and counts calls only in its stats (rows would need the host); its experts
-compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that
-would not waste FLOPs on padding.
+row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor the clamped SwiGLU, and
+use_fixed refuses them by name), and counts calls only in its stats (rows would need the host); its experts compute
+on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that would not
+waste FLOPs on padding.
 """
 
 from __future__ import annotations
@@ -203,7 +207,8 @@ class ExpertParallelExperts(nn.Module):
         self.routed_E = torch.zeros(n_experts, dtype=torch.int64, device="cpu")
         # redundant copies (expert_replicas.py), the same on every rank: per rank, the other ranks' experts it holds
         self.placement: list[list[int]] = [[] for _ in range(group.world_size)]
-        self.replicas: ExpertShard | QuantExpertShard | BiasedExpertShard | None = None  # this rank's: placement[rank], stacked
+        # this rank's copies: placement[rank], stacked
+        self.replicas: ExpertShard | QuantExpertShard | BiasedExpertShard | None = None
         self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
         self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
 

@@ -27,7 +27,8 @@ from the checkpoint: they travel once per placement that changes, only the copie
 group's fabric is the fastest path there is between GPUs (NVLink, InfiniBand), where a re-read of the checkpoint
 would cost a disk read of every layer's slice of the expert (load_expert_slice reads whole expert rows of every
 layer). It also serves what the checkpoint does not hold: in-memory models, and the quantized slices as the ranks
-hold them. Every tensor of a shard travels: a gpt-oss expert's biases with its weights. A replica is the owner's weights bit for bit, so its rows' results are the owner's.
+hold them. Every tensor of a shard travels: a gpt-oss expert's biases with its weights. A replica is the owner's
+weights bit for bit, so its rows' results are the owner's.
 """
 
 from __future__ import annotations

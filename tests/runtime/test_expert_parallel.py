@@ -2,8 +2,9 @@
 127.0.0.1, each with its own requests at once, give the single-process engine's answers (fp32: tokens identical,
 greedy and seeded; log-probabilities and scores within 1e-5) for the softmax, xmoe and vq (mixed and discrete)
 routers, quantized checkpoints, a Hugging Face Qwen2-MoE (its shared expert on every rank) and a Hugging Face
-gpt-oss (each rank its experts' weights and biases, with the clamped SwiGLU); each rank holds only its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
-exchange itself equals the reference loop, with zero rows on a rank, in one process and in two. Scores, sums of
+gpt-oss (each rank its experts' weights and biases, with the clamped SwiGLU); each rank holds only its experts; a
+busy rank beside an idle one neither hangs nor desynchronises; the exchange itself equals the reference loop, with
+zero rows on a rank, in one process and in two (gpt-oss's BiasedExperts too, in one). Scores, sums of
 many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ep_serve.py)."""
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 their copy, a load skewed to 2 experts spread out); then two ranks on gloo over 127.0.0.1: the exchange with copies
 placed equals the reference loop for several token patterns (bit for bit the exchange without copies where the C
 kernel computes), the measured imbalance of a skewed load drops, and a rank loop whose copies are placed from the
-live load mid-run gives the single-process engine's tokens (fp32), greedy and seeded."""
+live load mid-run gives the single-process engine's tokens (fp32), greedy and seeded, gpt-oss's biased experts
+included (a copy carries its expert's biases)."""
 
 from __future__ import annotations
 
