@@ -163,6 +163,18 @@ def solo_group():
     group.leave()
 
 
+def layer_calls(g: torch.Generator):
+    """(x, expert ids, gates, capacity mask) of a layer of 6 experts of width 16, top-2: 0, 1 and 9 tokens, each
+    without a mask and with one."""
+    for T in (0, 1, 9):
+        x = torch.randn(T, 16, generator=g)
+        ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
+        gates = torch.rand(T, 2, generator=g)
+        keep = torch.rand(T, 2, generator=g) < 0.7
+        for k in (None, keep):
+            yield x, ids, gates, k
+
+
 @pytest.mark.parametrize("exchange", ["variable", "fixed"])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
@@ -175,15 +187,10 @@ def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
         ep.use_fixed(9)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for T in (0, 1, 9):
-            x = torch.randn(T, 16, generator=g)
-            ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
-            gates = torch.rand(T, 2, generator=g)
-            keep = torch.rand(T, 2, generator=g) < 0.7
-            for k in (None, keep):
-                want = moe_reference(x, ids, gates, ex.w1, ex.w2, ex.w3, k)
-                torch.testing.assert_close(ep(x, ids, gates, k), want, atol=1e-6, rtol=0)
-                torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
+        for x, ids, gates, k in layer_calls(g):
+            want = moe_reference(x, ids, gates, ex.w1, ex.w2, ex.w3, k)
+            torch.testing.assert_close(ep(x, ids, gates, k), want, atol=1e-6, rtol=0)
+            torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
         ep.prepare_inference()  # the C kernel where it runs, as a rank computes
         x = torch.randn(9, 16, generator=g)
         ids = torch.randn(9, 6, generator=g).topk(2, dim=-1).indices
@@ -207,13 +214,8 @@ def test_biased_experts_in_one_process_equal_biased_experts(solo_group):
     assert isinstance(ep.local, BiasedExpertShard) and ep.local.experts.limit == 1.5 and ep.local.experts.alpha == 1.3
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for T in (0, 1, 9):
-            x = torch.randn(T, 16, generator=g)
-            ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
-            gates = torch.rand(T, 2, generator=g)
-            keep = torch.rand(T, 2, generator=g) < 0.7
-            for k in (None, keep):
-                torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
+        for x, ids, gates, k in layer_calls(g):
+            torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
         assert not ep.prepare_inference()  # no kernel computes biases: torch's loop, BiasedExperts' own math
         x = torch.randn(9, 16, generator=g)
         ids = torch.randn(9, 6, generator=g).topk(2, dim=-1).indices
