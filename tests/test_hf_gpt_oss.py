@@ -357,18 +357,29 @@ def test_expert_slices_are_the_imported_stacks(tmp_path: Path, mxfp4: bool) -> N
     assert sorted(dense) == sorted(k for k in whole if not is_expert_weight(k))
 
 
-def test_an_expert_parallel_rank_refuses_it_by_name(tmp_path: Path) -> None:
-    """A rank's ExpertShard has no biases and no clamped SwiGLU: serving gpt-oss expert-parallel is refused, naming
-    why, rather than run without them (the slices above are what a rank will read once it has them)."""
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
+def test_an_expert_parallel_rank_computes_as_the_model(tmp_path: Path, mxfp4: bool) -> None:
+    """A rank's experts (BiasedExpertShard: the slices above, MXFP4 dequantized as the loader does, with their
+    biases and the clamped SwiGLU) behind the exchange, in a group of one rank: the single-process model's logits.
+    Two ranks serving a gpt-oss directory: tests/runtime/test_expert_parallel.py."""
     from moeserve.bench.server_process import free_port
+    from moeserve.runtime.backends.expert_shards import BiasedExpertShard
     from moeserve.runtime.ep_rank import load_rank_engine
-    from moeserve.runtime.expert_parallel import ExpertParallelError, join_group
+    from moeserve.runtime.expert_parallel import join_group
 
-    hf_gpt_oss(tmp_path)
+    hf = hf_gpt_oss(tmp_path, save=not mxfp4)
+    if mxfp4:
+        write_mxfp4(tmp_path, hf)
+    model, _ = load_model(tmp_path)
     group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, timeout_s=30)
     try:
-        with pytest.raises(ExpertParallelError, match="biases or the clamped SwiGLU \\(gpt-oss\\)"):
-            load_rank_engine(str(tmp_path), group)
+        rank = load_rank_engine(str(tmp_path), group, verify=False).model
+        shard = rank.layers[1].ffn.experts.local
+        assert isinstance(shard, BiasedExpertShard) and shard.experts.limit == 1.5
+        assert torch.equal(shard.experts.b2, model.layers[1].ffn.experts.b2)
+        with torch.inference_mode():
+            ids = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(0))
+            torch.testing.assert_close(rank(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
     finally:
         group.leave()
 

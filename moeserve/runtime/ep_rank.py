@@ -40,7 +40,7 @@ from torch import nn
 
 from moeserve.checkpoint import load_expert_slice, read_config
 from moeserve.runtime.backends.cpu import CpuKernelBackend
-from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard
+from moeserve.runtime.backends.expert_shards import BiasedExpertShard, ExpertShard, QuantExpertShard
 from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dtype
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
@@ -63,17 +63,16 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
     read as safetensors slices (checkpoint.load_expert_slice). Every rank of the group must call it together: a VQ
     layer's code table is built through the exchange while the backend lays the model out."""
     cfg = read_config(checkpoint)
+    biased = cfg.expert_bias or cfg.expert_act == "clamped_swiglu"  # make_experts' BiasedExperts (gpt-oss)
     spec = None
     if cfg.quantization is not None:  # int8 / int4 checkpoints: each rank reads its experts' integers and scales
         if "bits" not in cfg.quantization:
             raise ExpertParallelError(f"{checkpoint}: {describe(cfg.quantization)} weights are quantized at load on "
                                       f"one GPU; expert parallelism serves int8 and int4 checkpoints")
-        spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts", cfg.d_model)
+        if not biased:  # experts with a bias are never quantized (Transformer.quantizable): they stay float
+            spec = QuantSpec.from_dict(cfg.quantization).for_weight("experts", cfg.d_model)
     if not cfg.moe_layer_ids:
         raise ExpertParallelError(f"{checkpoint} has no MoE layer: nothing to split across ranks")
-    if cfg.expert_bias or cfg.expert_act == "clamped_swiglu":  # an ExpertShard has no biases nor that activation
-        raise ExpertParallelError(f"{checkpoint}: experts with biases or the clamped SwiGLU (gpt-oss) are not yet "
-                                  f"served expert-parallel; serve it without --expert-parallel")
     dev = resolve_device(device or group.device)
     if dev.type != group.device.type:
         raise ExpertParallelError(f"device {dev} for a {group.backend} group, which exchanges on {group.device}")
@@ -83,12 +82,14 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
 
     def experts(layer_id: int) -> ExpertParallelExperts:
         prefix = f"layers.{layer_id}.ffn.experts."
-        if spec is not None:
-            mine_t = {k.removeprefix(prefix): t.to(dev) for k, t in tensors.items() if k.startswith(prefix)}
+        mine_t = {k.removeprefix(prefix): t.to(dev) for k, t in tensors.items() if k.startswith(prefix)}
+        if biased:  # weights and biases (a gpt-oss directory's MXFP4 dequantized by its expert_slice)
+            shard = BiasedExpertShard.of_tensors(list(mine), cfg.expert_act, cfg.swiglu_limit, cfg.swiglu_alpha,
+                                                 mine_t)
+        elif spec is not None:
             shard = QuantExpertShard.of_tensors(list(mine), spec, cfg.expert_act, mine_t)
         else:
-            w = [tensors.get(prefix + n) for n in ("w1", "w2", "w3")]
-            shard = ExpertShard(list(mine), *(t.to(dev) if t is not None else None for t in w))
+            shard = ExpertShard(list(mine), mine_t["w1"], mine_t["w2"], mine_t.get("w3"))
         ep = ExpertParallelExperts(group, cfg.n_experts, shard)
         with torch.device(dev):  # the model is being built on the meta device; the kernel's first use self-checks
             ep.prepare_inference()

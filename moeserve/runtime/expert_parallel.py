@@ -23,7 +23,10 @@ exchange at serving time. Paths that would call experts past this module are ref
 decode step on the variable exchange (compiled.model_uncompilable names it; on the fixed one it compiles), the CPU
 kernel's whole-step decode (it needs the layer's experts as FusedExperts, which these are not:
 ep_rank.load_rank_engine checks). A quantized checkpoint's ranks load their slice's integers and scales as stored
-(QuantExpertShard), and the exchange moves activations only, so it is the same for every weight format.
+(QuantExpertShard), and the exchange moves activations only, so it is the same for every weight format. Experts
+with biases or the clamped SwiGLU (gpt-oss's BiasedExperts) are a BiasedExpertShard of the slice's weights and
+biases, computed by BiasedExperts' own math; each row comes back as its expert's whole output, down bias included,
+so combine's gate multiplies all of it, as BiasedExperts does.
 
 With redundant experts (expert_replicas.py: off by default), a rank also holds copies of other ranks' hot experts
 in slots after its own, the same placement on every rank. Each sender splits an expert's rows over its copies and
@@ -56,9 +59,10 @@ rank with the same max_tokens (use_fixed_exchange), since the buffers' size is p
 then take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
 smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step all-reduce
 (ep_rank.py) could carry but does not yet. The fixed path has no redundant experts and no quantized shards (their
-row splits are made on the host), and counts calls only in its stats (rows would need the host); its experts
-compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that
-would not waste FLOPs on padding.
+row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor the clamped SwiGLU, and
+use_fixed refuses them by name), and counts calls only in its stats (rows would need the host); its experts compute
+on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that would not
+waste FLOPs on padding.
 """
 
 from __future__ import annotations
@@ -75,10 +79,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError, UserError
-from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard, contiguous_ranges
+from moeserve.runtime.backends.expert_shards import BiasedExpertShard, ExpertShard, QuantExpertShard, contiguous_ranges
 from moeserve.runtime.backends.experts import expert_counts
 from moeserve.runtime.expert_replicas import as_bytes, copies_of, shard_like, shard_tensors, split_rows
-from moeserve.runtime.experts import Experts, combine, dispatch, expert_rows
+from moeserve.runtime.experts import BiasedExperts, Experts, combine, dispatch, expert_rows
 
 __all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeStats", "FixedBuffers", "LockstepError",
            "join_group", "use_fixed_exchange"]
@@ -190,7 +194,7 @@ class ExpertParallelExperts(nn.Module):
     this rank's contiguous slice (`local`, global ids group.experts_of(E)) and exchanges the routed rows with the
     other ranks' slices (module docstring). Every rank must call it together, with its own tokens or none."""
 
-    def __init__(self, group: EPGroup, n_experts: int, local: ExpertShard | QuantExpertShard):
+    def __init__(self, group: EPGroup, n_experts: int, local: ExpertShard | QuantExpertShard | BiasedExpertShard):
         super().__init__()
         want = list(group.experts_of(n_experts))
         if local.expert_ids != want:
@@ -203,14 +207,16 @@ class ExpertParallelExperts(nn.Module):
         self.routed_E = torch.zeros(n_experts, dtype=torch.int64, device="cpu")
         # redundant copies (expert_replicas.py), the same on every rank: per rank, the other ranks' experts it holds
         self.placement: list[list[int]] = [[] for _ in range(group.world_size)]
-        self.replicas: ExpertShard | QuantExpertShard | None = None  # this rank's: placement[rank], stacked
+        # this rank's copies: placement[rank], stacked
+        self.replicas: ExpertShard | QuantExpertShard | BiasedExpertShard | None = None
         self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
         self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
 
     @classmethod
-    def of(cls, experts: Experts, group: EPGroup) -> "ExpertParallelExperts":
+    def of(cls, experts: Experts | BiasedExperts, group: EPGroup) -> "ExpertParallelExperts":
         """This rank's slice copied out of a whole layer's experts (tests, benchmarks)."""
-        return cls(group, experts.n_experts, ExpertShard.of(experts, group.experts_of(experts.n_experts)))
+        shard = BiasedExpertShard if isinstance(experts, BiasedExperts) else ExpertShard
+        return cls(group, experts.n_experts, shard.of(experts, group.experts_of(experts.n_experts)))
 
     def prepare_inference(self) -> bool:
         """The local experts on the CPU kernel where it runs (ExpertShard.prepare_inference); whether they are."""
@@ -230,9 +236,10 @@ class ExpertParallelExperts(nn.Module):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ExpertParallelError(f"max_tokens = {max_tokens!r}: expected an integer >= 1 (the most tokens a "
                                       f"rank passes one layer call)")
-        if not isinstance(self.local, ExpertShard):
-            raise ExpertParallelError(f"the fixed exchange computes plain weights; this rank's experts are a "
-                                      f"{type(self.local).__name__}: use the variable exchange")
+        if not isinstance(self.local, ExpertShard):  # quantized, or with biases / the clamped SwiGLU (gpt-oss)
+            raise ExpertParallelError(f"the fixed exchange computes plain weights (no biases, no clamped SwiGLU); "
+                                      f"this rank's experts are a {type(self.local).__name__}: use the variable "
+                                      f"exchange")
         if any(self.placement):
             raise ExpertParallelError(f"the fixed exchange has no redundant experts; placement {self.placement}")
         R, E, dev = self.group.world_size, self.n_experts, self.group.device

@@ -27,7 +27,8 @@ from the checkpoint: they travel once per placement that changes, only the copie
 group's fabric is the fastest path there is between GPUs (NVLink, InfiniBand), where a re-read of the checkpoint
 would cost a disk read of every layer's slice of the expert (load_expert_slice reads whole expert rows of every
 layer). It also serves what the checkpoint does not hold: in-memory models, and the quantized slices as the ranks
-hold them. A replica is the owner's weights bit for bit, so its rows' results are the owner's.
+hold them. Every tensor of a shard travels: a gpt-oss expert's biases with its weights. A replica is the owner's
+weights bit for bit, so its rows' results are the owner's.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moeserve.runtime.backends.expert_shards import ExpertShard, QuantExpertShard
+from moeserve.runtime.backends.expert_shards import BiasedExpertShard, ExpertShard, QuantExpertShard
 
 __all__ = ["Rebalance", "Replication", "copies_of", "imbalance", "place_replicas", "rank_rows", "split_rows"]
 
-Shard = ExpertShard | QuantExpertShard
+Shard = ExpertShard | QuantExpertShard | BiasedExpertShard
 
 
 # ---- the placement (pure: tested alone) ------------------------------------------------------------------------
@@ -116,6 +117,8 @@ def shard_tensors(shard: Shard) -> dict[str, Tensor]:
     """A shard's stacked weights by name, each [E_local, ...] (the expert axis first)."""
     if isinstance(shard, QuantExpertShard):
         return dict(shard.experts.named_buffers())
+    if isinstance(shard, BiasedExpertShard):  # weights and biases (gpt-oss): a copy without its biases is not its owner
+        return {name: p.detach() for name, p in shard.experts.named_parameters()}
     return {name: getattr(shard, name).detach() for name in ("w1", "w2", "w3") if getattr(shard, name) is not None}
 
 
@@ -124,6 +127,9 @@ def shard_like(like: Shard, expert_ids: list[int], tensors: dict[str, Tensor]) -
     the C kernel where `like` is."""
     if isinstance(like, QuantExpertShard):
         shard = QuantExpertShard.of_tensors(expert_ids, like.experts.spec, like.experts.act, tensors)
+    elif isinstance(like, BiasedExpertShard):
+        e = like.experts
+        shard = BiasedExpertShard.of_tensors(expert_ids, e.act, e.limit, e.alpha, tensors)
     else:
         shard = ExpertShard(expert_ids, tensors["w1"], tensors["w2"], tensors.get("w3"))
     if like.kernel is not None:

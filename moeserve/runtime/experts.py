@@ -214,11 +214,17 @@ class BiasedExperts(nn.Module):
         up = None if self.w3 is None else F.linear(x_ND, self.w3[e], None if self.b3 is None else self.b3[e])
         return F.linear(self.hidden(gate, up), self.w2[e], None if self.b2 is None else self.b2[e])
 
+    def compute(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+        """Each expert through `ffn` on its block of rows (sorted by expert, counts[e] of expert e): the experts'
+        outputs, bias included and no gate yet, in the same order. An expert-parallel rank's shard of these experts
+        (backends/expert_shards.BiasedExpertShard) computes through it too."""
+        ys = [self.ffn(e, x) for e, x in enumerate(x_ND.split(counts)) if x.shape[0]]
+        return torch.cat(ys) if ys else x_ND.new_zeros(0, self.w2.shape[1])
+
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
         """moe_sorted's dispatch -> compute -> combine, each expert through `ffn`."""
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
-        ys = [self.ffn(e, x_ND) for e, x_ND in enumerate(d.blocks()) if x_ND.shape[0]]
-        return combine(d, torch.cat(ys) if ys else d.x_ND.new_zeros(0, x_TD.shape[1]), x_TD)
+        return combine(d, self.compute(d.x_ND, d.counts), x_TD)
 
 
 def make_experts(cfg) -> nn.Module:

@@ -1,9 +1,10 @@
 """Expert parallelism (runtime/expert_parallel.py, runtime/ep_rank.py) in real processes: two ranks on gloo over
 127.0.0.1, each with its own requests at once, give the single-process engine's answers (fp32: tokens identical,
 greedy and seeded; log-probabilities and scores within 1e-5) for the softmax, xmoe and vq (mixed and discrete)
-routers, quantized checkpoints and a Hugging Face Qwen2-MoE (its shared expert on every rank); each rank holds only
-its experts; a busy rank beside an idle one neither hangs nor desynchronises; the
-exchange itself equals the reference loop, with zero rows on a rank, in one process and in two. Scores, sums of
+routers, quantized checkpoints, a Hugging Face Qwen2-MoE (its shared expert on every rank) and a Hugging Face
+gpt-oss (each rank its experts' weights and biases, with the clamped SwiGLU); each rank holds only its experts; a
+busy rank beside an idle one neither hangs nor desynchronises; the exchange itself equals the reference loop, with
+zero rows on a rank, in one process and in two (gpt-oss's BiasedExperts too, in one). Scores, sums of
 many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ep_serve.py)."""
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ import torch
 from moeserve.bench.server_process import free_port
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
+from moeserve.runtime.backends.expert_shards import BiasedExpertShard
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.ep_rank import EPRank, RankOptions, load_rank_engine
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExpertParallelError, ExpertParallelExperts, expert_major, join_group,
 )
-from moeserve.runtime.experts import Experts, moe_reference
+from moeserve.runtime.expert_replicas import shard_like, shard_tensors
+from moeserve.runtime.experts import BiasedExperts, Experts, moe_reference
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import QuantSpec, quantize_model_
+
+from . import hf_dirs
 
 HERE = Path(__file__).parent
 ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
@@ -32,35 +37,17 @@ ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
            # the head at int8 too: 64 wide, not a multiple of int6's 128)
            "softmax-int4": dict(router="softmax", quantize="int4"), "xmoe-int8": dict(router="xmoe", quantize="int8"),
            # a Hugging Face Qwen2-MoE directory: q/k/v biases, and a gated shared expert that every rank holds whole
-           "qwen2-moe": dict(family="qwen2_moe")}
+           "qwen2-moe": dict(family="qwen2_moe"),
+           # a Hugging Face gpt-oss directory: each rank's experts with their biases and the clamped SwiGLU
+           # (BiasedExpertShard), beside sinks, a sliding window layer and a router bias on every rank
+           "gpt-oss": dict(family="gpt_oss")}
 BUSY_S = 2.0
 RUN_TIMEOUT_S = 120  # the whole two-rank run; a hang fails the tests after it rather than stalling CI
 
 
-def qwen2_moe(path: Path) -> Path:
-    """A tiny Qwen2-MoE written by transformers (context 64, 2 MoE layers of 4 experts, top-2, as tiny), with a
-    byte-level BPE tokenizer.json, so the ranks' text requests tokenize."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(["def f(x):\n    return x\nimport os\n"] * 10, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    path.mkdir()
-    tok.save(str(path / "tokenizer.json"))
-    torch.manual_seed(0)
-    Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=0,
-        pad_token_id=0)).save_pretrained(path)
-    return path
-
-
 def checkpoint(root: Path, name: str, quantize: str | None = None, family: str | None = None, **kw) -> Path:
-    if family == "qwen2_moe":
-        return qwen2_moe(root / name)
+    if family is not None:  # a Hugging Face directory written by transformers
+        return getattr(hf_dirs, family)(root / name)
     torch.manual_seed(0)
     model = Transformer(preset("tiny", **kw))  # context 64, byte tokenizer, 2 MoE layers of 4 experts, top-2
     if quantize is not None:
@@ -176,6 +163,18 @@ def solo_group():
     group.leave()
 
 
+def layer_calls(g: torch.Generator):
+    """(x, expert ids, gates, capacity mask) of a layer of 6 experts of width 16, top-2: 0, 1 and 9 tokens, each
+    without a mask and with one."""
+    for T in (0, 1, 9):
+        x = torch.randn(T, 16, generator=g)
+        ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
+        gates = torch.rand(T, 2, generator=g)
+        keep = torch.rand(T, 2, generator=g) < 0.7
+        for k in (None, keep):
+            yield x, ids, gates, k
+
+
 @pytest.mark.parametrize("exchange", ["variable", "fixed"])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
@@ -188,15 +187,10 @@ def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
         ep.use_fixed(9)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for T in (0, 1, 9):
-            x = torch.randn(T, 16, generator=g)
-            ids = torch.randn(T, 6, generator=g).topk(2, dim=-1).indices
-            gates = torch.rand(T, 2, generator=g)
-            keep = torch.rand(T, 2, generator=g) < 0.7
-            for k in (None, keep):
-                want = moe_reference(x, ids, gates, ex.w1, ex.w2, ex.w3, k)
-                torch.testing.assert_close(ep(x, ids, gates, k), want, atol=1e-6, rtol=0)
-                torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
+        for x, ids, gates, k in layer_calls(g):
+            want = moe_reference(x, ids, gates, ex.w1, ex.w2, ex.w3, k)
+            torch.testing.assert_close(ep(x, ids, gates, k), want, atol=1e-6, rtol=0)
+            torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
         ep.prepare_inference()  # the C kernel where it runs, as a rank computes
         x = torch.randn(9, 16, generator=g)
         ids = torch.randn(9, 6, generator=g).topk(2, dim=-1).indices
@@ -204,6 +198,39 @@ def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
         torch.testing.assert_close(ep(x, ids, gates), ex(x, ids, gates), atol=1e-5, rtol=1e-5)
         assert ep(x[:0], ids[:0], gates[:0]).shape == (0, 16)
     assert ep.stats.calls > 0 and ep.stats.rows_sent == 0  # one rank: nothing leaves it
+
+
+def test_biased_experts_in_one_process_equal_biased_experts(solo_group):
+    """gpt-oss's experts (biases b1, b3, b2 and the clamped SwiGLU, limit and alpha its own) behind the exchange
+    equal BiasedExperts' forward, at 0, 1 and 9 tokens, with and without a capacity mask; the gate multiplies the
+    down bias too; a replica's tensors (expert_replicas) carry the biases. The fixed exchange, which has no
+    biases, refuses them by name."""
+    torch.manual_seed(0)
+    ex = BiasedExperts(6, 16, 24, "clamped_swiglu", limit=1.5, alpha=1.3)
+    with torch.no_grad():  # biases large enough to matter, pre-activations past the limit
+        for p in ex.parameters():
+            p.normal_(0.0, 0.5)
+    ep = ExpertParallelExperts.of(ex, solo_group)
+    assert isinstance(ep.local, BiasedExpertShard) and ep.local.experts.limit == 1.5 and ep.local.experts.alpha == 1.3
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for x, ids, gates, k in layer_calls(g):
+            torch.testing.assert_close(ep(x, ids, gates, k), ex(x, ids, gates, k), atol=1e-6, rtol=0)
+        assert not ep.prepare_inference()  # no kernel computes biases: torch's loop, BiasedExperts' own math
+        x = torch.randn(9, 16, generator=g)
+        ids = torch.randn(9, 6, generator=g).topk(2, dim=-1).indices
+        unbiased = BiasedExperts(6, 16, 24, "clamped_swiglu", limit=1.5, alpha=1.3)
+        unbiased.load_state_dict({**ex.state_dict(), "b2": torch.zeros(6, 16)})
+        gates = torch.full((9, 2), 0.5)  # the gated down bias: half of b2 twice, once per expert
+        want = unbiased(x, ids, gates) + 0.5 * (ex.b2[ids[:, 0]] + ex.b2[ids[:, 1]])
+        torch.testing.assert_close(ep(x, ids, gates), want, atol=1e-5, rtol=0)
+        copy = shard_like(ep.local, ep.local.expert_ids, shard_tensors(ep.local))  # what a replica is built from
+        assert sorted(shard_tensors(ep.local)) == ["b1", "b2", "b3", "w1", "w2", "w3"]
+        counts = [3, 0, 2, 1, 0, 3]
+        x = torch.randn(sum(counts), 16, generator=g)
+        assert torch.equal(copy(x, counts), ep.local(x, counts))
+    with pytest.raises(ExpertParallelError, match="fixed exchange computes plain weights.*BiasedExpertShard"):
+        ep.use_fixed(9)
 
 
 def test_expert_major_order():

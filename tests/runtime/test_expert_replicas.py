@@ -2,7 +2,8 @@
 their copy, a load skewed to 2 experts spread out); then two ranks on gloo over 127.0.0.1: the exchange with copies
 placed equals the reference loop for several token patterns (bit for bit the exchange without copies where the C
 kernel computes), the measured imbalance of a skewed load drops, and a rank loop whose copies are placed from the
-live load mid-run gives the single-process engine's tokens (fp32), greedy and seeded."""
+live load mid-run gives the single-process engine's tokens (fp32), greedy and seeded, gpt-oss's biased experts
+included (a copy carries its expert's biases)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from moeserve.runtime.expert_replicas import (
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import QuantSpec, quantize_model_
+
+from .hf_dirs import gpt_oss
 
 HERE = Path(__file__).parent
 RUN_TIMEOUT_S = 120
@@ -105,7 +108,9 @@ def test_one_rank_has_nothing_to_replicate():
 
 
 # ---- two ranks -------------------------------------------------------------------------------------------------
-CHECKPOINTS = {"softmax": dict(router="softmax"), "xmoe-int8": dict(router="xmoe", quantize="int8")}
+# gpt-oss: a Hugging Face directory (hf_dirs.gpt_oss) whose copies carry their experts' biases
+CHECKPOINTS = {"softmax": dict(router="softmax"), "xmoe-int8": dict(router="xmoe", quantize="int8"),
+               "gpt-oss": dict(family="gpt_oss")}
 pytestmark = pytest.mark.xdist_group("expert-parallel")
 
 
@@ -114,6 +119,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("replicas")
     out = {}
     for name, kw in CHECKPOINTS.items():
+        if kw.get("family") == "gpt_oss":
+            out[name] = str(gpt_oss(root / name))
+            continue
         torch.manual_seed(0)
         quantize = kw.pop("quantize", None)
         model = Transformer(preset("tiny", **kw))  # 2 MoE layers of 4 experts, top-2: 2 experts a rank

@@ -4,8 +4,9 @@ layer (runtime/expert_parallel.py, which dispatches, exchanges and combines arou
     rows of this shard's experts, in its own expert order, `counts` rows each -> shard(x_ND, counts) -> y_ND
 
 `ExpertShard` holds float weights (the CPU kernel's one-call layer where it runs, else torch's loop over experts);
-`QuantExpertShard` an int8 / int4 checkpoint's slice as stored. `contiguous_ranges` says which experts each of S
-shards (ranks) gets.
+`QuantExpertShard` an int8 / int4 checkpoint's slice as stored; `BiasedExpertShard` a slice of experts with biases or
+the clamped SwiGLU (gpt-oss's BiasedExperts), computed by BiasedExperts' own math. `contiguous_ranges` says which
+experts each of S shards (ranks) gets.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.quant_kernel import KernelQuantExperts
-from moeserve.runtime.experts import Dispatch, Experts, compute
+from moeserve.runtime.experts import BiasedExperts, Dispatch, Experts, compute
 from moeserve.runtime.quant import QuantExperts, QuantSpec
 
 
@@ -103,3 +104,48 @@ class QuantExpertShard(nn.Module):
                                          torch.tensor(counts, device=x_ND.device))[:, None]
         ones = x_ND.new_ones(x_ND.shape[0], 1)
         return (self.kernel.moe if self.kernel is not None else self.experts)(x_ND, ids_N1, ones)
+
+
+class BiasedExpertShard(nn.Module):
+    """Some of a layer's experts with biases or the clamped SwiGLU (gpt-oss): `experts` a BiasedExperts of just these
+    (global ids `expert_ids`), with the whole layer's activation, limit and alpha. Called as ExpertShard is; each row's
+    output is its expert's whole output, down bias included, so the caller's combine multiplies all of it by the gate,
+    as BiasedExperts does. No kernel computes biases: torch's loop over experts (BiasedExperts.compute)."""
+
+    kernel = None  # as the other shards' (expert_replicas.shard_like reads it): none computes biases
+
+    def __init__(self, expert_ids: Sequence[int], experts: BiasedExperts):
+        super().__init__()
+        if len(expert_ids) != experts.n_experts:
+            raise ValueError(f"{len(expert_ids)} expert ids for {experts.n_experts} stacked experts")
+        self.expert_ids, self.experts = list(expert_ids), experts
+
+    @classmethod
+    def of(cls, experts: BiasedExperts, expert_ids: Sequence[int]) -> "BiasedExpertShard":
+        """A copy of `expert_ids`' weights and biases out of a whole layer's experts."""
+        ids = torch.tensor(list(expert_ids), device=experts.w1.device)
+        return cls.of_tensors(expert_ids, experts.act, experts.limit, experts.alpha,
+                              {n: p.detach()[ids].clone() for n, p in experts.named_parameters()})
+
+    @classmethod
+    def of_tensors(cls, expert_ids: Sequence[int], act: str, limit: float, alpha: float, tensors: dict[str, Tensor]
+                   ) -> "BiasedExpertShard":
+        """From a checkpoint's slice: "w1", "w2", "w3", "b1", "b2", "b3" ([E_local, ...] each; no "w3", "b3" for
+        gelu, no biases for experts without), computed with the layer's activation `act`, `limit` and `alpha`."""
+        E, (F_, D) = len(expert_ids), tensors["w1"].shape[1:]
+        with torch.device("meta"):  # shapes only: the slice's tensors become the parameters
+            experts = BiasedExperts(E, D, F_, act, "b2" in tensors, limit, alpha)
+        if set(tensors) != {name for name, _ in experts.named_parameters()}:
+            raise ValueError(f"a biased {act} expert slice has tensors {sorted(tensors)}; expected "
+                             f"{sorted(name for name, _ in experts.named_parameters())}")
+        for name, p in list(experts.named_parameters()):
+            if tensors[name].shape != p.shape:
+                raise ValueError(f"a biased expert slice needs {name} {list(p.shape)}, not {list(tensors[name].shape)}")
+            setattr(experts, name, nn.Parameter(tensors[name], requires_grad=False))
+        return cls(expert_ids, experts)
+
+    def prepare_inference(self) -> bool:
+        return False
+
+    def forward(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+        return self.experts.compute(x_ND, counts)
