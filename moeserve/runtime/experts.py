@@ -208,11 +208,15 @@ class BiasedExperts(nn.Module):
             return clamped_swiglu(gate, up, self.limit, self.alpha)
         return F.gelu(gate) if up is None else F.silu(gate) * up
 
+    def linear(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        """One map of one expert, x w^T + b (the CPU kernel's form runs it on the kernel's GEMM)."""
+        return F.linear(x, w, b)
+
     def ffn(self, e: int, x_ND: Tensor) -> Tensor:
         """Expert e on its rows: (act(x W1^T + b1, x W3^T + b3)) W2^T + b2."""
-        gate = F.linear(x_ND, self.w1[e], None if self.b1 is None else self.b1[e])
-        up = None if self.w3 is None else F.linear(x_ND, self.w3[e], None if self.b3 is None else self.b3[e])
-        return F.linear(self.hidden(gate, up), self.w2[e], None if self.b2 is None else self.b2[e])
+        gate = self.linear(x_ND, self.w1[e], None if self.b1 is None else self.b1[e])
+        up = None if self.w3 is None else self.linear(x_ND, self.w3[e], None if self.b3 is None else self.b3[e])
+        return self.linear(self.hidden(gate, up), self.w2[e], None if self.b2 is None else self.b2[e])
 
     def compute(self, x_ND: Tensor, counts: list[int]) -> Tensor:
         """Each expert through `ffn` on its block of rows (sorted by expert, counts[e] of expert e): the experts'

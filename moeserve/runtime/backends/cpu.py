@@ -55,8 +55,13 @@ class KernelLinear(Laid, nn.Linear):
             if self.upcast:
                 return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).to(x.dtype)
             return F.linear(x, self.weight, bias)
-        y = cpu_kernel.linear(x, self.weight)
-        return y if bias is None else y + bias
+        return kernel_linear(x, self.weight, bias)
+
+
+def kernel_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """x w^T on the kernel's GEMM, the bias added after (the kernel's GEMM has none)."""
+    y = cpu_kernel.linear(x, w)
+    return y if b is None else y + b
 
 
 class KernelQuantLinear(Laid, QuantLinear):
@@ -86,17 +91,10 @@ class KernelBiasedExperts(Laid, BiasedExperts):
 
     max_rows: int | None = None
 
-    def ffn(self, e: int, x_ND: Tensor) -> Tensor:
-        if self.max_rows is not None and x_ND.shape[0] > self.max_rows:
-            return super().ffn(e, x_ND)
-
-        def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            y = cpu_kernel.linear(x, w)
-            return y if b is None else y + b
-
-        gate = linear(x_ND, self.w1[e], None if self.b1 is None else self.b1[e])
-        up = None if self.w3 is None else linear(x_ND, self.w3[e], None if self.b3 is None else self.b3[e])
-        return linear(self.hidden(gate, up), self.w2[e], None if self.b2 is None else self.b2[e])
+    def linear(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return super().linear(x, w, b)
+        return kernel_linear(x, w, b)
 
 
 class KernelRMSNorm(Laid, nn.RMSNorm):
