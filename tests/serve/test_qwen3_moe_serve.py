@@ -61,9 +61,14 @@ def qwen(tmp_path_factory):
         yield s, tok
 
 
-def test_completions_and_chat_through_the_openai_client_equal_the_engines(qwen):
+@pytest.fixture(scope="module")
+def ref(qwen) -> Engine:
+    """A second engine on the same directory, in this process: what the server must answer."""
+    return Engine.load(qwen[0].engine.path, dtype="float32", device="cpu")
+
+
+def test_completions_and_chat_through_the_openai_client_equal_the_engines(qwen, ref):
     server, tok = qwen
-    ref = Engine.load(server.engine.path, dtype="float32", device="cpu")
     assert ref.cfg.extra["hf_model_type"] == "qwen3_moe" and ref.cfg.qk_norm == "head"
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     r = client.completions.create(model="q", prompt="a mixture of experts", max_tokens=8, temperature=0)
@@ -76,9 +81,8 @@ def test_completions_and_chat_through_the_openai_client_equal_the_engines(qwen):
     assert chat.choices[0].finish_reason == want.finish_reason
 
 
-def test_metrics_count_its_experts_load_exactly(qwen):
+def test_metrics_count_its_experts_load_exactly(qwen, ref):
     server, _ = qwen
-    ref = Engine.load(server.engine.path, dtype="float32", device="cpu")
     assert server.engine.cfg.moe_layer_ids == [0, 2]  # layer 1 is dense (mlp_only_layers)
     text = "what is a mixture of experts? be brief"
     before = routed(server)
