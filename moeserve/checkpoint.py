@@ -58,7 +58,7 @@ class LoadedCheckpoint:
     path: Path
     config: MoEConfig
     state_dict: dict[str, torch.Tensor]
-    manifest: dict  # moeserve.json contents; {"format": "hf-mixtral"} for a Hugging Face Mixtral directory
+    manifest: dict  # moeserve.json contents; {"format": "hf-<model_type>"} for a Hugging Face directory
     train_state: dict[str, torch.Tensor] | None
     train_meta: dict | None
 
@@ -355,11 +355,11 @@ def load_checkpoint(
 
     Training state, when asked for and present, is loaded on the CPU: RNG state must live there, and
     optimizer.load_state_dict moves moments to their parameters' device itself. Absent: None.
-    A Hugging Face Mixtral directory has no hashes to verify and no training state; its tensors come
-    back under the Transformer's names, and its manifest is {"format": "hf-mixtral"}.
+    A Hugging Face directory (hf_families.FAMILIES) has no hashes to verify and no training state; its tensors come
+    back under the Transformer's names, and its manifest is {"format": "hf-<model_type>"} ("hf-mixtral", ...).
     `keep(name)`: load only the tensors it accepts (the dense part of an expert-parallel rank, whose
-    own experts come from `load_expert_slice`). A Mixtral's experts, each stacked from many of its tensors, are all
-    in or all out, as `keep` says of the first.
+    own experts come from `load_expert_slice`). A Hugging Face directory's experts, each stacked from many of its
+    tensors, are all in or all out, as `keep` says of the first.
     """
     path = Path(path)
     _check_dir(path)

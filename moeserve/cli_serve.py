@@ -148,8 +148,8 @@ def add_serve(sub) -> None:
                         "/v1/chat/completions (with streaming), /v1/score, /v1/classify, /v1/models, /healthz, /readyz and Prometheus /metrics, with dynamic "
                         "batching. With no checkpoint, the built-in default model (trained on first use, then "
                         "cached). SIGTERM stops intake and lets requests in flight finish.")
-    sv.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint or Hugging Face Mixtral directory, or an "
-                    "exported .onnx file (default: the built-in model)")
+    sv.add_argument("checkpoint", type=Path, nargs="?", help="checkpoint, Hugging Face MoE directory (Mixtral, "
+                    "Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss), or an exported .onnx file (default: the built-in model)")
     sv.add_argument("--host", default=_serve_default("host"), help="address to bind (default: %(default)s, this "
                     "machine only)")
     sv.add_argument("--port", type=int, default=_serve_default("port"), help="port (default: %(default)s)")

@@ -70,7 +70,7 @@ def add_convert(sub) -> None:
 
 def add_quantize(sub) -> None:
     q = sub.add_parser("quantize", help="write a checkpoint with int8 or int4 weights",
-                       description="Load a checkpoint (moeserve's or a Hugging Face Mixtral directory) and write it "
+                       description="Load a checkpoint (moeserve's or a Hugging Face MoE directory) and write it "
                        "with its linear maps, experts and LM head quantized weight-only: int8 with a scale per output "
                        "channel, or int4 in groups with a float16 scale per group (llama.cpp's Q4_0 rule). The "
                        "embedding, norms and routers stay as they are. The output is a moeserve checkpoint (hashed, "
