@@ -8,7 +8,7 @@ order of the servers, so a drift of the shared machine falls on all of them. Eac
 tree (NAME=PATH: that tree's moeserve on PYTHONPATH, e.g. a `git archive` of the commit before a change).
 
     PYTHONPATH=. python docs/bench/ep-serve.py [--trees base=/tmp/base new=.] [--clients 8 32] [--duration 15]
-        [--rounds 1] [--ep-args ...] [--one]
+        [--rounds 1] [--ep-args ...] [--args ...] [--one]
 
 Prints one line per server, round and level: req/s, p50 and p99 end-to-end ms, p50 TTFT and ITL ms, errors.
 """
@@ -65,11 +65,12 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--ep-args", default="", help="extra flags for the EP servers, one string")
+    p.add_argument("--args", default="", help="extra flags for every server (e.g. --kv-slots 16), one string")
     p.add_argument("--one", action="store_true", help="also one process (the first tree), each round")
     a = p.parse_args()
     checkpoint()
-    servers = [(f"one process ({name})", path, []) for name, path in [a.trees[0].split("=", 1)] if a.one]
-    servers += [(f"EP N=2 ({name})", path, ["--ray", "--expert-parallel", "2", *a.ep_args.split()])
+    servers = [(f"one process ({name})", path, a.args.split()) for name, path in [a.trees[0].split("=", 1)] if a.one]
+    servers += [(f"EP N=2 ({name})", path, ["--ray", "--expert-parallel", "2", *a.ep_args.split(), *a.args.split()])
                 for name, path in (t.split("=", 1) for t in a.trees)]
     for r in range(a.rounds):
         order = servers if r % 2 == 0 else servers[::-1]

@@ -7,10 +7,12 @@ one. The exchange inside each MoE layer (expert_parallel.py) is a collective, so
 number of MoE-layer calls. The protocol, once per loop iteration ("step"):
 
   1. plan the step (the scheduler, on the host) and count the model calls it can make at most: one per prefill
-     call, one for the decode, one for a slice of scoring work;
-  2. all-reduce (MAX) [that count, "not finished"] across the group;
-  3. all zero: nobody runs; sleep briefly (every rank does, so the idle loop costs one small all-reduce per sleep),
-     or leave the loop when every rank has been asked to stop and has nothing left;
+     call, one for the decode, one for a slice of scoring work, and the most tokens one of them passes;
+  2. agree on the group's maxima of [that count, "not finished", those tokens]: one all-to-all of three numbers,
+     whose token maximum sizes the packed exchange of every MoE layer in the step (expert_parallel.py);
+  3. all zero: nobody runs; sleep briefly (every rank does, so the idle loop costs one small collective per sleep;
+     the sleep doubles while the group stays idle, up to RankOptions.idle_sleep_max_s, and a request for this rank
+     ends it at once), or leave the loop when every rank has been asked to stop and has nothing left;
   4. else run the step, count the forward passes it really made (a sequence may end in a prefill and skip the
      decode), and make up the difference to the agreed maximum with empty passes: each MoE layer called on 0
      tokens, which takes part in exactly the exchanges a real forward makes (the same modules decide them);
@@ -50,10 +52,12 @@ from moeserve.runtime.model import Transformer
 from moeserve.runtime.output import EventCallback
 from moeserve.runtime.quant import QuantSpec, describe
 from moeserve.runtime.sampling import EngineError, SamplingParams
-from moeserve.runtime.scheduler import Sequence, default_prefill_chunk
+from moeserve.runtime.scheduler import Plan, Sequence, default_prefill_chunk
 from moeserve.runtime.steps import check_request
 
 __all__ = ["EPRank", "Lockstep", "RankOptions", "RankStats", "load_rank_engine", "run_rank"]
+
+UNKNOWN = 1 << 62  # a step's token count where a rank cannot know it beforehand (the lockstep's all-to-all)
 
 
 def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtype = "float32",
@@ -111,6 +115,7 @@ class Lockstep:
             raise ExpertParallelError("the lockstep runs a model whose MoE layers' experts are ExpertParallelExperts "
                                       "(load it with load_rank_engine)")
         self.group, self.model = group, model
+        self.layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         self.calls = 0  # forward passes made since the last `agree`
         self.allowed = 0  # the most this step may make: the group's agreed maximum
         self.empty_passes = 0  # made so far, in all
@@ -123,11 +128,19 @@ class Lockstep:
                                 f"which the group agreed on {self.allowed}: a path that calls the model more often "
                                 f"than its plan counts")
 
-    def agree(self, calls: int, finished: bool) -> tuple[int, bool]:
-        """(the most calls any rank makes this step, whether every rank is finished): one all-reduce (MAX)."""
-        t = torch.tensor([calls, 0 if finished else 1], dtype=torch.int64, device=self.group.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.group)
-        most, anyone_left = t.tolist()
+    def agree(self, calls: int, finished: bool, tokens: int | None = None) -> tuple[int, bool]:
+        """(the most calls any rank makes this step, whether every rank is finished), and every MoE layer told the
+        most tokens any rank passes it this step (`step_tokens`: the packed exchange's size; `tokens` None, not
+        known beforehand, on any rank: the variable exchange). One all-to-all of three numbers, whose maxima are
+        taken here: one message each way between any two ranks, where gloo's all-reduce makes two rounds."""
+        R = self.group.world_size
+        mine = [calls, 0 if finished else 1, UNKNOWN if tokens is None else tokens]
+        t = torch.tensor(mine * R, dtype=torch.int64, device=self.group.device)
+        got = torch.empty_like(t)
+        dist.all_to_all_single(got, t, group=self.group.group)
+        most, anyone_left, most_tokens = got.view(R, 3).amax(0).tolist()
+        for layer in self.layers:
+            layer.step_tokens = None if most_tokens >= UNKNOWN else most_tokens
         self.calls, self.allowed = 0, most
         return most, anyone_left == 0
 
@@ -142,6 +155,8 @@ class Lockstep:
                 layer(x_1TD)
         self.empty_passes += n
         self.calls = self.allowed
+        for layer in self.layers:  # past the step: a call outside one (a table's build) takes the variable exchange
+            layer.step_tokens = None
         return n
 
 
@@ -153,6 +168,10 @@ class RankOptions:
     max_len: int | None = None  # positions per slot (None: the model's context)
     prefill_chunk: int | None = None  # prompt tokens a step while others decode (None: the device's default)
     idle_sleep_s: float = 0.002  # between two steps in which no rank had work: the price of a wake-up
+    # the sleep doubles over consecutive idle steps up to this: an idle group's collectives (each a round trip and
+    # two thread wake-ups a rank) cost 25% of a core a rank at idle_sleep_s alone on a 2-core VM. A request for this
+    # rank wakes it at once; one for another rank waits out at most this for the agreement of its first step
+    idle_sleep_max_s: float = 0.02
     dtype: str = "float32"
     calibration: str | None = None  # Engine.load's; every rank should use the same plan (calibrate once per machine)
     verify: bool = True  # check the checkpoint's hashes while loading
@@ -162,11 +181,16 @@ class RankOptions:
     # steps with work between two placements of the copies: each costs one all-reduce of [L, E + R] counts, and
     # moves the weights of the copies that changed; fewer steps follow the load sooner, on a noisier window
     rebalance_every: int = 64
+    # the packed exchange (expert_parallel.py) for steps whose token count is known beforehand: two collectives a
+    # MoE layer instead of three; False, always the variable exchange (every rank of a group must agree)
+    packed: bool = True
 
     def __post_init__(self) -> None:
-        if self.slots < 1 or (self.prefill_chunk is not None and self.prefill_chunk < 1) or not self.idle_sleep_s >= 0:
+        if (self.slots < 1 or (self.prefill_chunk is not None and self.prefill_chunk < 1)
+                or not 0 <= self.idle_sleep_s <= self.idle_sleep_max_s):
             raise ExpertParallelError(f"slots = {self.slots}, prefill_chunk = {self.prefill_chunk}, idle_sleep_s = "
-                                      f"{self.idle_sleep_s}: expected >= 1, >= 1 (or None) and >= 0")
+                                      f"{self.idle_sleep_s}, idle_sleep_max_s = {self.idle_sleep_max_s}: expected "
+                                      f">= 1, >= 1 (or None), and 0 <= idle_sleep_s <= idle_sleep_max_s")
         if self.redundant_experts < 0 or self.rebalance_every < 1:
             raise ExpertParallelError(f"redundant_experts = {self.redundant_experts}, rebalance_every = "
                                       f"{self.rebalance_every}: expected >= 0 and >= 1")
@@ -208,6 +232,8 @@ class EPRank:
         self._futures: dict[Sequence, Future] = {}
         self._scores: list[_ScoreJob] = []
         self._submit_lock = threading.Lock()
+        self._wake = threading.Event()  # set by a request or stop(): ends an idle sleep at once
+        self._idle_sleep = self.options.idle_sleep_s  # the next idle sleep (doubling while the group stays idle)
         self._stopping = False
         self.failed: BaseException | None = None
         self.thread: threading.Thread | None = None  # the loop's, once `start`ed
@@ -253,11 +279,13 @@ class EPRank:
             if isinstance(item, Sequence):
                 self._futures[item] = future
             self._inbox.put(item)
+        self._wake.set()
 
     def stop(self) -> None:
         """Take no more requests; the loop ends when every rank has stopped and finished its work."""
         with self._submit_lock:
             self._stopping = True
+        self._wake.set()
 
     # ---- the loop (one thread) ---------------------------------------------------------------------------------
     def start(self, leave_group: bool = False) -> threading.Thread:
@@ -289,7 +317,7 @@ class EPRank:
                 calls = len(plan.prefills) + bool(plan.decode) + (job is not None)
                 with self._submit_lock:
                     finished = self._stopping and self._inbox.empty() and self.steps.idle and not self._scores
-                most, all_finished = self.lockstep.agree(calls, finished)
+                most, all_finished = self.lockstep.agree(calls, finished, self._tokens(plan, job))
                 ended = self.steps.execute(plan)  # no model call when `calls` is 0: only cancelled sequences end
                 if job is not None:
                     self._score_slice(job)
@@ -309,9 +337,12 @@ class EPRank:
             self.stats.idle_steps += 1
             if all_finished:
                 return False
-            time.sleep(self.options.idle_sleep_s)
+            self._wake.wait(self._idle_sleep)
+            self._wake.clear()
+            self._idle_sleep = min(2 * self._idle_sleep, self.options.idle_sleep_max_s)
         else:
             self.stats.steps += 1
+            self._idle_sleep = self.options.idle_sleep_s
         return True
 
     def counters(self) -> dict:
@@ -348,6 +379,13 @@ class EPRank:
             return (f"rank {self.group.rank}'s step loop has not advanced for {time.monotonic() - since:.1f} s "
                     f"(> {stall_s:g} s) with work queued, after {self.stats.iterations} iterations")
         return None
+
+    def _tokens(self, plan: Plan, job: _ScoreJob | None) -> int | None:
+        """The most tokens any of this step's model calls passes (a prefill call: its chunks and carried rows; the
+        decode: at most its rows), or None where a scoring slice, whose batch its generator sizes, runs."""
+        if job is not None or not self.options.packed:
+            return None
+        return max([sum(p.takes) + len(p.carry) for p in plan.prefills] + [len(plan.decode)])
 
     def _admit(self) -> None:
         while True:

@@ -35,11 +35,21 @@ sends them in the order of each rank's slots (its own experts, then its copies),
 is its owner's weights, so a row's result is the owner's: bit-identical where the expert computes each row alone
 (the C kernel), within float rounding where a GEMM's blocking depends on how many rows it gets (torch).
 
-Two exchanges, the same result (within float rounding):
+Three exchanges, the same result (within float rounding):
 
-  variable  (exchange; the default) the counts go first and come back to the host, which sizes the row buffers
-            and the splits: each rank moves exactly the rows it routed, and the experts compute exactly the rows
-            they got. A host sync per layer, and shapes that depend on the routing.
+  variable  (exchange; outside a step, or a step whose size is not known beforehand) the counts go first and come
+            back to the host, which sizes the row buffers and the splits: each rank moves exactly the rows it
+            routed, and the experts compute exactly the rows they got. Three collectives a layer call, a host sync,
+            and shapes that depend on the routing.
+  packed    (exchange with `packed`; a rank's steps, the default) the counts ride with the rows: each rank sends
+            every rank a block of a header row (the counts of the receiver's slots, as int32) and C rows, its rows
+            first, C = the step's most tokens * K, the step's most tokens agreed by the lockstep's one collective
+            before the step (ep_rank.py: `step_tokens`); the receiver reads the header, computes the real rows only,
+            and returns a block of C rows the same way. Two collectives a layer call instead of three, for R times
+            the bytes at worst; a block larger than PACKED_MAX_BYTES (a long prefill chunk) takes the variable one.
+            Each collective costs a round trip and every rank's wait for the slowest, which on CPU ranks is most of
+            an exchange (docs/bench/log.md), so the rows it pads are the cheaper side. Replicas and every shard
+            type go through it as through the variable one: only the sizes travel differently.
   fixed     (use_fixed, exchange_fixed) each rank sends every rank a block of C = max_tokens * K rows, its rows
             for that rank's experts (sorted by expert) then zeros, and the per-expert counts in a second
             fixed-size call; the receiver reads each row's expert from the counts on the device, runs its experts
@@ -50,15 +60,15 @@ Two exchanges, the same result (within float rounding):
             low-latency all-to-all (DeepEP) sizes its buffers the same way, by the most tokens a rank may send.
 
 Which one: fixed where the step is compiled or captured (a CUDA graph cannot hold a host sync or a buffer sized by
-one, so there is no choice), variable otherwise. Variable moves and computes only the routed rows; fixed moves
+one, so there is no choice), packed or variable otherwise. Variable moves and computes only the routed rows; fixed moves
 R * C rows each way on every call, empty passes included, and its experts run on every padded row, which on a
 decode step of a few tokens is a few kilobytes and a few small GEMMs a layer, but on a prefill chunk is R times
 the rows and E_local times the FLOPs; and the fixed exchange's buffers are sized by the largest call, so a rank
 that prefills in chunks of 512 pays 512 * K rows per peer at every decode step. The switch is made once, on every
 rank with the same max_tokens (use_fixed_exchange), since the buffers' size is part of the collective: all calls
 then take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
-smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step all-reduce
-(ep_rank.py) could carry but does not yet. The fixed path has no redundant experts and no quantized shards (their
+smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step collective
+now carries (`step_tokens`) but the fixed path does not read yet. The fixed path has no redundant experts and no quantized shards (their
 row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor the clamped SwiGLU, and
 use_fixed refuses them by name), and counts calls only in its stats (rows would need the host); its experts compute
 on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that would not
@@ -90,6 +100,9 @@ __all__ = ["EPGroup", "ExpertParallelError", "ExpertParallelExperts", "ExchangeS
 # upper bounds (s) of the per-call all-to-all histogram (ExchangeStats.all_to_all_buckets; the served
 # moeserve_ep_all_to_all_seconds): 2 gloo ranks on 2 CPU cores take 1-3 ms a layer call (moeserve bench ep)
 A2A_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# the largest block (C rows of one sender for one receiver) the packed exchange sends: past it a call takes the
+# variable exchange, whose third collective costs less than sending R times the rows (module docstring)
+PACKED_MAX_BYTES = 1 << 20
 ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 
@@ -170,7 +183,8 @@ class ExchangeStats:
     all-to-all time; on NCCL it would be the launch only (CUDA events would be needed)."""
 
     calls: int = 0
-    all_to_all_s: float = 0.0  # in the three all_to_all_single calls, summed
+    packed: int = 0  # of those, through the packed exchange (two collectives; the others three, or the fixed path's)
+    all_to_all_s: float = 0.0  # in the layer call's all_to_all_single calls, summed
     # per call, its all-to-all seconds counted in A2A_BUCKETS (a call of t s in the first bucket whose bound is
     # >= t, the last one past every bound): a histogram at one bisect per layer call
     all_to_all_buckets: list[int] = field(default_factory=lambda: [0] * (len(A2A_BUCKETS) + 1))
@@ -211,6 +225,10 @@ class ExpertParallelExperts(nn.Module):
         self.replicas: ExpertShard | QuantExpertShard | BiasedExpertShard | None = None
         self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
         self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
+        # the most tokens any rank passes this layer in the current step, agreed by the lockstep (ep_rank.py) before
+        # it and cleared after: the size of the packed exchange's blocks (None: unknown, the variable exchange)
+        self.step_tokens: int | None = None
+        self.packed_max_bytes = PACKED_MAX_BYTES
 
     @classmethod
     def of(cls, experts: Experts | BiasedExperts, group: EPGroup) -> "ExpertParallelExperts":
@@ -226,7 +244,21 @@ class ExpertParallelExperts(nn.Module):
         if self.fixed is not None:
             return self.exchange_fixed(x_TD, expert_ids_TK, gates_TK, keep_TK)
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
-        return combine(d, self.exchange(d.x_ND, d.counts), x_TD)
+        return combine(d, self.exchange(d.x_ND, d.counts, self.packed_rows(*expert_ids_TK.shape, x_TD)), x_TD)
+
+    def packed_rows(self, T: int, K: int, x_TD: Tensor) -> int | None:
+        """The rows C a (sender, receiver) block holds in the packed exchange for this call, or None for the variable
+        one: packed where the lockstep agreed on the step's most tokens (`step_tokens`) and a block of C = that * K
+        rows is at most PACKED_MAX_BYTES. Every rank decides the same, from agreed numbers and the same model."""
+        if self.step_tokens is None:
+            return None
+        if T > self.step_tokens:
+            raise LockstepError(f"rank {self.group.rank} passed {T} tokens to a MoE layer in a step whose ranks agreed "
+                                f"on at most {self.step_tokens}: a model call larger than its plan counts")
+        D, size = x_TD.shape[1], x_TD.element_size()
+        C = self.step_tokens * K
+        fits = D * size % 4 == 0 and D * size // 4 >= max(map(len, self.ranges)) + max(map(len, self.placement))
+        return C if fits and C * D * size <= self.packed_max_bytes else None
 
     def use_fixed(self, max_tokens: int) -> "ExpertParallelExperts":
         """Exchange through fixed-size buffers from the next call on (exchange_fixed), for calls of at most
@@ -298,11 +330,12 @@ class ExpertParallelExperts(nn.Module):
         shard = self.local
         return expert_rows(x_ND, local_N, shard.w1, shard.w2, shard.w3)
 
-    def exchange(self, x_ND: Tensor, counts: list[int]) -> Tensor:
+    def exchange(self, x_ND: Tensor, counts: list[int], packed: int | None = None) -> Tensor:
         """The experts' outputs for rows sorted by expert (`counts` [E] of each), in the same order, whichever rank
         computed them. Each rank calls it once per layer call, with zero rows if it has none. With replicas, each
         expert's rows are split over its copies (expert_replicas.split_rows) and sent in the order of the ranks'
-        slots (their own experts, then their replicas)."""
+        slots (their own experts, then their replicas). `packed`: C, the rows of a block of the packed exchange
+        (module docstring; every rank gives the same), else the variable one."""
         R, g, dev, me = self.group.world_size, self.group.group, self.group.device, self.group.rank
         counts_E = torch.tensor(counts, dtype=torch.int64, device="cpu")
         self.routed_E += counts_E
@@ -314,24 +347,32 @@ class ExpertParallelExperts(nn.Module):
             slots = [len(r) + len(ids) for r, ids in zip(self.ranges, self.placement)]
         to_rank = [int(t.sum()) for t in send_S.split(slots)]  # rows this rank sends each rank
         S_me = slots[me]
-        t0 = time.perf_counter()
-        recv_RS = torch.empty(R * S_me, dtype=torch.int64, device=dev)
-        dist.all_to_all_single(recv_RS, send_S.to(dev), [S_me] * R, slots, group=g)
-        recv_RS = recv_RS.view(R, S_me).cpu()
-        from_rank = recv_RS.sum(1).tolist()  # rows each rank sends here
-        x_in = x_ND.new_empty(sum(from_rank), x_ND.shape[1])
         x_send = x_ND if order_N is None else x_ND[order_N.to(x_ND.device)]
-        dist.all_to_all_single(x_in, x_send.contiguous(), from_rank, to_rank, group=g)
+        t0 = time.perf_counter()
+        if packed is None:
+            recv_RS = torch.empty(R * S_me, dtype=torch.int64, device=dev)
+            dist.all_to_all_single(recv_RS, send_S.to(dev), [S_me] * R, slots, group=g)
+            recv_RS = recv_RS.view(R, S_me).cpu()
+            from_rank = recv_RS.sum(1).tolist()  # rows each rank sends here
+            x_in = x_ND.new_empty(sum(from_rank), x_ND.shape[1])
+            dist.all_to_all_single(x_in, x_send.contiguous(), from_rank, to_rank, group=g)
+        else:
+            recv_RS, x_in = self._send_packed(x_send, send_S, slots, to_rank, packed)
+            from_rank = recv_RS.sum(1).tolist()
         t1 = time.perf_counter()
         order = expert_major(recv_RS)
         y_in = self._compute(x_in if order is None else x_in[order], recv_RS.sum(0).tolist())
         if order is not None:
             y_in = torch.empty_like(y_in).index_copy_(0, order.to(y_in.device), y_in)
         t2 = time.perf_counter()
-        y_send = x_ND.new_empty(x_ND.shape[0], y_in.shape[1])
-        dist.all_to_all_single(y_send, y_in.contiguous(), to_rank, from_rank, group=g)
+        if packed is None:
+            y_send = x_ND.new_empty(x_ND.shape[0], y_in.shape[1])
+            dist.all_to_all_single(y_send, y_in.contiguous(), to_rank, from_rank, group=g)
+        else:
+            y_send = unpack(all_to_all_blocks(pack(y_in, from_rank, packed), g), to_rank)
         s = self.stats
         s.calls += 1
+        s.packed += packed is not None
         a2a_s = (t1 - t0) + (time.perf_counter() - t2)
         s.all_to_all_s += a2a_s
         s.all_to_all_buckets[bisect.bisect_left(A2A_BUCKETS, a2a_s)] += 1
@@ -341,6 +382,20 @@ class ExpertParallelExperts(nn.Module):
         if order_N is None:
             return y_send
         return torch.empty_like(y_send).index_copy_(0, order_N.to(y_send.device), y_send)
+
+    def _send_packed(self, x_send: Tensor, send_S: Tensor, slots: list[int], to_rank: list[int],
+                     C: int) -> tuple[Tensor, Tensor]:
+        """The packed exchange's one call out: to each rank a block of a header row (its slots' row counts, as int32)
+        and C rows, its rows first; (the counts received, [R, S_me] on the host; the rows received, by source)."""
+        R, me = self.group.world_size, self.group.rank
+        out = x_send.new_empty(R, 1 + C, x_send.shape[1])
+        head = out[:, 0].view(torch.int32)
+        for r, n in enumerate(send_S.split(slots)):
+            head[r, :len(n)] = n.to(head.device)
+        pack(x_send, to_rank, C, out[:, 1:])
+        got = all_to_all_blocks(out, self.group.group)
+        recv_RS = got[:, 0].view(torch.int32)[:, :slots[me]].to(torch.int64).cpu()
+        return recv_RS, unpack(got[:, 1:], recv_RS.sum(1).tolist())
 
     def _route(self, counts: list[int]) -> tuple[Tensor, Tensor]:
         """(rows this rank sends to each (rank, slot), every rank's slots in turn; the sorted rows' indices in that
@@ -423,6 +478,27 @@ def use_fixed_exchange(model: nn.Module, max_tokens: int) -> int:
     for layer in layers:
         layer.use_fixed(max_tokens)
     return len(layers)
+
+
+def pack(x_ND: Tensor, splits: list[int], C: int, out: Tensor | None = None) -> Tensor:
+    """Rows split into per-rank blocks of C rows ([R, C, D]), block r holding split r's rows first; the padding is
+    left as it was (never read)."""
+    out = x_ND.new_empty(len(splits), C, x_ND.shape[1]) if out is None else out
+    for r, rows in enumerate(x_ND.split(splits)):
+        out[r, :rows.shape[0]] = rows
+    return out
+
+
+def unpack(blocks_RCD: Tensor, splits: list[int]) -> Tensor:
+    """The first splits[r] rows of each block r, in rank order: pack's inverse."""
+    return torch.cat([blocks_RCD[r, :n] for r, n in enumerate(splits)])
+
+
+def all_to_all_blocks(blocks: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Block r to rank r, and rank r's block to this one at index r: one all_to_all_single of equal splits."""
+    got = torch.empty_like(blocks)
+    dist.all_to_all_single(got, blocks, group=group)
+    return got
 
 
 def expert_major(recv_RE: Tensor) -> Tensor | None:

@@ -47,7 +47,7 @@ def completion_record(c) -> dict:
 
 def stats_record(ep: EPRank) -> dict:
     return {"model_calls": ep.stats.model_calls, "empty_passes": ep.stats.empty_passes,
-            "a2a_calls": sum(e.stats.calls for e in ep.experts)}
+            "a2a_calls": sum(e.stats.calls for e in ep.experts), "packed": sum(e.stats.packed for e in ep.experts)}
 
 
 def exchange_cases(group) -> list[float]:
@@ -69,15 +69,16 @@ def exchange_cases(group) -> list[float]:
             gates = torch.rand(T, 2, generator=g)
             keep = torch.rand(T, 2, generator=g) < 0.8
             with torch.inference_mode():
-                for k in (None, keep):
+                for k, step_tokens in ((None, None), (keep, None), (None, 7), (keep, 7)):  # variable, then packed
+                    ep.step_tokens = step_tokens
                     want = moe_reference(x, ids, gates, ex.w1, ex.w2, ex.w3, k)
                     got = ep(x, ids, gates, k)
                     out.append(float((got - want).abs().max()) if T else float(got.shape[0]))
     return out
 
 
-def serve_requests(ckpt: str, group) -> dict:
-    ep = EPRank.load(ckpt, group, RankOptions(slots=4, prefill_chunk=PREFILL_CHUNK))
+def serve_requests(ckpt: str, group, packed: bool = True) -> dict:
+    ep = EPRank.load(ckpt, group, RankOptions(slots=4, prefill_chunk=PREFILL_CHUNK, packed=packed))
     ep.start()
     futures = [ep.submit(p, SamplingParams(**kw)) for p, kw in REQUESTS[group.rank]]
     scores = ep.submit_scores(SCORE_ROWS[group.rank]) if SCORE_ROWS[group.rank] else None
@@ -114,6 +115,7 @@ def main(rank: int, world: int, port: int, checkpoints: dict[str, str], busy_s: 
         out: dict = {"exchange": exchange_cases(group)}
         for name, ckpt in checkpoints.items():
             out[name] = serve_requests(ckpt, group)
+        out["softmax-variable"] = serve_requests(checkpoints["softmax"], group, packed=False)
         out["busy_and_idle"] = busy_and_idle(checkpoints["softmax"], group, busy_s)
         group.leave()
         results.put((rank, out))

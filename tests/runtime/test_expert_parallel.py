@@ -21,7 +21,7 @@ from moeserve.runtime.backends.expert_shards import BiasedExpertShard
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.runtime.ep_rank import EPRank, RankOptions, load_rank_engine
 from moeserve.runtime.expert_parallel import (
-    EPGroup, ExpertParallelError, ExpertParallelExperts, expert_major, join_group,
+    EPGroup, ExpertParallelError, ExpertParallelExperts, LockstepError, expert_major, join_group,
 )
 from moeserve.runtime.expert_replicas import shard_like, shard_tensors
 from moeserve.runtime.experts import BiasedExperts, Experts, moe_reference
@@ -87,11 +87,15 @@ def reference(checkpoints):
 
 
 # ---- two ranks ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(ROUTERS))
+# the same checkpoint served with other rank options: RankOptions(packed=False), every exchange the variable one
+VARIANTS = {"softmax-variable": "softmax"}
+
+
+@pytest.mark.parametrize("name", [*ROUTERS, *VARIANTS])
 def test_two_ranks_answer_as_one_process(ranks, reference, name):
     import ep_worker
 
-    engine = reference[name]
+    engine = reference[VARIANTS.get(name, name)]
     for rank in (0, 1):
         got = ranks[rank][name]
         for (prompt, kw), c in zip(ep_worker.REQUESTS[rank], got["completions"]):
@@ -125,18 +129,22 @@ def test_each_rank_holds_only_its_experts(ranks, reference, name):
         assert got["parameters"] == whole - expert_params + expert_params * len(mine) // cfg.n_experts
 
 
-@pytest.mark.parametrize("name", list(ROUTERS))
+@pytest.mark.parametrize("name", [*ROUTERS, *VARIANTS])
 def test_ranks_made_the_same_passes(ranks, name):
     """The lockstep's invariant: every rank made as many forward passes (its own and empty ones) as the other, and
-    as many exchanges; the discrete VQ layer, a table built at load, makes none while serving."""
+    as many exchanges, the same of them packed; the discrete VQ layer, a table built at load, makes none while
+    serving. Generation steps take the packed exchange; the table's build, outside any step, and the scoring
+    slices, whose size the lockstep does not know beforehand, the variable one."""
     a, b = ranks[0][name], ranks[1][name]
     assert a["model_calls"] + a["empty_passes"] == b["model_calls"] + b["empty_passes"]
-    assert a["a2a_calls"] == b["a2a_calls"]
+    assert a["a2a_calls"] == b["a2a_calls"] and a["packed"] == b["packed"]
     assert a["model_calls"] > 0 and b["model_calls"] > 0
     if name == "vq-discrete":
-        assert a["a2a_calls"] == 2  # the two layers' tables, built through the exchange at load
+        assert a["a2a_calls"] == 2 and a["packed"] == 0  # the two layers' tables, built through the exchange at load
+    elif name in VARIANTS:
+        assert a["a2a_calls"] > a["model_calls"] and a["packed"] == 0
     else:
-        assert a["a2a_calls"] > a["model_calls"]
+        assert a["a2a_calls"] > a["packed"] > a["model_calls"]
 
 
 def test_a_busy_rank_beside_an_idle_one(ranks, reference):
@@ -175,16 +183,18 @@ def layer_calls(g: torch.Generator):
             yield x, ids, gates, k
 
 
-@pytest.mark.parametrize("exchange", ["variable", "fixed"])
+@pytest.mark.parametrize("exchange", ["variable", "packed", "fixed"])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
-    """The variable all-to-all, and the fixed-size one (buffers for 9 tokens; test_expert_parallel_fixed.py), at 0,
-    1 and 9 tokens, with and without a capacity mask."""
+    """The variable all-to-all, the packed one (a step of at most 9 tokens), and the fixed-size one (buffers for 9
+    tokens; test_expert_parallel_fixed.py), at 0, 1 and 9 tokens, with and without a capacity mask."""
     torch.manual_seed(0)
     ex = Experts(6, 16, 24, act)
     ep = ExpertParallelExperts.of(ex, solo_group)
     if exchange == "fixed":
         ep.use_fixed(9)
+    if exchange == "packed":
+        ep.step_tokens = 9
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for x, ids, gates, k in layer_calls(g):
@@ -198,6 +208,41 @@ def test_the_exchange_in_one_process_equals_experts(solo_group, act, exchange):
         torch.testing.assert_close(ep(x, ids, gates), ex(x, ids, gates), atol=1e-5, rtol=1e-5)
         assert ep(x[:0], ids[:0], gates[:0]).shape == (0, 16)
     assert ep.stats.calls > 0 and ep.stats.rows_sent == 0  # one rank: nothing leaves it
+    assert ep.stats.packed == (ep.stats.calls if exchange == "packed" else 0)
+
+
+def test_the_packed_exchange_makes_two_collectives_where_the_variable_makes_three(solo_group, monkeypatch):
+    """The packed exchange sends the counts in the rows' header (int32, exact past bf16's 256) in one collective and
+    gets the rows back in a second; the variable one sends the counts first. A block past PACKED_MAX_BYTES, or a
+    step whose size the lockstep does not know, takes the variable one; a call larger than the agreed step is
+    refused before any collective, rather than desynchronising the group."""
+    torch.manual_seed(0)
+    ex = Experts(6, 16, 24, "swiglu").to(torch.bfloat16)
+    ep = ExpertParallelExperts.of(ex, solo_group)
+    made = []
+    real = torch.distributed.all_to_all_single
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", lambda *a, **k: made.append(1) or real(*a, **k))
+    x = torch.randn(300, 16, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1]] * 300)  # 300 rows for each of experts 0 and 1: past what a bf16 count holds exactly
+    gates = torch.rand(300, 2, dtype=torch.bfloat16)
+
+    def collectives(step_tokens: int | None) -> int:
+        ep.step_tokens = step_tokens
+        made.clear()
+        with torch.inference_mode():
+            torch.testing.assert_close(ep(x, ids, gates), ex(x, ids, gates), atol=0, rtol=0)
+        return len(made)
+
+    assert collectives(None) == 3
+    assert collectives(300) == 2 and ep.stats.packed == 1
+    assert collectives(400) == 2  # room to spare: the blocks are the step's, whatever this call's tokens
+    ep.packed_max_bytes = 400 * 2 * 16 * 2 - 1  # one row short of a block of the step's 800 rows
+    assert collectives(400) == 3 and ep.stats.packed == 2
+    ep.step_tokens = 299
+    with pytest.raises(LockstepError, match="passed 300 tokens to a MoE layer in a step whose ranks agreed on at "
+                                            "most 299"):
+        ep(x, ids, gates)
+    assert ep.stats.calls == 4
 
 
 def test_biased_experts_in_one_process_equal_biased_experts(solo_group):
