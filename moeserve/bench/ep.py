@@ -1,8 +1,10 @@
 """`moeserve bench ep`: what one MoE layer's expert-parallel exchange costs (runtime/expert_parallel.py), per rank,
 at each token count: N processes on gloo over 127.0.0.1, each routing its own tokens through the same layer.
 
-Per token count T and rank:
-  all-to-all      the three all_to_all_single calls of one layer call (counts, rows out, rows back)
+Per token count T, exchange and rank:
+  exchange        variable (three all_to_all_single calls: counts, rows out, rows back) or packed (two: the counts
+                  in the rows' header, the rows back; blocks sized for a step of T tokens, as a rank's steps run it)
+  all-to-all      those calls of one layer call
   layer           the whole experts call: dispatch, exchange, this rank's experts, combine
   in process      the same layer with every expert in this process (no exchange), on the same compute path
 and the bytes of rows that left the rank per call (there and back), so the all-to-all time reads against them.
@@ -29,6 +31,7 @@ from moeserve.runtime.experts import combine, dispatch
 from moeserve.runtime.moe import MoELayer
 
 WAIT_S = 300  # for the ranks' reports: a rank that died or hung ends the bench instead of stalling it
+EXCHANGES = ("variable", "packed")
 
 
 def spawn_ranks(target: Callable, world: int, args: tuple, timeout_s: float) -> dict[int, Any]:
@@ -65,7 +68,8 @@ def _rank(rank: int, world: int, port: int, model: str, tokens: list[int], calls
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
         rows = []
         with torch.inference_mode():
-            for T in tokens:
+            for T, exchange in ((T, exchange) for T in tokens for exchange in EXCHANGES):
+                ep.step_tokens = T if exchange == "packed" else None  # as the lockstep sets it for a step of T
                 x = torch.randn(T, cfg.d_model, generator=g)
                 r = layer.router(x)
                 args = (x, r.expert_ids, r.gates, r.keep)
@@ -81,7 +85,7 @@ def _rank(rank: int, world: int, port: int, model: str, tokens: list[int], calls
                 layer_ms = timed_ms(call, calls)
                 a2a = a2a[5:]  # the untimed warm-up calls' too
                 sent = (ep.stats.rows_sent - sent0) / (ep.stats.calls - calls0)  # rows to other ranks, per call
-                rows.append({"tokens": T, "rank": rank, "a2a_p50_ms": round(statistics.median(a2a), 3),
+                rows.append({"tokens": T, "exchange": exchange, "rank": rank, "a2a_p50_ms": round(statistics.median(a2a), 3),
                              "a2a_p99_ms": round(percentile(a2a, 99), 3),
                              "layer_p50_ms": round(statistics.median(layer_ms), 3),
                              "in_process_p50_ms": round(statistics.median(
@@ -111,7 +115,8 @@ def bench_ep(ranks: int, tokens: list[int], calls: int, model: str = "small", lo
     failed = {r: tb for r, tb in out.items() if isinstance(tb, str)}
     if failed:
         raise RuntimeError(f"rank {min(failed)} failed:\n{failed[min(failed)]}")
-    rows = sorted((row for r in out.values() for row in r), key=lambda row: (row["tokens"], row["rank"]))
+    rows = sorted((row for r in out.values() for row in r),
+                  key=lambda row: (row["tokens"], EXCHANGES.index(row["exchange"]), row["rank"]))
     return {"model": model, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_experts": cfg.n_experts, "top_k": cfg.top_k,
             "ranks": ranks, "backend": "gloo", "calls": calls, "torch": torch.__version__, "results": rows}
 
@@ -120,11 +125,12 @@ def markdown(report: dict) -> str:
     lines = [f"One MoE layer ({report['model']}: D {report['d_model']}, F {report['d_ff']}, E {report['n_experts']}, "
              f"top-{report['top_k']}) over {report['ranks']} expert-parallel ranks on {report['backend']}, "
              f"{report['calls']} calls, torch {report['torch']}.", "",
-             "| tokens | rank | all-to-all p50 ms | all-to-all p99 ms | layer p50 ms | in process p50 ms | KiB out and back |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| tokens | exchange | rank | all-to-all p50 ms | all-to-all p99 ms | layer p50 ms | in process p50 ms | "
+             "KiB out and back |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
-        lines.append(f"| {r['tokens']} | {r['rank']} | {r['a2a_p50_ms']} | {r['a2a_p99_ms']} | {r['layer_p50_ms']} | "
-                     f"{r['in_process_p50_ms']} | {r['kb_out_and_back']} |")
+        lines.append(f"| {r['tokens']} | {r.get('exchange', 'variable')} | {r['rank']} | {r['a2a_p50_ms']} | "
+                     f"{r['a2a_p99_ms']} | {r['layer_p50_ms']} | {r['in_process_p50_ms']} | {r['kb_out_and_back']} |")
     return "\n".join(lines)
 
 
@@ -133,10 +139,16 @@ def plot(report: dict, path: Path) -> None:
 
     groups = [f"{t} token(s)" for t in dict.fromkeys(r["tokens"] for r in report["results"])]
     series = {}
-    for key, name in (("a2a_p50_ms", "all-to-all"), ("layer_p50_ms", "layer"), ("in_process_p50_ms", "in process")):
-        for rank in range(report["ranks"]):
-            by_t = {f"{r['tokens']} token(s)": r[key] for r in report["results"] if r["rank"] == rank}
-            series[f"{name}, rank {rank}"] = [by_t.get(g) for g in groups]
+    for key, name in (("a2a_p50_ms", "all-to-all"), ("layer_p50_ms", "layer")):
+        for exchange in EXCHANGES:
+            for rank in range(report["ranks"]):
+                by_t = {f"{r['tokens']} token(s)": r[key] for r in report["results"]
+                        if r["rank"] == rank and r.get("exchange", "variable") == exchange}
+                series[f"{name}, {exchange}, rank {rank}"] = [by_t.get(g) for g in groups]
+    for rank in range(report["ranks"]):  # the same for both exchanges: the variable rows'
+        by_t = {f"{r['tokens']} token(s)": r["in_process_p50_ms"] for r in report["results"]
+                if r["rank"] == rank and r.get("exchange", "variable") == "variable"}
+        series[f"in process, rank {rank}"] = [by_t.get(g) for g in groups]
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
     bars(ax, groups, series, "p50 ms per layer call", "expert-parallel exchange", log=True)
     save(fig, path, f"moeserve bench ep: {report['ranks']} ranks, {report['model']} layer")

@@ -45,7 +45,7 @@ from moeserve.runtime.backends.cpu import CpuKernelBackend
 from moeserve.runtime.backends.expert_shards import BiasedExpertShard, ExpertShard, QuantExpertShard
 from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dtype
 from moeserve.runtime.expert_parallel import (
-    EPGroup, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
+    EPGroup, ExchangeStats, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
 )
 from moeserve.runtime.expert_replicas import Replication
 from moeserve.runtime.model import Transformer
@@ -111,7 +111,8 @@ class Lockstep:
     counts the model's forward passes (a forward pre-hook), and refuses one past the agreed number."""
 
     def __init__(self, group: EPGroup, model: Transformer):
-        if not model.moe_layers or not all(isinstance(m.experts, ExpertParallelExperts) for m in model.moe_layers):
+        if group.world_size > 1 and (not model.moe_layers or not all(isinstance(m.experts, ExpertParallelExperts)
+                                                                     for m in model.moe_layers)):
             raise ExpertParallelError("the lockstep runs a model whose MoE layers' experts are ExpertParallelExperts "
                                       "(load it with load_rank_engine)")
         self.group, self.model = group, model
@@ -135,10 +136,13 @@ class Lockstep:
         taken here: one message each way between any two ranks, where gloo's all-reduce makes two rounds."""
         R = self.group.world_size
         mine = [calls, 0 if finished else 1, UNKNOWN if tokens is None else tokens]
-        t = torch.tensor(mine * R, dtype=torch.int64, device=self.group.device)
-        got = torch.empty_like(t)
-        dist.all_to_all_single(got, t, group=self.group.group)
-        most, anyone_left, most_tokens = got.view(R, 3).amax(0).tolist()
+        if R == 1:  # nobody to agree with
+            most, anyone_left, most_tokens = mine
+        else:
+            t = torch.tensor(mine * R, dtype=torch.int64, device=self.group.device)
+            got = torch.empty_like(t)
+            dist.all_to_all_single(got, t, group=self.group.group)
+            most, anyone_left, most_tokens = got.view(R, 3).amax(0).tolist()
         for layer in self.layers:
             layer.step_tokens = None if most_tokens >= UNKNOWN else most_tokens
         self.calls, self.allowed = 0, most
@@ -146,8 +150,8 @@ class Lockstep:
 
     @torch.inference_mode()
     def pad(self) -> int:
-        """Empty passes up to the agreed number; how many."""
-        n = self.allowed - self.calls
+        """Empty passes up to the agreed number; how many (none in a group of one: no other rank waits)."""
+        n = self.allowed - self.calls if self.group.world_size > 1 else 0
         p = self.model.tok_embeddings.weight
         for _ in range(n):
             x_1TD = torch.zeros(1, 0, self.model.cfg.d_model, dtype=p.dtype, device=p.device)
@@ -184,6 +188,9 @@ class RankOptions:
     # the packed exchange (expert_parallel.py) for steps whose token count is known beforehand: two collectives a
     # MoE layer instead of three; False, always the variable exchange (every rank of a group must agree)
     packed: bool = True
+    # a group of one rank loads the checkpoint as one process does (every expert, the CPU kernel's one-call decode
+    # step): nothing crosses to another rank. False: through the exchange all the same (tests of the loop)
+    whole_alone: bool = True
 
     def __post_init__(self) -> None:
         if (self.slots < 1 or (self.prefill_chunk is not None and self.prefill_chunk < 1)
@@ -240,14 +247,27 @@ class EPRank:
 
     @classmethod
     def load(cls, checkpoint: str, group: EPGroup, options: RankOptions | None = None) -> "EPRank":
-        """Load this rank's slice of `checkpoint` (every rank together: load_rank_engine) and make its loop."""
+        """Load this rank's slice of `checkpoint` (every rank together: load_rank_engine) and make its loop. A group
+        of one rank loads the whole model as one process does (RankOptions.whole_alone)."""
         o = options or RankOptions()
-        return cls(load_rank_engine(checkpoint, group, dtype=o.dtype, calibration=o.calibration, verify=o.verify),
-                   group, o)
+        if group.world_size == 1 and o.whole_alone:
+            engine = Engine.load(checkpoint, dtype=resolve_dtype(o.dtype, group.device), device=group.device,
+                                 verify=o.verify, calibration=o.calibration, compile="off")
+        else:
+            engine = load_rank_engine(checkpoint, group, dtype=o.dtype, calibration=o.calibration, verify=o.verify)
+        return cls(engine, group, o)
 
     @property
     def experts(self) -> list[ExpertParallelExperts]:
-        return [layer.experts for layer in self.engine.model.moe_layers]
+        """The MoE layers' exchanges (none in a group of one that loaded the whole model)."""
+        return [layer.experts for layer in self.engine.model.moe_layers
+                if isinstance(layer.experts, ExpertParallelExperts)]
+
+    def expert_ids(self) -> list[list[int]]:
+        """Per MoE layer, the global ids of the experts this rank computes."""
+        every = list(range(self.engine.cfg.n_experts))
+        return [layer.experts.local.expert_ids if isinstance(layer.experts, ExpertParallelExperts) else every
+                for layer in self.engine.model.moe_layers]
 
     # ---- requests (any thread) ---------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -352,13 +372,16 @@ class EPRank:
         `rows_routed` (rows this rank's tokens sent to experts, its own included: a token counts once per expert),
         and now: `queued` (sequences and scoring jobs waiting for a slot or a step) and `running` (sequences
         holding a cache slot: prefilling or decoding). The warm-up counts in the exchange counters."""
-        stats = [e.stats for e in self.experts]
+        stats = [e.stats for e in self.experts] or [ExchangeStats()]
         sched = self.steps.scheduler
+        # a group of one with the whole model: every routed row is computed here, as the engine counts them
+        routed = (sum(int(e.routed_E.sum()) for e in self.experts) if self.experts else
+                  int(self.engine.expert_load.snapshot().sum()))
         return {"calls": sum(s.calls for s in stats), "all_to_all_s": sum(s.all_to_all_s for s in stats),
                 "all_to_all_buckets": [sum(b) for b in zip(*(s.all_to_all_buckets for s in stats))],
                 "rows_sent": sum(s.rows_sent for s in stats), "rows_received": sum(s.rows_received for s in stats),
-                "rows_computed": sum(s.rows_computed for s in stats),
-                "rows_routed": sum(int(e.routed_E.sum()) for e in self.experts),
+                "rows_computed": sum(s.rows_computed for s in stats) if self.experts else routed,
+                "rows_routed": routed,
                 "queued": self._inbox.qsize() + len(sched.waiting) + len(self._scores),
                 "running": len(sched.prefilling) + len(sched.running)}
 

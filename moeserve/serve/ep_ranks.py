@@ -83,7 +83,7 @@ class RankActor:
         return {"group": self.group_index, "rank": self.rank, "world": self.world, "node": ray.util.get_node_ip_address(),
                 "device": str(ep.group.device), "backend": ep.group.backend, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "parameters": sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()),
-                "experts": [e.local.expert_ids for e in ep.experts], "served": dict(self.served),
+                "experts": ep.expert_ids(), "served": dict(self.served),
                 "running": len(ep.steps.running), "failed": None if ep.failed is None else repr(ep.failed),
                 "steps": ep.stats.steps, "empty_passes": ep.stats.empty_passes, "iterations": ep.stats.iterations,
                 "last_step_age_s": None if ep.stats.last_step_at is None else time.monotonic() - ep.stats.last_step_at}

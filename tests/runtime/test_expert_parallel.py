@@ -287,18 +287,28 @@ def test_expert_major_order():
     assert expert_major(torch.tensor([[4, 5]])) is None
 
 
-def test_a_rank_in_one_process_serves_as_the_engine(solo_group, checkpoints):
-    """World size 1: the whole rank loop (load, lockstep, submit, scores, stop) in this process, every router."""
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_rank_in_one_process_serves_as_the_engine(solo_group, checkpoints, whole):
+    """World size 1: the whole rank loop (load, lockstep, submit, scores, stop) in this process, every router,
+    through the exchange (whole_alone=False), and with the whole model loaded as one process loads it (the
+    default for a group of one: the CPU kernel's one-call decode step where it builds, nothing exchanged)."""
     for name, path in checkpoints.items():
-        ep = EPRank.load(path, solo_group, RankOptions(slots=2))
+        ep = EPRank.load(path, solo_group, RankOptions(slots=2, whole_alone=whole))
+        want = Engine.load(path, dtype="float32", device="cpu")
+        assert (ep.experts == []) == whole
+        assert ep.expert_ids() == [list(range(want.cfg.n_experts))] * len(want.cfg.moe_layer_ids)
+        if whole:  # the one-call decode step exactly where one process has it
+            assert type(ep.engine.runner) is type(want.runner)
+            assert (getattr(ep.engine.runner, "step", None) is None) == (getattr(want.runner, "step", None) is None)
         ep.start()
         params = SamplingParams(max_new_tokens=6, logprobs=1)
         got = ep.submit("def f(x):", params).result(30)
         scores = ep.submit_scores([[1, 5, 6, 7]]).result(30)
+        counters = ep.counters()
         ep.stop()
         ep.thread.join(30)
-        want = Engine.load(path, dtype="float32", device="cpu")
         assert got.token_ids == want.complete(["def f(x):"], params)[0].token_ids, name
+        assert counters["rows_routed"] == counters["rows_computed"] > 0 and counters["rows_sent"] == 0
         assert scores[0].logprob == pytest.approx(want.score_ids([[1, 5, 6, 7]])[0].logprob, abs=1e-5)
         assert not ep.thread.is_alive()
 
