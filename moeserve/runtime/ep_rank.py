@@ -25,6 +25,10 @@ a VQ mixed layer whose discrete path is not a table), so any real pass lines up 
 empty pass. A rank that would make more calls than agreed is stopped before the extra one (LockstepError) rather
 than left to desynchronise the group. Sequences, scheduling, chunked prefill, n choices sharing a prefill,
 log-probabilities and scoring are the step engine's and the Engine's, unchanged.
+
+A group of one rank (`--ray` without --expert-parallel: plain replicas) has nobody to meet: it loads the checkpoint
+as one process does (RankOptions.whole_alone), so the CPU kernel's one-call decode step runs where it builds, and
+its agreement and padding take no collective.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`moeserve serve CKPT --ray [--expert-parallel N] [--data-parallel-groups R]`: expert parallelism served as vLLM
-and SGLang serve it, placed by Ray. Without --expert-parallel, N = 1: each group is one rank holding every expert, so
-the R groups are plain replicas of the model behind the same ingress.
+and SGLang serve it, placed by Ray. Without --expert-parallel, N = 1: each group is one rank holding every expert,
+loaded as one process loads it, so the R groups are plain replicas of the model behind the same ingress.
 
     HTTP -> Ray Serve proxy -> EPIngress replica: the same FastAPI app as one process (create_app), no weights;
             its runner is a RankRouter (ep_router.py): each request to the least loaded rank of a healthy group
