@@ -63,7 +63,8 @@ def serve_rank(rank: int, world: int, port: int, checkpoint: str, requests: int,
     params = SamplingParams(max_new_tokens=32)
     prompts = [[(7 * i + j) % 200 + 5 for j in range(32)] for i in range(requests)]
     ep.submit(prompts[0], params).result()  # first-call costs
-    steps, a2a, calls = ep.stats.steps, *[sum(getattr(e.stats, k) for e in ep.experts) for k in ("all_to_all_s", "calls")]
+    steps = ep.stats.steps
+    a2a, calls = (sum(getattr(e.stats, k) for e in ep.experts) for k in ("all_to_all_s", "calls"))
     t, cpu = time.perf_counter(), time.process_time()
     for f in [ep.submit(p, params) for p in prompts]:
         f.result()

@@ -85,7 +85,8 @@ def _rank(rank: int, world: int, port: int, model: str, tokens: list[int], calls
                 layer_ms = timed_ms(call, calls)
                 a2a = a2a[5:]  # the untimed warm-up calls' too
                 sent = (ep.stats.rows_sent - sent0) / (ep.stats.calls - calls0)  # rows to other ranks, per call
-                rows.append({"tokens": T, "exchange": exchange, "rank": rank, "a2a_p50_ms": round(statistics.median(a2a), 3),
+                rows.append({"tokens": T, "exchange": exchange, "rank": rank,
+                             "a2a_p50_ms": round(statistics.median(a2a), 3),
                              "a2a_p99_ms": round(percentile(a2a, 99), 3),
                              "layer_p50_ms": round(statistics.median(layer_ms), 3),
                              "in_process_p50_ms": round(statistics.median(

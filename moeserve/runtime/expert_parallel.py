@@ -60,19 +60,19 @@ Three exchanges, the same result (within float rounding):
             low-latency all-to-all (DeepEP) sizes its buffers the same way, by the most tokens a rank may send.
 
 Which one: fixed where the step is compiled or captured (a CUDA graph cannot hold a host sync or a buffer sized by
-one, so there is no choice), packed or variable otherwise. Variable moves and computes only the routed rows; fixed moves
-R * C rows each way on every call, empty passes included, and its experts run on every padded row, which on a
-decode step of a few tokens is a few kilobytes and a few small GEMMs a layer, but on a prefill chunk is R times
-the rows and E_local times the FLOPs; and the fixed exchange's buffers are sized by the largest call, so a rank
-that prefills in chunks of 512 pays 512 * K rows per peer at every decode step. The switch is made once, on every
-rank with the same max_tokens (use_fixed_exchange), since the buffers' size is part of the collective: all calls
-then take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
-smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step collective
-now carries (`step_tokens`) but the fixed path does not read yet. The fixed path has no redundant experts and no quantized shards (their
-row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor the clamped SwiGLU, and
-use_fixed refuses them by name), and counts calls only in its stats (rows would need the host); its experts compute
-on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that would not
-waste FLOPs on padding.
+one, so there is no choice), packed or variable otherwise. Variable moves and computes only the routed rows; fixed
+moves R * C rows each way on every call, empty passes included, and its experts run on every padded row, which on a
+decode step of a few tokens is a few kilobytes and a few small GEMMs a layer, but on a prefill chunk is R times the
+rows and E_local times the FLOPs; and the fixed exchange's buffers are sized by the largest call, so a rank that
+prefills in chunks of 512 pays 512 * K rows per peer at every decode step. The switch is made once, on every rank
+with the same max_tokens (use_fixed_exchange), since the buffers' size is part of the collective: all calls then
+take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
+smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step collective now
+carries (`step_tokens`) but the fixed path does not read yet. The fixed path has no redundant experts and no
+quantized shards (their row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor
+the clamped SwiGLU, and use_fixed refuses them by name), and counts calls only in its stats (rows would need the
+host); its experts compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is
+the drop-in that would not waste FLOPs on padding.
 """
 
 from __future__ import annotations
