@@ -111,7 +111,8 @@ def _serve_ray(args: argparse.Namespace, path: Path, cfg) -> int:
     given = {field: v for field, v in (("groups", args.data_parallel_groups), ("placement", args.placement),
                                        ("redundant_experts", args.redundant_experts),
                                        ("rebalance_every", args.rebalance_every)) if v is not None}
-    options = ExpertParallelOptions(ranks=ranks, cpus_per_rank=args.cpus_per_rank, **given)  # unset: its defaults
+    options = ExpertParallelOptions(ranks=ranks, cpus_per_rank=args.cpus_per_rank, compile=args.compile,
+                                    **given)  # unset: its defaults
     if options.redundant_experts and ranks == 1:
         raise ValueError("--redundant-experts needs --expert-parallel N >= 2: one rank already holds every expert")
     try:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.checkpoint import load_expert_slice, read_config
+from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.cpu import CpuKernelBackend
 from moeserve.runtime.backends.expert_shards import BiasedExpertShard, ExpertShard, QuantExpertShard
 from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dtype
@@ -195,6 +196,9 @@ class RankOptions:
     # a group of one rank loads the checkpoint as one process does (every expert, the CPU kernel's one-call decode
     # step): nothing crosses to another rank. False: through the exchange all the same (tests of the loop)
     whole_alone: bool = True
+    # Engine.load's compile mode for that whole model (CUDA graphs on a GPU with auto or on); a rank that exchanges
+    # runs eager, since no compiled step holds the packed or variable exchange
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         if (self.slots < 1 or (self.prefill_chunk is not None and self.prefill_chunk < 1)
@@ -202,6 +206,8 @@ class RankOptions:
             raise ExpertParallelError(f"slots = {self.slots}, prefill_chunk = {self.prefill_chunk}, idle_sleep_s = "
                                       f"{self.idle_sleep_s}, idle_sleep_max_s = {self.idle_sleep_max_s}: expected "
                                       f">= 1, >= 1 (or None), and 0 <= idle_sleep_s <= idle_sleep_max_s")
+        if self.compile not in COMPILE_MODES:
+            raise ExpertParallelError(f"compile = {self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
         if self.redundant_experts < 0 or self.rebalance_every < 1:
             raise ExpertParallelError(f"redundant_experts = {self.redundant_experts}, rebalance_every = "
                                       f"{self.rebalance_every}: expected >= 0 and >= 1")
@@ -256,8 +262,11 @@ class EPRank:
         o = options or RankOptions()
         if group.world_size == 1 and o.whole_alone:
             engine = Engine.load(checkpoint, dtype=resolve_dtype(o.dtype, group.device), device=group.device,
-                                 verify=o.verify, calibration=o.calibration, compile="off")
+                                 verify=o.verify, calibration=o.calibration, compile=o.compile)
         else:
+            if o.compile == "on":
+                raise ExpertParallelError(f"compile = 'on' for rank {group.rank} of {group.world_size}: no compiled "
+                                          f"step holds the exchange; it applies to a group of one rank")
             engine = load_rank_engine(checkpoint, group, dtype=o.dtype, calibration=o.calibration, verify=o.verify)
         return cls(engine, group, o)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from moeserve.errors import UserError
-from moeserve.runtime import SCHEDULERS
+from moeserve.runtime import COMPILE_MODES, SCHEDULERS
 
 API_KEY_ENV = "MOESERVE_API_KEY"
 
@@ -114,6 +114,9 @@ class ExpertParallelOptions:
     restart_backoff_max_s: float = 60.0
     restart_stable_s: float = 60.0
     restart_attempts: int = 8
+    # --compile for a group of one rank, which loads the whole model as one process does (auto: CUDA graphs on a
+    # GPU). A group of N > 1 exchanges rows inside the decode step, which no compiled step of a rank holds yet
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         for name, flag, least in (("ranks", "--expert-parallel", 1), ("groups", "--data-parallel-groups", 1),
@@ -125,6 +128,12 @@ class ExpertParallelOptions:
                 raise UserError(f"{flag} {v!r}: expected an integer >= {least}")
         if self.placement not in PLACEMENTS:
             raise UserError(f"--placement {self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
+        if self.compile not in COMPILE_MODES:
+            raise UserError(f"--compile {self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
+        if self.compile == "on" and self.ranks > 1:
+            raise UserError(f"--compile on with --expert-parallel {self.ranks}: the ranks exchange rows inside the "
+                            f"decode step, which no compiled rank step holds yet; --compile applies to groups of "
+                            f"one rank (--ray without --expert-parallel)")
         for name in ("cpus_per_rank", "ingress_cpus"):
             v = getattr(self, name)
             if v is None and name == "cpus_per_rank":

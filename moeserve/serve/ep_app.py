@@ -82,7 +82,8 @@ class EPIngress:
         c = self.serve_cfg
         rank_options = RankOptions(slots=c.kv_slots, prefill_chunk=c.prefill_chunk, dtype=self.dtype,
                                    redundant_experts=self.options.redundant_experts,
-                                   rebalance_every=self.options.rebalance_every)
+                                   rebalance_every=self.options.rebalance_every,
+                                   compile=self.options.compile if self.options.ranks == 1 else "off")
         supervisor = GroupSupervisor(self.checkpoint, self.options, rank_options)
         groups = supervisor.start()
         ranks = [Rank(actor, g, r, c.kv_slots) for g in groups for r, actor in enumerate(g.actors)]

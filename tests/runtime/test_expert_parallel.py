@@ -324,6 +324,11 @@ def test_a_rank_refuses_what_would_pass_the_exchange(solo_group, checkpoints):
     with pytest.raises(ExpertParallelError, match="stopping"):
         ep.stop()
         ep.submit("x")
+    with pytest.raises(ExpertParallelError, match="compile = 'on' for rank 0 of 1: no compiled step holds the "
+                                                  "exchange"):
+        EPRank.load(checkpoints["softmax"], solo_group, RankOptions(whole_alone=False, compile="on"))
+    with pytest.raises(ExpertParallelError, match="compile = 'yes'"):
+        RankOptions(compile="yes")
 
 
 def test_bad_groups_are_named_errors(solo_group):

@@ -105,6 +105,7 @@ def test_printed_config_is_a_serve_deploy_file_whose_builder_serves(url, ckpt):
     options = app["args"]["options"]
     assert (options["ranks"], options["groups"], options["cpus_per_rank"], options["placement"]) == (1, 2, 1.0,
                                                                                                       "strict-pack")
+    assert options["compile"] == "auto"  # --compile's default: a group of one rank loads as one process does
     assert app["args"]["device"] == "auto" and app["args"]["serve"]["api_key"] is None  # never written to a file
     # Serve lets in all that the app can hold: its queue, every rank's cache slots (or a batch's rows), and probes
     assert app["deployments"][0]["max_ongoing_requests"] == 256 + max(4 * 2, 32) + 32
