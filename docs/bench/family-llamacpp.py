@@ -12,13 +12,10 @@ benchmark feeds token ids: the vocabulary's kind touches no weight. LLAMA_CPP_DI
 gguf-py, conversion/ and build/bin/llama-bench.
 """
 
-import json
-import os
+import importlib
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 QWEN3 = dict(vocab_size=32000, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=1024, head_dim=128,
@@ -66,36 +63,9 @@ def make(out: Path, tokenizer_dir: Path, llama: str) -> None:
 
 
 def run(rounds: int, out: str, llama: str) -> None:
-    bench = f"{llama}/build/bin/llama-bench"
-    procs = {}
-    for dtype in GGUF:
-        p = subprocess.Popen([sys.executable, "-c", WORKER, out, dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-        print(dtype, p.stdout.readline().strip(), flush=True)
-        procs[dtype] = p
-    ours = {d: [] for d in GGUF}
-    theirs = {d: [] for d in GGUF}
-    for r in range(rounds):
-        for dtype, outtype in GGUF.items():
-            time.sleep(0.3)
-            procs[dtype].stdin.write("go\n")
-            procs[dtype].stdin.flush()
-            ours[dtype].append(float(procs[dtype].stdout.readline()))
-            time.sleep(0.3)
-            got = subprocess.run([bench, "-m", f"{out}-{outtype}.gguf", "-p", "0", "-n", "64", "-t", "2", "-r", "1",
-                                  "-o", "json"], capture_output=True, text=True, check=True).stdout
-            theirs[dtype].append(json.loads(got)[0]["avg_ts"])
-        print(f"round {r + 1}: " + "  ".join(f"{d} {ours[d][-1]:.1f}/{theirs[d][-1]:.1f}" for d in GGUF), flush=True)
-    for p in procs.values():
-        p.stdin.close()
-        p.wait()
-    print("\n| dtype | moeserve tokens/s (median) | llama.cpp tokens/s (median) | per-round ratio: median (min-max) |")
-    print("| --- | ---: | ---: | ---: |")
-    for dtype in GGUF:
-        ratios = [a / b for a, b in zip(ours[dtype], theirs[dtype])]
-        print(f"| {dtype} (vs {GGUF[dtype].upper()} GGUF) | {statistics.median(ours[dtype]):.1f} | "
-              f"{statistics.median(theirs[dtype]):.1f} | {statistics.median(ratios):.2f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+    alternate = importlib.import_module("quant-alternated").alternate  # this directory's, by file name
+    alternate([(dtype, [out, dtype], {}, f"{llama}/build/bin/llama-bench", f"{out}-{outtype}.gguf",
+                f"{outtype.upper()} GGUF") for dtype, outtype in GGUF.items()], rounds, WORKER, "dtype")
 
 
 if __name__ == "__main__":

@@ -33,21 +33,21 @@ for line in sys.stdin:
 '''
 
 
-def main(rounds: int, int8: str, int4: str, llama: str, q8: str, q4: str) -> None:
-    sides = {"avx512": ({"MOESERVE_KERNEL_CFLAGS": ""}, f"{llama}/build/bin/llama-bench"),
-             "avx2": (AVX2, f"{llama}/build-avx2/bin/llama-bench")}
-    cases = [(f"{side} {fmt}", env, bench, ckpt, gguf) for side, (env, bench) in sides.items()
-             for fmt, ckpt, gguf in (("int8", int8, q8), ("int4", int4, q4))]
+def alternate(cases: list[tuple], rounds: int, worker: str, first_column: str) -> None:
+    """The alternation itself, shared with family-llamacpp.py. `cases`: (name, the worker's argv, its env, llama-bench,
+    GGUF, what the table says it is against); each worker (`worker`, a script that prints its tokens/s for each line
+    on stdin) is loaded once, then every round measures each case's worker and llama-bench in turn. Prints each
+    round, then the table of medians and per-round ratios."""
     procs = {}
-    for name, env, _, ckpt, _ in cases:
-        p = subprocess.Popen([sys.executable, "-c", WORKER, ckpt], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    for name, argv, env, *_ in cases:
+        p = subprocess.Popen([sys.executable, "-c", worker, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "OMP_NUM_THREADS": "2", **env})
         print(name, p.stdout.readline().strip(), flush=True)
         procs[name] = p
     ours = {name: [] for name, *_ in cases}
     theirs = {name: [] for name, *_ in cases}
     for r in range(rounds):
-        for name, _, bench, _, gguf in cases:
+        for name, _, _, bench, gguf, _ in cases:
             time.sleep(0.3)
             procs[name].stdin.write("go\n")
             procs[name].stdin.flush()
@@ -56,17 +56,25 @@ def main(rounds: int, int8: str, int4: str, llama: str, q8: str, q4: str) -> Non
             out = subprocess.run([bench, "-m", gguf, "-p", "0", "-n", "64", "-t", "2", "-r", "1", "-o", "json"],
                                  capture_output=True, text=True, check=True).stdout
             theirs[name].append(json.loads(out)[0]["avg_ts"])
-        print(f"round {r + 1}: " + "  ".join(f"{n} {ours[n][-1]:.0f}/{theirs[n][-1]:.0f}" for n in ours), flush=True)
+        print(f"round {r + 1}: " + "  ".join(f"{n} {ours[n][-1]:.1f}/{theirs[n][-1]:.1f}" for n in ours), flush=True)
     for p in procs.values():
         p.stdin.close()
         p.wait()
-    print("\n| side, format | moeserve tokens/s (median) | llama.cpp tokens/s (median) | per-round ratio: median (min-max) |")
+    print(f"\n| {first_column} | moeserve tokens/s (median) | llama.cpp tokens/s (median) | per-round ratio: median "
+          f"(min-max) |")
     print("| --- | ---: | ---: | ---: |")
-    for name in ours:
+    for name, *_, vs in cases:
         ratios = [a / b for a, b in zip(ours[name], theirs[name])]
-        print(f"| {name} (vs {'Q8_0' if 'int8' in name else 'Q4_0'}) | {statistics.median(ours[name]):.1f} | "
-              f"{statistics.median(theirs[name]):.1f} | {statistics.median(ratios):.2f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+        print(f"| {name} (vs {vs}) | {statistics.median(ours[name]):.1f} | {statistics.median(theirs[name]):.1f} | "
+              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+
+
+def main(rounds: int, int8: str, int4: str, llama: str, q8: str, q4: str) -> None:
+    sides = {"avx512": ({"MOESERVE_KERNEL_CFLAGS": ""}, f"{llama}/build/bin/llama-bench"),
+             "avx2": (AVX2, f"{llama}/build-avx2/bin/llama-bench")}
+    alternate([(f"{side} {fmt}", [ckpt], env, bench, gguf, vs) for side, (env, bench) in sides.items()
+               for fmt, ckpt, gguf, vs in (("int8", int8, q8, "Q8_0"), ("int4", int4, q4, "Q4_0"))],
+              rounds, WORKER, "side, format")
 
 
 if __name__ == "__main__":
