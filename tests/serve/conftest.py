@@ -48,6 +48,12 @@ class Live:
     def post(self, path: str, body: dict, **kw) -> httpx.Response:
         return self.client.post(path, json=body, **kw)
 
+    def openai(self):
+        """The openai client on this server (tests that use it importorskip openai first)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
 
 class HeldStep:
     """The model thread's next step of continuous batching (the step engine running the scheduler's plan), held

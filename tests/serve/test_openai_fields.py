@@ -23,7 +23,7 @@ from moeserve.runtime.engine import Engine, SamplingParams  # noqa: E402
 from moeserve.serve.state import ServeConfig  # noqa: E402
 
 from ..test_chat import CONVERSATIONS, hf_chat_model  # noqa: E402
-from .conftest import Live, live_server  # noqa: E402
+from .conftest import live_server  # noqa: E402
 
 TOL = 1e-4
 
@@ -37,10 +37,6 @@ def mixtral(tmp_path_factory):
         yield s, tok
 
 
-def client(server: Live) -> "openai.OpenAI":
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
 def greedy(engine: Engine, ids: list[int], n: int, **kw) -> object:
     return engine.complete([ids], [SamplingParams(max_new_tokens=n, **kw)])[0]
 
@@ -51,7 +47,7 @@ def test_chat_answers_the_prompt_transformers_renders(mixtral, messages):
     server, tok = mixtral
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     want = greedy(server.engine, ids, 12)
-    r = client(server).chat.completions.create(model="mixtral", messages=messages, max_tokens=12, temperature=0)
+    r = server.openai().chat.completions.create(model="mixtral", messages=messages, max_tokens=12, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.usage.prompt_tokens == len(ids)  # the same prompt, token for token (answers below agree too)
     assert r.choices[0].message.role == "assistant"
@@ -62,7 +58,7 @@ def test_chat_answers_the_prompt_transformers_renders(mixtral, messages):
 
 def test_chat_stream_deltas_add_up_to_the_whole_answer(mixtral):
     server, _ = mixtral
-    c = client(server)
+    c = server.openai()
     kw = dict(model="mixtral", messages=CONVERSATIONS[1], max_completion_tokens=16, temperature=0.8, seed=5)
     whole = c.chat.completions.create(**kw)
     chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
@@ -79,8 +75,8 @@ def test_chat_logprobs_are_the_models_own(mixtral):
     server, tok = mixtral
     messages = CONVERSATIONS[0]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    r = client(server).chat.completions.create(model="mixtral", messages=messages, max_tokens=6, temperature=1.3,
-                                               seed=2, logprobs=True, top_logprobs=3)
+    r = server.openai().chat.completions.create(model="mixtral", messages=messages, max_tokens=6, temperature=1.3,
+                                                seed=2, logprobs=True, top_logprobs=3)
     want = server.engine.complete([ids], [SamplingParams(max_new_tokens=6, temperature=1.3, seed=2)])[0]
     content = r.choices[0].logprobs.content
     assert len(content) == want.completion_tokens
@@ -91,7 +87,7 @@ def test_chat_logprobs_are_the_models_own(mixtral):
         assert [e.logprob for e in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=TOL)
         assert entry.token == tok.decode(ids + want.token_ids[:i + 1])[len(tok.decode(ids + want.token_ids[:i])):]
         assert entry.bytes == list(entry.token.encode())
-    streamed = list(client(server).chat.completions.create(
+    streamed = list(server.openai().chat.completions.create(
         model="mixtral", messages=messages, max_tokens=6, temperature=1.3, seed=2, logprobs=True, top_logprobs=3,
         stream=True))
     got = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
@@ -100,7 +96,7 @@ def test_chat_logprobs_are_the_models_own(mixtral):
 
 def test_chat_n_choices_each_equal_a_request_with_its_seed(mixtral):
     server, _ = mixtral
-    c = client(server)
+    c = server.openai()
     kw = dict(model="mixtral", messages=CONVERSATIONS[0], max_tokens=10, temperature=1.0)
     r = c.chat.completions.create(**kw, n=3, seed=40)
     singles = [c.chat.completions.create(**kw, seed=40 + j).choices[0].message.content for j in range(3)]

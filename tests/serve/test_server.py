@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,10 +81,6 @@ class SlowerEngine(SlowEngine):
     delay_s = 0.05
 
 
-def oai(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
-
-
 def parse(text: str) -> dict[tuple, float]:
     """Prometheus text, parsed by prometheus_client's own parser: {(name, labels...): value}."""
     return {(s.name, *sorted(s.labels.items())): s.value
@@ -111,7 +106,7 @@ def routed(live) -> torch.Tensor:
 
 # ---- answers ------------------------------------------------------------------------------------
 def test_openai_client_completion_equals_engine(live, ref):
-    r = oai(live).completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0)
+    r = live.openai().completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0)
     want = ref.complete(["def f(x):"], [SamplingParams(12, 0.0)])[0]
     assert r.choices[0].text == want.text and want.completion_tokens > 0
     assert r.choices[0].finish_reason == want.finish_reason
@@ -120,7 +115,7 @@ def test_openai_client_completion_equals_engine(live, ref):
 
 
 def test_openai_client_stream_adds_up_to_the_same_text(live):
-    client = oai(live)
+    client = live.openai()
     whole = client.completions.create(model="tiny", prompt="import os\n", max_tokens=20, temperature=0)
     chunks = list(client.completions.create(model="tiny", prompt="import os\n", max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -154,7 +149,7 @@ def test_stop_string_ends_the_text_before_it(live, ref, stream):
     stop = full[cut:cut + 2]
     body = {"model": "tiny", "prompt": "for i in", "max_tokens": 30, "temperature": 1.0, "seed": 7, "stop": [stop]}
     if stream:
-        with oai(live).completions.create(**body, stream=True) as s:
+        with live.openai().completions.create(**body, stream=True) as s:
             chunks = [c.choices[0] for c in s]
         text, finish = "".join(c.text for c in chunks), chunks[-1].finish_reason
     else:
