@@ -165,8 +165,8 @@ def add_serve(sub) -> None:
     sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     sv.add_argument("--compile", default="auto", choices=COMPILE_MODES,
-                    help=COMPILE_HELP + "; with --ray, each group of one rank (the ranks of --expert-parallel N > 1 "
-                    "run eager: on exits 2)")
+                    help=COMPILE_HELP + "; with --ray, every rank: a rank of --expert-parallel N > 1 runs its "
+                    "graphs in the steps where every rank only decodes (int8 / int4 or redundant experts: eager)")
     sv.add_argument("--scheduler", default=_serve_default("scheduler"), choices=SCHEDULERS,
                     help="continuous: completions join the running decode steps and leave when done; batch: "
                     "run-to-completion batches, the baseline (default: %(default)s)")

@@ -8,8 +8,12 @@ number of MoE-layer calls. The protocol, once per loop iteration ("step"):
 
   1. plan the step (the scheduler, on the host) and count the model calls it can make at most: one per prefill
      call, one for the decode, one for a slice of scoring work, and the most tokens one of them passes;
-  2. agree on the group's maxima of [that count, "not finished", those tokens]: one all-to-all of three numbers,
-     whose token maximum sizes the packed exchange of every MoE layer in the step (expert_parallel.py);
+  2. agree on the group's maxima of [that count, "not finished", those tokens, "needs eager"]: one all-to-all of
+     four numbers, whose token maximum sizes the packed exchange of every MoE layer in the step
+     (expert_parallel.py). A rank with a compiled decode step (RankOptions.compile) runs it, and every MoE layer
+     exchanges through the fixed-size buffers such a graph holds, in the steps where no rank needs eager (a
+     prefill chunk, a scoring slice, or a rank without the graph): such a step runs the same exchange on every
+     rank. Any other step runs eager everywhere, decodes included;
   3. all zero: nobody runs; sleep briefly (every rank does, so the idle loop costs one small collective per sleep;
      the sleep doubles while the group stays idle, up to RankOptions.idle_sleep_max_s, and a request for this rank
      ends it at once), or leave the loop when every rank has been asked to stop and has nothing left;
@@ -25,6 +29,10 @@ a VQ mixed layer whose discrete path is not a table), so any real pass lines up 
 empty pass. A rank that would make more calls than agreed is stopped before the extra one (LockstepError) rather
 than left to desynchronise the group. Sequences, scheduling, chunked prefill, n choices sharing a prefill,
 log-probabilities and scoring are the step engine's and the Engine's, unchanged.
+
+A compiled step (`compile` 'on', or 'auto' on a GPU: CUDA graphs) is built for every batch bucket at load, every
+rank together, since each graph's exchange meets the other ranks'. It needs plain local experts with no copies:
+int8 / int4 and biased experts, and redundant experts, size their row splits on the host (expert_parallel.py).
 
 A group of one rank (`--ray` without --expert-parallel: plain replicas) has nobody to meet: it loads the checkpoint
 as one process does (RankOptions.whole_alone), so the CPU kernel's one-call decode step runs where it builds, and
@@ -46,6 +54,7 @@ from torch import nn
 
 from moeserve.checkpoint import load_expert_slice, read_config
 from moeserve.runtime import COMPILE_MODES
+from moeserve.runtime.backends.compiled import CompiledBackend, resolve_compile
 from moeserve.runtime.backends.cpu import CpuKernelBackend
 from moeserve.runtime.backends.expert_shards import BiasedExpertShard, ExpertShard, QuantExpertShard
 from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dtype
@@ -67,10 +76,13 @@ UNKNOWN = 1 << 62  # a step's token count where a rank cannot know it beforehand
 
 def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtype = "float32",
                      device: str | torch.device | None = None, calibration: str | None = None,
-                     verify: bool = True) -> Engine:
+                     verify: bool = True, compile: str = "off", slots: int = 8, replicas: bool = False) -> Engine:
     """An Engine for this rank: the dense part of the checkpoint, and of every MoE layer only this rank's experts,
     read as safetensors slices (checkpoint.load_expert_slice). Every rank of the group must call it together: a VQ
-    layer's code table is built through the exchange while the backend lays the model out."""
+    layer's code table is built through the exchange while the backend lays the model out. `compile` (Engine.load's
+    modes): a compiled decode step for up to `slots` rows, its experts given the fixed exchange's buffers for as
+    many tokens (off until the lockstep turns them on); 'on' fails with the reason where the experts cannot take it
+    (`replicas`: redundant experts will be placed), 'auto' runs eager there."""
     cfg = read_config(checkpoint)
     biased = cfg.expert_bias or cfg.expert_act == "clamped_swiglu"  # make_experts' BiasedExperts (gpt-oss)
     spec = None
@@ -86,6 +98,14 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
     if dev.type != group.device.type:
         raise ExpertParallelError(f"device {dev} for a {group.backend} group, which exchanges on {group.device}")
     dt = resolve_dtype(dtype, dev)
+    graph = resolve_compile(compile, dev)
+    why = ("int8 / int4 experts" if spec is not None else "biased experts" if biased else
+           "redundant experts" if replicas else "capacity_factor" if cfg.capacity_factor is not None else None)
+    if graph and why is not None:
+        if compile == "on":
+            raise ExpertParallelError(f"compile = 'on' for rank {group.rank} of {group.world_size}: its {why} have no "
+                                      f"compiled exchange (their rows are counted on the host); use compile 'off'")
+        graph = False
     mine = group.experts_of(cfg.n_experts)
     _, tensors = load_expert_slice(checkpoint, mine.start, mine.stop, dtype=dt)
 
@@ -100,12 +120,14 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
         else:
             shard = ExpertShard(list(mine), mine_t["w1"], mine_t["w2"], mine_t.get("w3"))
         ep = ExpertParallelExperts(group, cfg.n_experts, shard)
+        if graph:
+            ep.use_fixed(slots, on=False)
         with torch.device(dev):  # the model is being built on the meta device; the kernel's first use self-checks
             ep.prepare_inference()
         return ep
 
-    engine = Engine.load(checkpoint, dtype=dt, device=dev, verify=verify, calibration=calibration, compile="off",
-                         experts_factory=experts)
+    engine = Engine.load(checkpoint, dtype=dt, device=dev, verify=verify, calibration=calibration,
+                         compile="on" if graph else "off", experts_factory=experts)
     if isinstance(engine.runner, CpuKernelBackend) and engine.runner.step is not None:  # not while experts are ours
         raise LockstepError("the CPU kernel's whole decode step would run the experts past the exchange")
     return engine
@@ -115,7 +137,7 @@ class Lockstep:
     """The step protocol of the module docstring for one rank's model: `agree` before a step, `pad` after it. It
     counts the model's forward passes (a forward pre-hook), and refuses one past the agreed number."""
 
-    def __init__(self, group: EPGroup, model: Transformer):
+    def __init__(self, group: EPGroup, model: Transformer, graph: bool = False):
         if group.world_size > 1 and (not model.moe_layers or not all(isinstance(m.experts, ExpertParallelExperts)
                                                                      for m in model.moe_layers)):
             raise ExpertParallelError("the lockstep runs a model whose MoE layers' experts are ExpertParallelExperts "
@@ -125,31 +147,38 @@ class Lockstep:
         self.calls = 0  # forward passes made since the last `agree`
         self.allowed = 0  # the most this step may make: the group's agreed maximum
         self.empty_passes = 0  # made so far, in all
+        self.graph = graph  # this rank's decode can run a compiled step (through the fixed exchange)
+        self.fixed_step = False  # this step's: every rank runs its compiled decode or nothing (agreed)
         model.register_forward_pre_hook(self._count)
 
     def _count(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():  # traced into a compiled step, where EPRank counts its calls instead
+            return
         self.calls += 1
         if self.calls > self.allowed:
             raise LockstepError(f"rank {self.group.rank} was about to make model call {self.calls} of a step for "
                                 f"which the group agreed on {self.allowed}: a path that calls the model more often "
                                 f"than its plan counts")
 
-    def agree(self, calls: int, finished: bool, tokens: int | None = None) -> tuple[int, bool]:
+    def agree(self, calls: int, finished: bool, tokens: int | None = None, eager: bool = False) -> tuple[int, bool]:
         """(the most calls any rank makes this step, whether every rank is finished), and every MoE layer told the
         most tokens any rank passes it this step (`step_tokens`: the packed exchange's size; `tokens` None, not
-        known beforehand, on any rank: the variable exchange). One all-to-all of three numbers, whose maxima are
+        known beforehand, on any rank: the variable exchange) and whether the step is a fixed one (`fixed_step`:
+        no rank's step is `eager` and every rank has the graph). One all-to-all of four numbers, whose maxima are
         taken here: one message each way between any two ranks, where gloo's all-reduce makes two rounds."""
         R = self.group.world_size
-        mine = [calls, 0 if finished else 1, UNKNOWN if tokens is None else tokens]
+        mine = [calls, 0 if finished else 1, UNKNOWN if tokens is None else tokens, int(eager or not self.graph)]
         if R == 1:  # nobody to agree with
-            most, anyone_left, most_tokens = mine
+            most, anyone_left, most_tokens, any_eager = mine
         else:
             t = torch.tensor(mine * R, dtype=torch.int64, device=self.group.device)
             got = torch.empty_like(t)
             dist.all_to_all_single(got, t, group=self.group.group)
-            most, anyone_left, most_tokens = got.view(R, 3).amax(0).tolist()
+            most, anyone_left, most_tokens, any_eager = got.view(R, len(mine)).amax(0).tolist()
+        self.fixed_step = not any_eager
         for layer in self.layers:
             layer.step_tokens = None if most_tokens >= UNKNOWN else most_tokens
+            layer.fixed_on = self.fixed_step
         self.calls, self.allowed = 0, most
         return most, anyone_left == 0
 
@@ -164,8 +193,9 @@ class Lockstep:
                 layer(x_1TD)
         self.empty_passes += n
         self.calls = self.allowed
+        self.fixed_step = False
         for layer in self.layers:  # past the step: a call outside one (a table's build) takes the variable exchange
-            layer.step_tokens = None
+            layer.step_tokens, layer.fixed_on = None, False
         return n
 
 
@@ -196,8 +226,8 @@ class RankOptions:
     # a group of one rank loads the checkpoint as one process does (every expert, the CPU kernel's one-call decode
     # step): nothing crosses to another rank. False: through the exchange all the same (tests of the loop)
     whole_alone: bool = True
-    # Engine.load's compile mode for that whole model (CUDA graphs on a GPU with auto or on); a rank that exchanges
-    # runs eager, since no compiled step holds the packed or variable exchange
+    # Engine.load's compile mode (auto: CUDA graphs on a GPU), for a whole model (a group of one) as for a rank's
+    # slice, whose compiled decode step exchanges through fixed-size buffers in the steps where every rank runs it
     compile: str = "off"
 
     def __post_init__(self) -> None:
@@ -240,7 +270,10 @@ class EPRank:
         self.engine, self.group, self.options = engine, group, options or RankOptions()
         o = self.options
         self.steps = engine.step_engine(o.slots, o.max_len, o.prefill_chunk or default_prefill_chunk(engine.device))
-        self.lockstep = Lockstep(group, engine.model)
+        # an exchanging rank's decode step compiled (a graph per batch bucket, built in `load`), run in the steps the
+        # lockstep agrees on (a whole model's, a group of one's, runs its graphs in every decode, as one process)
+        self.graph = bool(self.experts) and isinstance(engine.runner, CompiledBackend) and engine.runner.graph_decode
+        self.lockstep = Lockstep(group, engine.model, graph=self.graph)
         self.stats = RankStats()
         # the copies of hot experts, placed every rebalance_every steps with work (None: off)
         self.replication = (Replication(self.experts, o.redundant_experts, o.rebalance_every)
@@ -264,11 +297,25 @@ class EPRank:
             engine = Engine.load(checkpoint, dtype=resolve_dtype(o.dtype, group.device), device=group.device,
                                  verify=o.verify, calibration=o.calibration, compile=o.compile)
         else:
-            if o.compile == "on":
-                raise ExpertParallelError(f"compile = 'on' for rank {group.rank} of {group.world_size}: no compiled "
-                                          f"step holds the exchange; it applies to a group of one rank")
-            engine = load_rank_engine(checkpoint, group, dtype=o.dtype, calibration=o.calibration, verify=o.verify)
-        return cls(engine, group, o)
+            engine = load_rank_engine(checkpoint, group, dtype=o.dtype, calibration=o.calibration, verify=o.verify,
+                                      compile=o.compile, slots=o.slots, replicas=o.redundant_experts > 0)
+        rank = cls(engine, group, o)
+        if rank.graph:
+            rank.warm_up()
+        return rank
+
+    def warm_up(self) -> None:
+        """Build the compiled decode step's graph of every batch bucket now (every rank together: each graph's
+        exchange meets the other ranks'), rather than inside a step where the other ranks would wait on it."""
+        runner = self.engine.runner
+        with self.engine.lock, torch.inference_mode():
+            for layer in self.experts:
+                layer.fixed_on = True
+            try:
+                runner.warm_up(self.options.slots)
+            finally:
+                for layer in self.experts:
+                    layer.fixed_on = False
 
     @property
     def experts(self) -> list[ExpertParallelExperts]:
@@ -350,8 +397,16 @@ class EPRank:
                 calls = len(plan.prefills) + bool(plan.decode) + (job is not None)
                 with self._submit_lock:
                     finished = self._stopping and self._inbox.empty() and self.steps.idle and not self._scores
-                most, all_finished = self.lockstep.agree(calls, finished, self._tokens(plan, job))
+                eager = bool(plan.prefills) or job is not None  # what no compiled step runs
+                most, all_finished = self.lockstep.agree(calls, finished, self._tokens(plan, job), eager)
+                if self.graph:  # the compiled decode where every rank runs one (or nothing), else eager everywhere
+                    self.engine.runner.graph_decode = self.lockstep.fixed_step
+                graph_calls = self._graph_calls()
                 ended = self.steps.execute(plan)  # no model call when `calls` is 0: only cancelled sequences end
+                graph_calls = self._graph_calls() - graph_calls
+                self.lockstep.calls += graph_calls  # past the forward hook and the exchange's count (compiled)
+                for layer in self.experts:
+                    layer.stats.calls += graph_calls
                 if job is not None:
                     self._score_slice(job)
                 made = self.lockstep.calls
@@ -415,6 +470,10 @@ class EPRank:
             return (f"rank {self.group.rank}'s step loop has not advanced for {time.monotonic() - since:.1f} s "
                     f"(> {stall_s:g} s) with work queued, after {self.stats.iterations} iterations")
         return None
+
+    def _graph_calls(self) -> int:
+        """Calls of the compiled decode step so far (its graphs' counter): none where there is no graph."""
+        return sum(self.engine.runner._decode.steps.values()) if self.graph else 0
 
     def _tokens(self, plan: Plan, job: _ScoreJob | None) -> int | None:
         """The most tokens any of this step's model calls passes (a prefill call: its chunks and carried rows; the

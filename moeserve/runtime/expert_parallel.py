@@ -62,13 +62,15 @@ Three exchanges, the same result (within float rounding):
 Which one: fixed where the step is compiled or captured (a CUDA graph cannot hold a host sync or a buffer sized by
 one, so there is no choice), packed or variable otherwise. Variable moves and computes only the routed rows; fixed
 moves R * C rows each way on every call, empty passes included, and its experts run on every padded row, which on a
-decode step of a few tokens is a few kilobytes and a few small GEMMs a layer, but on a prefill chunk is R times the
-rows and E_local times the FLOPs; and the fixed exchange's buffers are sized by the largest call, so a rank that
-prefills in chunks of 512 pays 512 * K rows per peer at every decode step. The switch is made once, on every rank
-with the same max_tokens (use_fixed_exchange), since the buffers' size is part of the collective: all calls then
-take it, so every rank's calls still line up whatever their tokens. Buffers per batch bucket (C = bucket * K,
-smaller at small batches) need the ranks to agree on a bucket per pass, which the lockstep's per-step collective now
-carries (`step_tokens`) but the fixed path does not read yet. The fixed path has no redundant experts and no
+decode step of a few tokens is a few kilobytes and a few small GEMMs a layer, but on a prefill chunk would be R
+times the rows and E_local times the FLOPs. So a rank sets its buffers up once (use_fixed, every rank with the same
+max_tokens: the buffers' size is part of the collective), and its lockstep turns them on (`fixed_on`) only for the
+steps in which every rank runs its compiled decode step or nothing: a step with a prefill chunk or a scoring slice
+on any rank runs eager on every rank, through the packed or variable exchange (ep_rank.py; vLLM's data-parallel
+ranks agree the same way on whether a step runs its CUDA graphs). Every call of a step then takes the same
+exchange on every rank, whatever its tokens. Buffers per batch bucket (C = bucket * K, smaller at small batches)
+would need the ranks to agree on a bucket per pass, which the lockstep's collective could carry (`step_tokens`)
+but the fixed path does not read yet. The fixed path has no redundant experts and no
 quantized shards (their row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor
 the clamped SwiGLU, and use_fixed refuses them by name), and counts calls only in its stats (rows would need the
 host); its experts compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is
@@ -224,7 +226,8 @@ class ExpertParallelExperts(nn.Module):
         # this rank's copies: placement[rank], stacked
         self.replicas: ExpertShard | QuantExpertShard | BiasedExpertShard | None = None
         self._copies: list[list[tuple[int, int]]] | None = None  # per expert, (rank, slot) of each copy; None: none
-        self.fixed: FixedBuffers | None = None  # set: the fixed-size exchange (use_fixed); None: the variable one
+        self.fixed: FixedBuffers | None = None  # the fixed-size exchange's buffers (use_fixed); None: it has none
+        self.fixed_on = False  # calls take the fixed exchange (use_fixed turns it on; a rank's lockstep, per step)
         # the most tokens any rank passes this layer in the current step, agreed by the lockstep (ep_rank.py) before
         # it and cleared after: the size of the packed exchange's blocks (None: unknown, the variable exchange)
         self.step_tokens: int | None = None
@@ -241,7 +244,7 @@ class ExpertParallelExperts(nn.Module):
         return self.local.prepare_inference()
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
-        if self.fixed is not None:
+        if self.fixed_on:
             return self.exchange_fixed(x_TD, expert_ids_TK, gates_TK, keep_TK)
         d = dispatch(x_TD, expert_ids_TK, gates_TK, self.n_experts, keep_TK)
         return combine(d, self.exchange(d.x_ND, d.counts, self.packed_rows(*expert_ids_TK.shape, x_TD)), x_TD)
@@ -260,11 +263,12 @@ class ExpertParallelExperts(nn.Module):
         fits = D * size % 4 == 0 and D * size // 4 >= max(map(len, self.ranges)) + max(map(len, self.placement))
         return C if fits and C * D * size <= self.packed_max_bytes else None
 
-    def use_fixed(self, max_tokens: int) -> "ExpertParallelExperts":
-        """Exchange through fixed-size buffers from the next call on (exchange_fixed), for calls of at most
-        `max_tokens` tokens on any rank. Every rank of the group sets the same `max_tokens` before its next call:
-        the buffers' size is part of the collective. Plain (unquantized) local experts, no replicas: a quantized
-        shard's and the replicas' row splits are sized on the host."""
+    def use_fixed(self, max_tokens: int, on: bool = True) -> "ExpertParallelExperts":
+        """Buffers for the fixed-size exchange (exchange_fixed), for calls of at most `max_tokens` tokens on any rank,
+        taken from the next call on (`on`; else once `fixed_on` is set). Every rank of the group sets the same
+        `max_tokens`, and turns it on for the same calls: the buffers' size is part of the collective. Plain
+        (unquantized) local experts, no replicas: a quantized shard's and the replicas' row splits are sized on the
+        host."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ExpertParallelError(f"max_tokens = {max_tokens!r}: expected an integer >= 1 (the most tokens a "
                                       f"rank passes one layer call)")
@@ -280,6 +284,7 @@ class ExpertParallelExperts(nn.Module):
         send = [[*rg, *[E + 1] * (X - len(rg))] for rg in self.ranges]
         self.fixed = FixedBuffers(max_tokens, torch.tensor(owner, dtype=torch.int64, device=dev),
                                   torch.tensor(send, dtype=torch.int64, device=dev))
+        self.fixed_on = on
         return self
 
     def exchange_fixed(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor,
@@ -291,6 +296,9 @@ class ExpertParallelExperts(nn.Module):
         No host sync and no shape that depends on the routing: a compiled step traces it and a CUDA graph holds
         it. Dropped assignments (keep_TK False) are sorted last and sent nowhere."""
         fx = self.fixed
+        if fx is None:
+            raise ExpertParallelError("the fixed exchange has no buffers: call use_fixed first (every rank, the same "
+                                      "max_tokens)")
         T, K = expert_ids_TK.shape
         if T > fx.max_tokens:
             raise ExpertParallelError(f"{T} tokens in one call to a fixed exchange sized for {fx.max_tokens} "
@@ -316,7 +324,8 @@ class ExpertParallelExperts(nn.Module):
         y_back = funcol.all_to_all_single(y_in, None, None, g)
         y_N = torch.cat([y_back, y_back.new_zeros(1, D)])[slot_N]  # a dropped row reads the zero row
         gates_N = gates_TK.reshape(-1)[order_N]
-        self.stats.calls += 1  # row counts would need the host: the fixed path counts calls only
+        if not torch.compiler.is_compiling():  # in a graph, an int attribute would be a guard: its caller counts
+            self.stats.calls += 1  # row counts would need the host: the fixed path counts calls only
         return torch.zeros_like(x_TD).index_add_(0, tok_N, (y_N * gates_N[:, None].to(y_N.dtype)).to(x_TD.dtype))
 
     def _compute_fixed(self, x_ND: Tensor, counts_RX: Tensor, C: int) -> Tensor:
@@ -469,14 +478,14 @@ class ExpertParallelExperts(nn.Module):
         return sum(map(len, new))
 
 
-def use_fixed_exchange(model: nn.Module, max_tokens: int) -> int:
-    """Put every expert-parallel MoE layer of `model` on the fixed-size exchange (ExpertParallelExperts.use_fixed),
-    as a rank whose decode step is compiled or captured must (module docstring: which exchange, and why). Every rank
-    calls it with the same `max_tokens`, the most tokens any of its model calls passes a layer (prefill chunks and
-    empty passes included: from then on every call exchanges this way). How many layers it set."""
+def use_fixed_exchange(model: nn.Module, max_tokens: int, on: bool = True) -> int:
+    """Give every expert-parallel MoE layer of `model` the fixed-size exchange's buffers (ExpertParallelExperts.
+    use_fixed), as a rank whose decode step is compiled or captured must (module docstring: which exchange, and
+    why). Every rank calls it with the same `max_tokens`, the most tokens any call made while it is on passes a
+    layer; `on`: every call from now on (else the lockstep turns it on per step). How many layers it set."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     for layer in layers:
-        layer.use_fixed(max_tokens)
+        layer.use_fixed(max_tokens, on)
     return len(layers)
 
 

@@ -114,8 +114,9 @@ class ExpertParallelOptions:
     restart_backoff_max_s: float = 60.0
     restart_stable_s: float = 60.0
     restart_attempts: int = 8
-    # --compile for a group of one rank, which loads the whole model as one process does (auto: CUDA graphs on a
-    # GPU). A group of N > 1 exchanges rows inside the decode step, which no compiled step of a rank holds yet
+    # --compile for every rank (auto: CUDA graphs on a GPU). A group of one loads the whole model as one process
+    # does; a rank of N > 1 compiles its slice, whose exchange runs in fixed-size buffers in the steps where every
+    # rank decodes through its graph (runtime/ep_rank.py), and runs eager where its experts cannot (auto)
     compile: str = "auto"
 
     def __post_init__(self) -> None:
@@ -130,10 +131,9 @@ class ExpertParallelOptions:
             raise UserError(f"--placement {self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
         if self.compile not in COMPILE_MODES:
             raise UserError(f"--compile {self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
-        if self.compile == "on" and self.ranks > 1:
-            raise UserError(f"--compile on with --expert-parallel {self.ranks}: the ranks exchange rows inside the "
-                            f"decode step, which no compiled rank step holds yet; --compile applies to groups of "
-                            f"one rank (--ray without --expert-parallel)")
+        if self.compile == "on" and self.ranks > 1 and self.redundant_experts:
+            raise UserError(f"--compile on with --redundant-experts {self.redundant_experts}: a compiled rank's "
+                            f"exchange has no copies of experts (their rows are counted on the host); pick one")
         for name in ("cpus_per_rank", "ingress_cpus"):
             v = getattr(self, name)
             if v is None and name == "cpus_per_rank":

@@ -35,6 +35,7 @@ from ray import serve
 from moeserve.errors import UserError
 from moeserve.ray_cluster import connect
 from moeserve.runtime.ep_rank import RankOptions
+from moeserve.runtime.quant import describe
 from moeserve.serve import ray_metrics
 from moeserve.serve.app import create_app
 from moeserve.serve.config import BatchConfig, ExpertParallelOptions
@@ -60,6 +61,10 @@ def check_checkpoint(checkpoint: str | Path, options: ExpertParallelOptions) -> 
     if cfg.quantization is not None and "bits" not in cfg.quantization:
         raise UserError(f"--expert-parallel: {checkpoint}'s weights are quantized at load on one GPU; the ranks serve "
                         "float, int8 and int4 checkpoints (moeserve quantize)")
+    if options.compile == "on" and options.ranks > 1 and cfg.quantization is not None:
+        raise UserError(f"--compile on with --expert-parallel {options.ranks}: {checkpoint}'s experts are "
+                        f"{describe(cfg.quantization)}, whose rows a rank counts on the host; a compiled rank's "
+                        f"exchange takes float experts (--compile off)")
     options.check_experts(cfg.n_experts)
     return model
 
@@ -83,7 +88,7 @@ class EPIngress:
         rank_options = RankOptions(slots=c.kv_slots, prefill_chunk=c.prefill_chunk, dtype=self.dtype,
                                    redundant_experts=self.options.redundant_experts,
                                    rebalance_every=self.options.rebalance_every,
-                                   compile=self.options.compile if self.options.ranks == 1 else "off")
+                                   compile=self.options.compile)
         supervisor = GroupSupervisor(self.checkpoint, self.options, rank_options)
         groups = supervisor.start()
         ranks = [Rank(actor, g, r, c.kv_slots) for g in groups for r, actor in enumerate(g.actors)]

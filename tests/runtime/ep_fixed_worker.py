@@ -12,6 +12,8 @@ import torch
 
 from moeserve.config import preset
 from moeserve.runtime.backends.compiled import CompiledDecode
+from moeserve.runtime.engine import SamplingParams
+from moeserve.runtime.ep_rank import EPRank, RankOptions
 from moeserve.runtime.expert_parallel import ExpertParallelExperts, join_group, use_fixed_exchange
 from moeserve.runtime.experts import Experts, moe_reference
 from moeserve.runtime.kv_cache import KVCache
@@ -103,11 +105,31 @@ def decode_cases(group) -> dict:
             "graphs": sorted({b for b, _ in step.steps}), "steps": sum(step.steps.values())}
 
 
-def main(rank: int, world: int, port: int, results) -> None:
+def compiled_ranks(ckpt: str, group) -> dict:
+    """ep_worker's requests (prompts written in chunks beside the other rank's decodes, n = 2, logprobs, scoring)
+    served by ranks whose decode step is compiled (RankOptions.compile 'on'): how their decodes ran (`graph`: the
+    compiled step, in steps where every rank only decoded; `eager`: the others) and the ranks' passes."""
+    import ep_worker
+
+    ep = EPRank.load(ckpt, group, RankOptions(slots=SLOTS + 1, prefill_chunk=ep_worker.PREFILL_CHUNK, compile="on"))
+    ep.start()
+    futures = [ep.submit(p, SamplingParams(**kw)) for p, kw in ep_worker.REQUESTS[group.rank]]
+    rows = ep_worker.SCORE_ROWS[group.rank]
+    scores = ep.submit_scores(rows) if rows else None
+    done = [ep_worker.completion_record(f.result(WAIT_S)) for f in futures]
+    row_scores = [s.logprob for s in scores.result(WAIT_S)] if scores is not None else []
+    ep.stop()
+    ep.thread.join(WAIT_S)
+    return {"completions": done, "scores": row_scores, "stopped": not ep.thread.is_alive(), "graph": ep.graph,
+            "decode_tokens": dict(ep.engine.executor.decode_tokens), **ep_worker.stats_record(ep)}
+
+
+def main(rank: int, world: int, port: int, ckpt: str, results) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: one thread each
     try:
         group = join_group(f"tcp://127.0.0.1:{port}", rank, world, timeout_s=WAIT_S)
-        out = {"layers": layer_cases(group), "skewed": skewed_cases(group), "decode": decode_cases(group)}
+        out = {"layers": layer_cases(group), "skewed": skewed_cases(group), "decode": decode_cases(group),
+               "ranks": compiled_ranks(ckpt, group)}
         group.leave()
         results.put((rank, out))
     except BaseException:

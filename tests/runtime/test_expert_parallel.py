@@ -324,9 +324,13 @@ def test_a_rank_refuses_what_would_pass_the_exchange(solo_group, checkpoints):
     with pytest.raises(ExpertParallelError, match="stopping"):
         ep.stop()
         ep.submit("x")
-    with pytest.raises(ExpertParallelError, match="compile = 'on' for rank 0 of 1: no compiled step holds the "
-                                                  "exchange"):
-        EPRank.load(checkpoints["softmax"], solo_group, RankOptions(whole_alone=False, compile="on"))
+    # a compiled rank's exchange is the fixed one: plain experts, no copies (test_expert_parallel_fixed.py runs it)
+    for name, options, why in (("softmax-int4", {}, "int8 / int4 experts"),
+                               ("softmax", dict(redundant_experts=1), "redundant experts")):
+        with pytest.raises(ExpertParallelError, match=f"compile = 'on' for rank 0 of 1: its {why} have no compiled"):
+            EPRank.load(checkpoints[name], solo_group, RankOptions(whole_alone=False, compile="on", **options))
+    auto = EPRank.load(checkpoints["softmax-int4"], solo_group, RankOptions(whole_alone=False, compile="auto"))
+    assert not auto.graph and auto.engine.runner.name != "compiled"  # auto: eager on a CPU, and where it cannot
     with pytest.raises(ExpertParallelError, match="compile = 'yes'"):
         RankOptions(compile="yes")
 

@@ -398,8 +398,8 @@ def test_four_ranks_and_one_busy_beside_idle_ones(url, tmp_path):
     (["--expert-parallel", "2", "--redundant-experts", "-1"], "--redundant-experts -1: expected an integer >= 0"),
     (["--expert-parallel", "2", "--rebalance-every", "8"], "--rebalance-every is --redundant-experts's"),
     (["--redundant-experts", "1"], "--redundant-experts needs --expert-parallel N >= 2"),
-    (["--expert-parallel", "2", "--compile", "on"], "--compile on with --expert-parallel 2: the ranks exchange rows "
-                                                    "inside the decode step"),
+    (["--expert-parallel", "2", "--compile", "on", "--redundant-experts", "1"], "--compile on with "
+                                                                             "--redundant-experts 1: a compiled rank"),
     (["--print-config", "--expert-parallel", "2", "--device", "cuda:0"], "--device 'cuda:0' with --ray"),
 ])
 def test_bad_flags_are_named_errors(ckpt, capsys, argv, message):
