@@ -8,7 +8,10 @@ order of the servers, so a drift of the shared machine falls on all of them. Eac
 tree (NAME=PATH: that tree's moeserve on PYTHONPATH, e.g. a `git archive` of the commit before a change).
 
     PYTHONPATH=. python docs/bench/ep-serve.py [--trees base=/tmp/base new=.] [--clients 8 32] [--duration 15]
-        [--rounds 1] [--ep-args ...] [--args ...] [--one]
+        [--rounds 1] [--ep-args ARGS [ARGS ...]] [--args ...] [--one]
+
+Each --ep-args string is an EP server of its own per tree (e.g. --ep-args "" "--compile on": eager and compiled ranks
+side by side).
 
 Prints one line per server, round and level: req/s, p50 and p99 end-to-end ms, p50 TTFT and ITL ms, errors.
 """
@@ -64,20 +67,21 @@ def main() -> None:
     p.add_argument("--clients", nargs="+", type=int, default=[8, 32])
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--ep-args", default="", help="extra flags for the EP servers, one string")
+    p.add_argument("--ep-args", nargs="+", default=[""], help="extra flags for the EP servers: one string a server")
     p.add_argument("--args", default="", help="extra flags for every server (e.g. --kv-slots 16), one string")
     p.add_argument("--one", action="store_true", help="also one process (the first tree), each round")
     a = p.parse_args()
     checkpoint()
     servers = [(f"one process ({name})", path, a.args.split()) for name, path in [a.trees[0].split("=", 1)] if a.one]
-    servers += [(f"EP N=2 ({name})", path, ["--ray", "--expert-parallel", "2", *a.ep_args.split(), *a.args.split()])
-                for name, path in (t.split("=", 1) for t in a.trees)]
+    servers += [(f"EP N=2 ({name}{' ' + ep if ep else ''})", path,
+                 ["--ray", "--expert-parallel", "2", *ep.split(), *a.args.split()])
+                for name, path in (t.split("=", 1) for t in a.trees) for ep in a.ep_args]
     for r in range(a.rounds):
         order = servers if r % 2 == 0 else servers[::-1]
         for name, path, extra in order:
             for lv in run(path, extra, a.clients, a.duration):
                 e2e, ttft, itl = lv["e2e_ms"], lv["ttft_ms"], lv["itl_ms"]
-                print(f"round {r} {name:24s} C={int(lv['value']):3d}  {lv['requests_per_s']:6.2f} req/s  "
+                print(f"round {r} {name:36s} C={int(lv['value']):3d}  {lv['requests_per_s']:6.2f} req/s  "
                       f"p50 {e2e['p50']:7.1f} ms  p99 {e2e['p99']:7.1f} ms  ttft p50 {ttft['p50']:6.1f}  "
                       f"itl p50 {itl['p50']:5.1f}  errors {lv['errors'] or 0}", flush=True)
 
