@@ -49,8 +49,6 @@ from dataclasses import dataclass
 from typing import Generator
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from moeserve.checkpoint import load_expert_slice, read_config
 from moeserve.runtime import COMPILE_MODES
@@ -61,18 +59,15 @@ from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dt
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExchangeStats, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
 )
+from moeserve.runtime.lockstep import Lockstep
 from moeserve.runtime.expert_replicas import Replication
-from moeserve.runtime.model import Transformer
 from moeserve.runtime.output import EventCallback
 from moeserve.runtime.quant import QuantSpec, describe
 from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.scheduler import Plan, Sequence, default_prefill_chunk
 from moeserve.runtime.steps import check_request
 
-__all__ = ["EPRank", "Lockstep", "RankOptions", "RankStats", "load_rank_engine", "run_rank"]
-
-UNKNOWN = 1 << 62  # a step's token count where a rank cannot know it beforehand (the lockstep's all-to-all)
-
+__all__ = ["EPRank", "RankOptions", "RankStats", "load_rank_engine", "run_rank"]
 
 def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtype = "float32",
                      device: str | torch.device | None = None, calibration: str | None = None,
@@ -131,72 +126,6 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
     if isinstance(engine.runner, CpuKernelBackend) and engine.runner.step is not None:  # not while experts are ours
         raise LockstepError("the CPU kernel's whole decode step would run the experts past the exchange")
     return engine
-
-
-class Lockstep:
-    """The step protocol of the module docstring for one rank's model: `agree` before a step, `pad` after it. It
-    counts the model's forward passes (a forward pre-hook), and refuses one past the agreed number."""
-
-    def __init__(self, group: EPGroup, model: Transformer, graph: bool = False):
-        if group.world_size > 1 and (not model.moe_layers or not all(isinstance(m.experts, ExpertParallelExperts)
-                                                                     for m in model.moe_layers)):
-            raise ExpertParallelError("the lockstep runs a model whose MoE layers' experts are ExpertParallelExperts "
-                                      "(load it with load_rank_engine)")
-        self.group, self.model = group, model
-        self.layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-        self.calls = 0  # forward passes made since the last `agree`
-        self.allowed = 0  # the most this step may make: the group's agreed maximum
-        self.empty_passes = 0  # made so far, in all
-        self.graph = graph  # this rank's decode can run a compiled step (through the fixed exchange)
-        self.fixed_step = False  # this step's: every rank runs its compiled decode or nothing (agreed)
-        model.register_forward_pre_hook(self._count)
-
-    def _count(self, module: nn.Module, args) -> None:
-        if torch.compiler.is_compiling():  # traced into a compiled step, where EPRank counts its calls instead
-            return
-        self.calls += 1
-        if self.calls > self.allowed:
-            raise LockstepError(f"rank {self.group.rank} was about to make model call {self.calls} of a step for "
-                                f"which the group agreed on {self.allowed}: a path that calls the model more often "
-                                f"than its plan counts")
-
-    def agree(self, calls: int, finished: bool, tokens: int | None = None, eager: bool = False) -> tuple[int, bool]:
-        """(the most calls any rank makes this step, whether every rank is finished), and every MoE layer told the
-        most tokens any rank passes it this step (`step_tokens`: the packed exchange's size; `tokens` None, not
-        known beforehand, on any rank: the variable exchange) and whether the step is a fixed one (`fixed_step`:
-        no rank's step is `eager` and every rank has the graph). One all-to-all of four numbers, whose maxima are
-        taken here: one message each way between any two ranks, where gloo's all-reduce makes two rounds."""
-        R = self.group.world_size
-        mine = [calls, 0 if finished else 1, UNKNOWN if tokens is None else tokens, int(eager or not self.graph)]
-        if R == 1:  # nobody to agree with
-            most, anyone_left, most_tokens, any_eager = mine
-        else:
-            t = torch.tensor(mine * R, dtype=torch.int64, device=self.group.device)
-            got = torch.empty_like(t)
-            dist.all_to_all_single(got, t, group=self.group.group)
-            most, anyone_left, most_tokens, any_eager = got.view(R, len(mine)).amax(0).tolist()
-        self.fixed_step = not any_eager
-        for layer in self.layers:
-            layer.step_tokens = None if most_tokens >= UNKNOWN else most_tokens
-            layer.fixed_on = self.fixed_step
-        self.calls, self.allowed = 0, most
-        return most, anyone_left == 0
-
-    @torch.inference_mode()
-    def pad(self) -> int:
-        """Empty passes up to the agreed number; how many (none in a group of one: no other rank waits)."""
-        n = self.allowed - self.calls if self.group.world_size > 1 else 0
-        p = self.model.tok_embeddings.weight
-        for _ in range(n):
-            x_1TD = torch.zeros(1, 0, self.model.cfg.d_model, dtype=p.dtype, device=p.device)
-            for layer in self.model.moe_layers:
-                layer(x_1TD)
-        self.empty_passes += n
-        self.calls = self.allowed
-        self.fixed_step = False
-        for layer in self.layers:  # past the step: a call outside one (a table's build) takes the variable exchange
-            layer.step_tokens, layer.fixed_on = None, False
-        return n
 
 
 @dataclass
@@ -274,6 +203,7 @@ class EPRank:
         # lockstep agrees on (a whole model's, a group of one's, runs its graphs in every decode, as one process)
         self.graph = bool(self.experts) and isinstance(engine.runner, CompiledBackend) and engine.runner.graph_decode
         self.lockstep = Lockstep(group, engine.model, graph=self.graph)
+        self._fixed_calls: list[int] = [1] * len(self.experts)  # each layer's exchange calls a pass (`warm_up`)
         self.stats = RankStats()
         # the copies of hot experts, placed every rebalance_every steps with work (None: off)
         self.replication = (Replication(self.experts, o.redundant_experts, o.rebalance_every)
@@ -312,10 +242,32 @@ class EPRank:
             for layer in self.experts:
                 layer.fixed_on = True
             try:
+                self._fixed_calls = self._calls_per_pass()
                 runner.warm_up(self.options.slots)
             finally:
                 for layer in self.experts:
                     layer.fixed_on = False
+
+    def _calls_per_pass(self) -> list[int]:
+        """Each MoE layer's exchange calls in one forward pass (two for a VQ mixed layer whose discrete path is no
+        table), counted by hooks over one empty pass that every rank makes together: the fixed exchange counts nothing
+        itself, and a hook traced into a graph would be one of its guards."""
+        calls = [0] * len(self.experts)
+
+        def counter(i: int):
+            def count(module, args) -> None:
+                calls[i] += 1
+            return count
+
+        hooks = [layer.register_forward_pre_hook(counter(i)) for i, layer in enumerate(self.experts)]
+        try:
+            p = self.engine.model.tok_embeddings.weight
+            for layer in self.engine.model.moe_layers:
+                layer(torch.zeros(1, 0, self.engine.cfg.d_model, dtype=p.dtype, device=p.device))
+        finally:
+            for h in hooks:
+                h.remove()
+        return calls
 
     @property
     def experts(self) -> list[ExpertParallelExperts]:
@@ -403,14 +355,14 @@ class EPRank:
                     self.engine.runner.graph_decode = self.lockstep.fixed_step
                 graph_calls = self._graph_calls()
                 ended = self.steps.execute(plan)  # no model call when `calls` is 0: only cancelled sequences end
-                graph_calls = self._graph_calls() - graph_calls
-                self.lockstep.calls += graph_calls  # past the forward hook and the exchange's count (compiled)
-                for layer in self.experts:
-                    layer.stats.calls += graph_calls
+                self.lockstep.calls += self._graph_calls() - graph_calls  # past the forward hook (compiled)
                 if job is not None:
                     self._score_slice(job)
-                made = self.lockstep.calls
+                made, fixed = self.lockstep.calls, self.lockstep.fixed_step
                 self.stats.empty_passes += self.lockstep.pad()
+                if fixed:  # every pass of the step, real or empty, made each layer's fixed calls (uncounted there)
+                    for layer, n in zip(self.experts, self._fixed_calls):
+                        layer.stats.calls += n * self.lockstep.allowed
                 if self.replication is not None and most:  # between steps, every rank together (`most` is agreed)
                     self.replication.after_step()
             self.stats.model_calls += made

@@ -72,9 +72,10 @@ exchange on every rank, whatever its tokens. Buffers per batch bucket (C = bucke
 would need the ranks to agree on a bucket per pass, which the lockstep's collective could carry (`step_tokens`)
 but the fixed path does not read yet. The fixed path has no redundant experts and no
 quantized shards (their row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor
-the clamped SwiGLU, and use_fixed refuses them by name), and counts calls only in its stats (rows would need the
-host); its experts compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is
-the drop-in that would not waste FLOPs on padding.
+the clamped SwiGLU, and use_fixed refuses them by name), and counts nothing itself: a count kept in Python and
+touched inside a compiled step becomes one of its guards, so the rank counts its fixed calls per pass (ep_rank.py),
+and rows would need the host. Its experts compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows
+sorted by expert) is the drop-in that would not waste FLOPs on padding.
 """
 
 from __future__ import annotations
@@ -324,8 +325,6 @@ class ExpertParallelExperts(nn.Module):
         y_back = funcol.all_to_all_single(y_in, None, None, g)
         y_N = torch.cat([y_back, y_back.new_zeros(1, D)])[slot_N]  # a dropped row reads the zero row
         gates_N = gates_TK.reshape(-1)[order_N]
-        if not torch.compiler.is_compiling():  # in a graph, an int attribute would be a guard: its caller counts
-            self.stats.calls += 1  # row counts would need the host: the fixed path counts calls only
         return torch.zeros_like(x_TD).index_add_(0, tok_N, (y_N * gates_N[:, None].to(y_N.dtype)).to(x_TD.dtype))
 
     def _compute_fixed(self, x_ND: Tensor, counts_RX: Tensor, C: int) -> Tensor:
