@@ -59,8 +59,8 @@ from moeserve.runtime.engine import Engine, RowScore, resolve_device, resolve_dt
 from moeserve.runtime.expert_parallel import (
     EPGroup, ExchangeStats, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
 )
-from moeserve.runtime.lockstep import Lockstep
 from moeserve.runtime.expert_replicas import Replication
+from moeserve.runtime.lockstep import Lockstep
 from moeserve.runtime.output import EventCallback
 from moeserve.runtime.quant import QuantSpec, describe
 from moeserve.runtime.sampling import EngineError, SamplingParams
@@ -68,6 +68,7 @@ from moeserve.runtime.scheduler import Plan, Sequence, default_prefill_chunk
 from moeserve.runtime.steps import check_request
 
 __all__ = ["EPRank", "RankOptions", "RankStats", "load_rank_engine", "run_rank"]
+
 
 def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtype = "float32",
                      device: str | torch.device | None = None, calibration: str | None = None,
@@ -425,7 +426,7 @@ class EPRank:
 
     def _graph_calls(self) -> int:
         """Calls of the compiled decode step so far (its graphs' counter): none where there is no graph."""
-        return sum(self.engine.runner._decode.steps.values()) if self.graph else 0
+        return self.engine.runner.graph_calls if self.graph else 0
 
     def _tokens(self, plan: Plan, job: _ScoreJob | None) -> int | None:
         """The most tokens any of this step's model calls passes (a prefill call: its chunks and carried rows; the

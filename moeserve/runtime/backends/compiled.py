@@ -261,6 +261,11 @@ class CompiledBackend(EagerBackend):
             self._decode = CompiledDecode(self.model, KVCache.for_model(self.model, slots + 1, spare=1))
         return self._decode.cache
 
+    @property
+    def graph_calls(self) -> int:
+        """Calls of the compiled decode step's graphs so far (the warm-up's not counted)."""
+        return sum(self._decode.steps.values()) if self._decode is not None else 0
+
     def warm_up(self, slots: int) -> None:
         """Build the compiled decode step's graphs now, for up to `slots` rows."""
         if self.graph_decode:
