@@ -405,3 +405,16 @@ def test_four_ranks_and_one_busy_beside_idle_ones(url, tmp_path):
 def test_bad_flags_are_named_errors(ckpt, capsys, argv, message):
     assert cli.main(["serve", str(ckpt), "--ray", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compile_on_refuses_a_quantized_checkpoint_over_ranks(tmp_path, capsys):
+    """A compiled rank exchanges through fixed-size buffers, which int8 / int4 experts (rows counted on the host) do
+    not have: named before Ray starts."""
+    from moeserve.runtime.quant import QuantSpec, quantize_model_
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny"))
+    quantize_model_(model, QuantSpec.parse("int8"))
+    ckpt = save_checkpoint(tmp_path / "int8", model.cfg, model.state_dict())
+    assert cli.main(["serve", str(ckpt), "--ray", "--expert-parallel", "2", "--compile", "on"]) == 2
+    assert "--compile on with --expert-parallel 2" in capsys.readouterr().err

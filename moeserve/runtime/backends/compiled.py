@@ -141,7 +141,7 @@ class _Step(nn.Module):
         graph, compiled again per span). The counts are made here, in the graph, rather than by a few small
         kernels per layer after each replay; padding rows (on the scratch slot) are routed but not counted."""
         # the model's forward without its own hooks: an expert-parallel rank's pass counter (lockstep.py) is Python
-        # state that a graph would guard on; the rank counts the graph's calls (CompiledDecode.steps) instead
+        # state that a graph would guard on; the rank counts the graph's calls (CompiledBackend.graph_calls) instead
         out = self.model.forward(ids_B1, cache=CacheRows(self.cache, slots_B, positions_B1, span_L.shape[0]))
         real_B = (slots_B != self.scratch).to(torch.int32)
         E = self.model.cfg.n_experts
