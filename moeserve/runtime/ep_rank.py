@@ -204,7 +204,8 @@ class EPRank:
         # lockstep agrees on (a whole model's, a group of one's, runs its graphs in every decode, as one process)
         self.graph = bool(self.experts) and isinstance(engine.runner, CompiledBackend) and engine.runner.graph_decode
         self.lockstep = Lockstep(group, engine.model, graph=self.graph)
-        self._fixed_calls: list[int] = [1] * len(self.experts)  # each layer's exchange calls a pass (`warm_up`)
+        # each exchanging layer's calls a pass (Lockstep.exchanges_per_pass, measured in `warm_up`)
+        self._fixed_calls: list[int] = [1] * len(self.lockstep.layers)
         self.stats = RankStats()
         # the copies of hot experts, placed every rebalance_every steps with work (None: off)
         self.replication = (Replication(self.experts, o.redundant_experts, o.rebalance_every)
@@ -243,32 +244,11 @@ class EPRank:
             for layer in self.experts:
                 layer.fixed_on = True
             try:
-                self._fixed_calls = self._calls_per_pass()
+                self._fixed_calls = self.lockstep.exchanges_per_pass()
                 runner.warm_up(self.options.slots)
             finally:
                 for layer in self.experts:
                     layer.fixed_on = False
-
-    def _calls_per_pass(self) -> list[int]:
-        """Each MoE layer's exchange calls in one forward pass (two for a VQ mixed layer whose discrete path is no
-        table), counted by hooks over one empty pass that every rank makes together: the fixed exchange counts nothing
-        itself, and a hook traced into a graph would be one of its guards."""
-        calls = [0] * len(self.experts)
-
-        def counter(i: int):
-            def count(module, args) -> None:
-                calls[i] += 1
-            return count
-
-        hooks = [layer.register_forward_pre_hook(counter(i)) for i, layer in enumerate(self.experts)]
-        try:
-            p = self.engine.model.tok_embeddings.weight
-            for layer in self.engine.model.moe_layers:
-                layer(torch.zeros(1, 0, self.engine.cfg.d_model, dtype=p.dtype, device=p.device))
-        finally:
-            for h in hooks:
-                h.remove()
-        return calls
 
     @property
     def experts(self) -> list[ExpertParallelExperts]:
@@ -362,7 +342,7 @@ class EPRank:
                 made, fixed = self.lockstep.calls, self.lockstep.fixed_step
                 self.stats.empty_passes += self.lockstep.pad()
                 if fixed:  # every pass of the step, real or empty, made each layer's fixed calls (uncounted there)
-                    for layer, n in zip(self.experts, self._fixed_calls):
+                    for layer, n in zip(self.lockstep.layers, self._fixed_calls):
                         layer.stats.calls += n * self.lockstep.allowed
                 if self.replication is not None and most:  # between steps, every rank together (`most` is agreed)
                     self.replication.after_step()

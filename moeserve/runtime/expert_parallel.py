@@ -67,15 +67,15 @@ times the rows and E_local times the FLOPs. So a rank sets its buffers up once (
 max_tokens: the buffers' size is part of the collective), and its lockstep turns them on (`fixed_on`) only for the
 steps in which every rank runs its compiled decode step or nothing: a step with a prefill chunk or a scoring slice
 on any rank runs eager on every rank, through the packed or variable exchange (ep_rank.py; vLLM's data-parallel
-ranks agree the same way on whether a step runs its CUDA graphs). Every call of a step then takes the same
-exchange on every rank, whatever its tokens. Buffers per batch bucket (C = bucket * K, smaller at small batches)
-would need the ranks to agree on a bucket per pass, which the lockstep's collective could carry (`step_tokens`)
-but the fixed path does not read yet. The fixed path has no redundant experts and no
-quantized shards (their row splits are made on the host), no biased ones (gpt-oss's: expert_rows has no biases nor
-the clamped SwiGLU, and use_fixed refuses them by name), and counts nothing itself: a count kept in Python and
-touched inside a compiled step becomes one of its guards, so the rank counts its fixed calls per pass (ep_rank.py),
-and rows would need the host. Its experts compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows
-sorted by expert) is the drop-in that would not waste FLOPs on padding.
+ranks agree the same way on whether a step runs its CUDA graphs). Every call of a step then takes the same exchange
+on every rank, whatever its tokens. Buffers per batch bucket (C = bucket * K, smaller at small batches) would need
+the ranks to agree on a bucket per pass, which the lockstep's collective could carry (`step_tokens`) but the fixed
+path does not read yet. The fixed path has no redundant experts and no quantized shards (their row splits are made
+on the host), no biased ones (gpt-oss's: expert_rows has no biases nor the clamped SwiGLU, and use_fixed refuses
+them by name), and counts nothing itself: a count kept in Python and touched inside a compiled step becomes one of
+its guards, so the rank counts its fixed calls per pass (ep_rank.py), and rows would need the host. Its experts
+compute on torch's GEMMs, where a grouped GEMM (torch grouped_mm over rows sorted by expert) is the drop-in that
+would not waste FLOPs on padding.
 """
 
 from __future__ import annotations

@@ -64,14 +64,38 @@ class Lockstep:
         return most, anyone_left == 0
 
     @torch.inference_mode()
+    def empty_pass(self) -> None:
+        """Every MoE layer called on 0 tokens: it takes part in exactly the exchanges a real forward makes (the same
+        modules decide them), with nothing to send."""
+        p = self.model.tok_embeddings.weight
+        x_1TD = torch.zeros(1, 0, self.model.cfg.d_model, dtype=p.dtype, device=p.device)
+        for layer in self.model.moe_layers:
+            layer(x_1TD)
+
+    def exchanges_per_pass(self) -> list[int]:
+        """Each of `layers`' exchange calls in one forward pass (two for a VQ mixed layer whose discrete path is no
+        table), counted by hooks over one empty pass that every rank makes together: the fixed exchange counts
+        nothing itself, and a hook traced into a compiled step would be one of its guards."""
+        calls = [0] * len(self.layers)
+
+        def counter(i: int):
+            def count(module: nn.Module, args) -> None:
+                calls[i] += 1
+            return count
+
+        hooks = [layer.register_forward_pre_hook(counter(i)) for i, layer in enumerate(self.layers)]
+        try:
+            self.empty_pass()
+        finally:
+            for h in hooks:
+                h.remove()
+        return calls
+
     def pad(self) -> int:
         """Empty passes up to the agreed number; how many (none in a group of one: no other rank waits)."""
         n = self.allowed - self.calls if self.group.world_size > 1 else 0
-        p = self.model.tok_embeddings.weight
         for _ in range(n):
-            x_1TD = torch.zeros(1, 0, self.model.cfg.d_model, dtype=p.dtype, device=p.device)
-            for layer in self.model.moe_layers:
-                layer(x_1TD)
+            self.empty_pass()
         self.empty_passes += n
         self.calls = self.allowed
         self.fixed_step = False
