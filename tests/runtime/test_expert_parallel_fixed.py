@@ -20,6 +20,8 @@ from moeserve.config import preset
 from moeserve.runtime.backends import compiled as compiled_mod
 from moeserve.runtime.backends.compiled import CompileError, CompiledDecode, model_uncompilable
 from moeserve.runtime.backends.expert_shards import QuantExpertShard
+from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.ep_rank import EPRank, RankOptions
 from moeserve.runtime.expert_parallel import (
     ExpertParallelError, ExpertParallelExperts, join_group, use_fixed_exchange,
 )
@@ -27,8 +29,6 @@ from moeserve.runtime.experts import Experts, expert_rows, moe_reference
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.quant import QuantExperts, QuantSpec
-
-from moeserve.runtime.engine import Engine, SamplingParams
 
 from .test_expert_parallel import checkpoint, solo_group  # noqa: F401  (the fixture: a group of one rank on gloo)
 
@@ -308,3 +308,45 @@ def test_the_compiled_decode_step_on_cuda_over_expert_parallel_experts():
         torch.cuda.synchronize()
     finally:
         group.leave()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_a_compiled_rank_on_nccl_answers_as_one_process(softmax_ckpt, monkeypatch):
+    """EPRank with compile 'on' on one GPU (N = 1 on NCCL, through the exchange: whole_alone False): its decodes
+    replay the step's CUDA graphs with the fixed exchange inside, its prompts' chunks and scoring run eager, and the
+    tokens are the single-process engine's on the same GPU, the log-probabilities within 1e-4."""
+    monkeypatch.syspath_prepend(str(HERE))
+    import ep_worker
+
+    why = compiled_mod.compile_unavailable(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    group = join_group(f"tcp://127.0.0.1:{free_port()}", 0, 1, device="cuda", timeout_s=120)
+    try:
+        ep = EPRank.load(softmax_ckpt, group, RankOptions(slots=2, prefill_chunk=ep_worker.PREFILL_CHUNK,
+                                                          compile="on", whole_alone=False))
+        assert ep.graph and ep.experts  # the rank's experts exchange, and its step is the compiled one
+        ep.start()
+        futures = [ep.submit(p, SamplingParams(**kw)) for p, kw in ep_worker.REQUESTS[1]]
+        scores = ep.submit_scores(ep_worker.SCORE_ROWS[1])
+        done = [f.result(120) for f in futures]
+        got_scores = [s.logprob for s in scores.result(120)]
+        ep.stop()
+        ep.thread.join(120)
+        assert not ep.thread.is_alive() and ep.failed is None
+        decode = dict(ep.engine.executor.decode_tokens)
+        assert decode.get("graph", 0) > 0, decode
+        del ep
+        torch.compiler.reset()
+        torch.cuda.synchronize()
+    finally:
+        group.leave()
+    engine = Engine.load(softmax_ckpt, dtype="float32", device="cuda", compile="off")
+    for (prompt, kw), c in zip(ep_worker.REQUESTS[1], done):
+        want = engine.complete([prompt], SamplingParams(**kw))[0]
+        assert c.token_ids == want.token_ids, (prompt, kw)
+        for a, b in zip(c.logprobs or [], want.logprobs or []):
+            assert abs(a.logprob - b.logprob) <= 1e-4
+    want_scores = [s.logprob for s in engine.score_ids(ep_worker.SCORE_ROWS[1])]
+    assert got_scores == pytest.approx(want_scores, abs=1e-4 * max([1.0, *map(abs, want_scores)]))
