@@ -55,9 +55,11 @@ from moeserve.runtime.backends.layout import Laid
 from moeserve.runtime.quant import QuantExperts, QuantLinear, dequantize, unpack_int4
 from moeserve.runtime.quant_fp8 import Fp8Experts, Fp8Linear, fp8_unavailable, quantize_rows_fp8
 
-# Not measured on a GPU yet (`python -m moeserve.bench.quant_gpu` there): _weight_int8pack_mm's CUDA kernel runs
-# no tensor core, so its time grows with the rows where a GEMM's does not.
-INT8PACK_MAX_ROWS = 16
+# Measured on an H200 (`python -m moeserve.bench.quant_gpu`, weight [4096, 4096], 2026-11-27): _weight_int8pack_mm
+# 0.151 ms at 1 row against 0.149 for dequantize-then-GEMM, 0.333 against 0.148 at 8, 0.634 at 16: its CUDA kernel
+# runs no tensor core, so its time grows with the rows where a GEMM's does not. Both read far below the bandwidth
+# (111 GB/s of int8 weight at 1 row), so int8 on a GPU decodes slower than bf16 until a fused kernel replaces them.
+INT8PACK_MAX_ROWS = 1
 TINYGEMM_GROUPS = (32, 64, 128, 256)  # int4mm.cu's qGroupSize
 INT4_MIN_CAPABILITY = (8, 0)  # int4mm.cu's mma.sync m16n8k16 bf16
 
