@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moeserve.checkpoint import CheckpointError, WEIGHTS_FILE, load_checkpoint, parameter_counts, save_checkpoint
+from moeserve.cli import main as cli_main
 from moeserve.config import ConfigError, MoEConfig, preset
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.calibration import DispatchPlan
@@ -315,12 +316,21 @@ def test_the_c_kernel_runs_quantized_models_batch_invariant(float_ckpt, fmt):
         assert a.logprob != b.logprob  # the activations' quantization shows
 
 
-def test_quantize_refusals(float_ckpt, tmp_path):
+def cli_exit(argv: list[str], capsys) -> tuple[int, str]:
+    """`moeserve ARGV` in this process (an argparse refusal is its SystemExit): exit code and stderr."""
+    capsys.readouterr()
+    try:
+        code = cli_main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_quantize_refusals(float_ckpt, tmp_path, capsys):
     with pytest.raises(QuantError, match="format 'int3'"):
         Engine.load(float_ckpt, dtype="float32", device="cpu", quantize="int3")
     with pytest.raises(EngineError, match="an ONNX export runs as it was exported"):
         load_engine(tmp_path / "m.onnx", quantize="int8")
-    cli = [sys.executable, "-m", "moeserve.cli"]
     for args, message in (
         (["quantize", str(float_ckpt), "--bits", "3", "--out", str(tmp_path / "x")], "invalid choice: 3"),
         (["quantize", str(float_ckpt), "--bits", "4", "--group-size", "40", "--out", str(tmp_path / "x")],
@@ -340,44 +350,40 @@ def test_quantize_refusals(float_ckpt, tmp_path):
         (["generate", str(float_ckpt), "--quantize", "int2"], "invalid choice: 'int2'"),
         (["serve", str(float_ckpt), "--ray", "--quantize", "int8"], "--ray: quantize the checkpoint first"),
     ):
-        p = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
+        code, err = cli_exit(args, capsys)
+        assert code == 2 and message in err, (args, err)
     assert not (tmp_path / "x").exists()
     once = tmp_path / "once"
-    assert subprocess.run([*cli, "quantize", str(float_ckpt), "--bits", "8", "--out", str(once)],
-                          capture_output=True, timeout=120).returncode == 0
-    p = subprocess.run([*cli, "quantize", str(once), "--bits", "4", "--out", str(tmp_path / "twice")],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "is already quantized (int8)" in p.stderr
-    p = subprocess.run([*cli, "generate", str(once), "--quantize", "int8", "--max-tokens", "2"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "already quantized (int8)" in p.stderr
+    assert cli_exit(["quantize", str(float_ckpt), "--bits", "8", "--out", str(once)], capsys)[0] == 0
+    code, err = cli_exit(["quantize", str(once), "--bits", "4", "--out", str(tmp_path / "twice")], capsys)
+    assert code == 2 and "is already quantized (int8)" in err
+    code, err = cli_exit(["generate", str(once), "--quantize", "int8", "--max-tokens", "2"], capsys)
+    assert code == 2 and "already quantized (int8)" in err
 
 
-def test_quantize_keeps_the_weights_its_flags_name(tmp_path):
+def test_quantize_keeps_the_weights_its_flags_name(tmp_path, capsys):
     """--int8-weights and --int6-weights reach the checkpoint's config, its modules and `moeserve inspect`: by default
     wk, wv at int8 and the head (128 wide here: int6 packs 128 elements at a time) at int6; a name given to one list
     leaves the other's default less that name; none is no weight."""
     torch.manual_seed(0)
     model = Transformer(dataclasses.replace(preset("tiny"), d_model=128, n_heads=4, n_kv_heads=2))
     ckpt = save_checkpoint(tmp_path / "f", model.cfg, model.state_dict())
-    cli = [sys.executable, "-m", "moeserve.cli"]
     for flags, int8, int6, words in (
         ([], ["wk", "wv"], ["output"], "int4 (group 32; wk, wv at int8; output at int6)"),
         (["--int6-weights", "wv,output"], ["wk"], ["wv", "output"], "int4 (group 32; wk at int8; wv, output at int6)"),
         (["--int8-weights", "none", "--int6-weights", "none"], None, None, "int4 (group 32)"),
     ):
         out = tmp_path / "q"
-        p = subprocess.run([*cli, "quantize", str(ckpt), "--bits", "4", *flags, "--out", str(out), "--overwrite"],
-                           capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr
+        code, err = cli_exit(["quantize", str(ckpt), "--bits", "4", *flags, "--out", str(out), "--overwrite"], capsys)
+        assert code == 0, err
         loaded = load_checkpoint(out)
         assert loaded.config.quantization == {"bits": 4, "group": 32} | ({"int8": int8} if int8 else {}) | (
             {"int6": int6} if int6 else {})
         head = loaded.state_dict["output.qweight"]
         assert head.shape == (model.cfg.vocab_size, 96 if int6 else 64), flags  # int6: 96 bytes a 128 elements
-        p = subprocess.run([*cli, "inspect", str(out)], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0 and f"weights: {words}\n" in p.stdout, p.stdout
+        assert cli_main(["inspect", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert f"weights: {words}\n" in printed, printed
 
 
 def test_score_with_quantize_records_it_and_a_resume_must_match(float_ckpt, tmp_path):
