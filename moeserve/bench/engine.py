@@ -34,6 +34,8 @@ _MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, max_position_embeddi
                 tie_word_embeddings=False)
 FIRST = "(first token)"  # an implementation timed to its first token only
 GROUPED = "grouped_mm experts"  # the compiled step's experts as one grouped GEMM (decode_grouped), not indexed
+REDUCED = "GEMV experts"  # a few rows' experts as reductions over the indexed weights (decode_reduce_max)
+REDUCED_MAX_BATCH = 4  # past it each row's experts read again cost more than the grouped GEMM: not timed
 MODELS = {  # transformers MixtralConfig fields; the sizes are those of issue 11's measurements
     "tiny": dict(_MIXTRAL, vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2),
@@ -144,9 +146,9 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
     Engine runs the dispatch plan calibrated for this machine (reported); a dtype torch does not run
     here is skipped, with the reason. `compiled`: the Engine with its compiled decode step too (`--compile
     on`: its compile time is reported, and kept out of the timed rounds by the warm-up), and on CUDA in bf16
-    again with its experts as one grouped GEMM (DispatchPlan.decode_grouped): which of the two ways is faster
-    is measured per batch size, not assumed. `batch` prompts of `prompt_len` random tokens each, decoded
-    together (no padding: the same length). `quantize`: the Engine again with its weights quantized at load in
+    again with its experts as one grouped GEMM (DispatchPlan.decode_grouped), and up to REDUCED_MAX_BATCH rows
+    as GEMVs (DispatchPlan.decode_reduce_max): which way is faster is measured per batch size, not assumed.
+    `batch` prompts of `prompt_len` random tokens each, decoded together (no padding: the same length). `quantize`: the Engine again with its weights quantized at load in
     each of these formats (int8, int4, fp8: runtime/quant.py), compiled where `compiled` is, in the same rounds;
     their tokens differ from the float model's by the quantization (same_tokens says whether), and their bandwidth
     counts the quantized bytes a token reads. Each row's prefill rate is the prompt's tokens over the time to the
@@ -206,6 +208,12 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                     grouped.executor.warm_up(batch)
                     impls[f"moeserve Engine, compiled decode, {GROUPED}"] = lambda n=new_tokens: ours(grouped, n)
                     engines[f"moeserve Engine, compiled decode, {GROUPED}"] = grouped
+                    if batch <= REDUCED_MAX_BATCH:  # and as GEMVs (moe_reduced), the candidate at batch 1
+                        gemv = Engine.load(path, dtype=dtype, device=device, compile="on",
+                                           plan=dataclasses.replace(grouped.plan, decode_reduce_max=batch))
+                        gemv.executor.warm_up(batch)
+                        impls[f"moeserve Engine, compiled decode, {REDUCED}"] = lambda n=new_tokens: ours(gemv, n)
+                        engines[f"moeserve Engine, compiled decode, {REDUCED}"] = gemv
             quantized_bytes = {}
             for fmt in quantize:
                 name = f"moeserve Engine, {fmt}" + (", compiled decode" if compiled else "")

@@ -6,7 +6,7 @@ It runs, on the first CUDA device:
    those are installed. Each skip comes back with its reason;
 2. `moeserve bench engine` on the 2.4B Mixtral in bf16 at batch 1 and 32: eager, compiled with indexed experts,
    compiled with grouped_mm experts, and transformers' `generate` on the same weights in the same run; at batch 1
-   also compiled on int8, int4 and fp8 weights quantized at load;
+   also compiled with GEMV experts (decode_reduce_max), and on int8, int4 and fp8 weights quantized at load;
 3. decode at ~100 tokens of context for the same weights declared with a 2k and a 32k context: a step reads the
    keys its rows can see, not the whole cache, so the two should match.
 

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from moeserve.bench.engine import (  # noqa: E402
-    GROUPED, MODELS, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, model_fields, plot,
-    read_bandwidth, write_mixtral, write_model,
+    GROUPED, MODELS, REDUCED, BenchError, bench_engine, copy_bandwidth, decode_weight_bytes, markdown, model_fields,
+    plot, read_bandwidth, write_mixtral, write_model,
 )
 from .test_report import png_size  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
@@ -80,12 +80,14 @@ def test_same_tokens_as_transformers_and_bandwidth_at_batch_1(small, batch, devi
 
 @pytest.mark.cuda
 def test_compiled_decode_both_ways_on_cuda(small):
-    """On a GPU in bf16 --compile times the compiled step twice: experts indexed per token, and as one grouped
-    GEMM. Both give rows with a decode rate; greedy tokens are reported, not required equal (bf16)."""
+    """On a GPU in bf16 --compile times the compiled step three times at batch 1: experts indexed per token, as one
+    grouped GEMM, and as GEMVs. Each gives a row with a decode rate; greedy tokens are reported, not required equal
+    (bf16)."""
     report = bench_engine(["bfloat16"], new_tokens=6, prompt_len=5, repeats=1, backends=("eager",), checkpoint=small,
                           compiled=True, device="cuda", progress=lambda msg: None)
     rows = {r["impl"]: r for r in report["results"]}
-    for impl in ("moeserve Engine, compiled decode", f"moeserve Engine, compiled decode, {GROUPED}"):
+    for impl in ("moeserve Engine, compiled decode", f"moeserve Engine, compiled decode, {GROUPED}",
+                 f"moeserve Engine, compiled decode, {REDUCED}"):
         assert 0 < rows[impl]["decode_tokens_per_s"] < float("inf"), impl
         assert list(rows[impl]["decode_paths"]) == ["graph"], rows[impl]  # every decode token a replay
     assert report["plans"]["bfloat16"]["compile_s"] > 0

@@ -136,6 +136,45 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
     assert (got - want).abs().mean() <= 2**-10 * scale
 
 
+@pytest.mark.cuda
+def test_compiled_decode_with_gemv_experts_on_cuda(monkeypatch):
+    """decode_reduce_max: a CUDA-graph step of up to 2 rows runs each layer's experts as moe_reduced's GEMVs (traced:
+    seen while the graphs are built), with the logits of the step that indexes them, within bf16's rounding, at
+    batch buckets 2 and 1 (on a CPU: tests/runtime/test_experts.py, eager and one fullgraph compile)."""
+    why = compiled_mod.compile_unavailable(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    reduced, seen = experts_mod.moe_reduced, []
+    monkeypatch.setattr(experts_mod, "moe_reduced", lambda *a: seen.append(1) or reduced(*a))
+    torch.manual_seed(0)
+    cfg = preset("tiny", router="softmax")
+    weights = Transformer(cfg).state_dict()
+    tok = ByteTokenizer()
+    rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import")]
+    plan = dataclasses.replace(default_plan("cuda", torch.bfloat16), decode_grouped=False)
+    logits = {}
+    for gemv in (0, 2):
+        model = Transformer(cfg)
+        model.load_state_dict(weights)
+        engine = Engine.from_model(model, tok, dtype="bfloat16", device="cuda", compile="on",
+                                   plan=dataclasses.replace(plan, decode_reduce_max=gemv))
+        runner, cache, steps = engine.runner, engine.runner.new_cache(2, 32), []
+        seen.clear()
+        with torch.inference_mode():
+            for slot, r in enumerate(rows):
+                runner.prefill(cache, slot, torch.tensor(r, device="cuda"), 0)
+            for n in (2, 1):
+                ids = torch.tensor([7, 11][:n], device="cuda")
+                out = runner.decode(cache, list(range(n)), ids, [len(r) + 2 - n for r in rows[:n]])
+                steps.append(out.logits.float().cpu())
+        assert runner.graph_decode and (len(seen) > 0) == bool(gemv)
+        logits[gemv] = torch.cat([x.reshape(-1, x.shape[-1]) for x in steps])
+    want, got = logits[0], logits[2]
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 2**-7 * scale
+    assert (got - want).abs().mean() <= 2**-10 * scale
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_compiled_decode_step_never_waits_for_the_host(device, monkeypatch):

@@ -158,15 +158,58 @@ def test_feedforward_matches_formula():
         torch.testing.assert_close(ff(x), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", ["moe_indexed", "moe_reduced"])
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
 @pytest.mark.parametrize("T, K", [(1, 1), (1, 2), (5, 2), (16, 3)])
-def test_indexed_decode_path_equals_reference(act, T, K):
-    """moe_indexed (CUDA's sync-free few-token path) on CPU: the same sums as the reference loop."""
-    from moeserve.runtime.backends.experts import fuse_expert_weights, moe_indexed
+def test_indexed_decode_paths_equal_reference(path, act, T, K):
+    """moe_indexed (CUDA's sync-free few-token path) and moe_reduced (a compiled step's GEMVs) on CPU: the same sums
+    as the reference loop."""
+    from moeserve.runtime.backends import experts as backend
 
     x, ids, gates, w1, w2, w3, _ = make_case(T, K, act, with_keep=False, seed=T + K)
-    w = fuse_expert_weights(w1, w2, w3, act, pack=False, sync_free=True)
-    torch.testing.assert_close(moe_indexed(x, ids, gates, w), moe_reference(x, ids, gates, w1, w2, w3),
+    w = backend.fuse_expert_weights(w1, w2, w3, act, pack=False, sync_free=True)
+    torch.testing.assert_close(getattr(backend, path)(x, ids, gates, w), moe_reference(x, ids, gates, w1, w2, w3),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_the_reduced_path_in_bf16_sums_in_float32():
+    """bf16 weights and rows, the products summed in float32 and rounded once: within bf16's rounding of the
+    reference computed in float32 on the same bf16 values."""
+    from moeserve.runtime.backends.experts import fuse_expert_weights, moe_reduced
+
+    x, ids, gates, w1, w2, w3, _ = make_case(4, 2, "swiglu", with_keep=False, seed=3, dtype=torch.bfloat16)
+    w = fuse_expert_weights(w1, w2, w3, "swiglu", pack=False, sync_free=True)
+    got = moe_reduced(x, ids, gates, w)
+    want = moe_reference(x.float(), ids, gates.float(), w1.float(), w2.float(), w3.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2 ** -7)
+
+
+def test_a_compiled_step_takes_the_reduced_path_up_to_its_rows(monkeypatch):
+    """GraphExperts, traced: up to decode_reduce_max rows moe_reduced, past them grouped_mm or indexing, as the
+    row count (static in each bucket's graph) says. Tracing is stood in for by is_compiling; the path's results are
+    the test above's. One fullgraph compile of moe_reduced shows it traces whole (no graph break)."""
+    from moeserve.runtime.backends import compiled, experts as backend
+    from moeserve.runtime.experts import Experts
+
+    torch.manual_seed(0)
+    ex = backend.lay_out_experts(Experts(E, D, FF, "swiglu"), pack=False, sync_free=True, graph=True,
+                                 decode_reduce_max=2)
+    taken = []
+    for name in ("moe_reduced", "moe_indexed"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, real=real, name=name: taken.append(name) or real(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for T in (1, 2, 3):
+        x, ids, gates = torch.randn(T, D), torch.randint(0, E, (T, 2)), torch.rand(T, 2)
+        ex(x, ids, gates)
+    assert taken == ["moe_reduced", "moe_reduced", "moe_indexed"]
+    monkeypatch.undo()
+    if compiled.compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("no C++ compiler: inductor cannot build a CPU graph here")
+    x, ids, gates = torch.randn(1, D), torch.tensor([[1, 4]]), torch.rand(1, 2)
+    step = torch.compile(backend.moe_reduced, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(step(x, ids, gates, ex.w), backend.moe_reduced(x, ids, gates, ex.w),
                                atol=1e-5, rtol=1e-5)
 
 

@@ -121,6 +121,9 @@ class DispatchPlan:
     kernel_dense: bool = False  # the other linear maps too (never with pack_dense)
     kernel_norms: bool = False  # RMSNorm and decode attention on the C kernel, whatever the GEMMs' layout
     decode_grouped: bool = False  # a compiled decode step's experts: one grouped_mm call, not indexed per token
+    # a compiled decode step of at most this many rows: its experts as GEMVs on the indexed weights (moe_reduced;
+    # 0: never). Not yet measured on a GPU, where it is meant for batch 1 (`bench engine --compile` times it there)
+    decode_reduce_max: int = 0
     # more tokens than this in one call: the C kernel's experts (dense layers) run torch's GEMMs on the same plain
     # weights, faster there (None: the kernel at every count)
     kernel_max_tokens: int | None = None
@@ -143,6 +146,7 @@ class DispatchPlan:
                 f"{f', {self.dense_kernel_max_tokens} (dense)' if self.kernel_dense and self.dense_kernel_max_tokens is not None else ''}"
                 f"{' in float32 on upcast weights' if self.upcast_experts or self.upcast_dense else ''}"
                 f"{'; compiled decode: grouped_mm' if self.decode_grouped else ''}"
+                f"{f', GEMVs up to {self.decode_reduce_max} rows' if self.decode_reduce_max else ''}"
                 f"{'; quantized weights on torch quantized ops, experts indexed' if self.quant_ops else ''}"
                 f" ({self.source})")
 

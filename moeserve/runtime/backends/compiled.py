@@ -243,7 +243,7 @@ class CompiledBackend(EagerBackend):
 
     def experts(self, plan: DispatchPlan) -> dict:
         return dict(pack=False, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
-                    decode_grouped=plan.decode_grouped, graph=True)
+                    decode_grouped=plan.decode_grouped, decode_reduce_max=plan.decode_reduce_max, graph=True)
 
     def form(self, m: nn.Module, plan: DispatchPlan) -> nn.Module | None:
         """The plan's forms, and quantized and biased (gpt-oss) experts indexed per token whatever the plan (on a CPU,

@@ -16,6 +16,11 @@ on x86 CPUs each matrix prepacked for oneDNN (packing.py) where the calibration 
                 host sync too, so a compiled decode step may take it instead of moe_indexed
                 (`decode_grouped`): it reads each hit expert's weights once, where indexing copies
                 them out of the stack per token first.
+  moe_reduced   a compiled decode step of at most `decode_reduce_max` rows: each token's K experts as
+                products summed over D, `(x * W[ids]).sum(-1)`, which inductor lowers to one reduction kernel
+                per matrix that loads the indexed weights where they lie: a GEMV reading each (token, expert)
+                pair's weights once, with no copy out of the stack and none of grouped_mm's sort and scatter.
+                Eager it would materialize the products; it runs traced only.
   moe_fused     on the C kernel (cpu_kernel.py, where the calibration chose it): any token count, the
                 layer's experts in one call (both GEMMs and the activation), one scatter back.
 
@@ -52,6 +57,7 @@ class InferenceWeights:
     gather_max: int = 1  # at most this many tokens: gather path; more: grouped (measured: bench layer --sweep)
     sync_free: bool = False  # the few-token path is moe_indexed (no host sync), not moe_gather: on CUDA
     decode_grouped: bool = False  # a compiled decode step's experts: moe_grouped's grouped_mm, not moe_indexed
+    decode_reduce_max: int = 0  # a compiled decode step of at most this many rows: moe_reduced (0: never)
     fused: cpu_kernel.KernelExperts | None = field(default=None, repr=False)  # w1 / w3 / w2 as they lie, on the C kernel
     w13_EFD: Tensor | None = field(default=None, repr=False)  # stacked, for grouped_mm
     w2_EFD: Tensor | None = field(default=None, repr=False)
@@ -165,6 +171,17 @@ def moe_indexed(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: Infere
     return (y_TKD * gates_TK[..., None].to(y_TKD.dtype)).sum(dim=1)
 
 
+def moe_reduced(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w: InferenceWeights) -> Tensor:
+    """moe_indexed's sum with each matrix product written as a product summed over its inner dimension, in float32:
+    traced, inductor fuses the weights' indexing into the reduction (module docstring), so a decode step of one or
+    two rows reads each of its experts' weights once, at the speed of a GEMV."""
+    T, K = expert_ids_TK.shape
+    h_TKF = (x_TD.float()[:, None, None, :] * w.w13_EFD[expert_ids_TK].float()).sum(-1)
+    a_TKF = w.activation(h_TKF.reshape(T * K, -1)).view(T, K, -1)
+    y_TKD = (a_TKF[:, :, None, :] * w.w2_EFD[expert_ids_TK].float()).sum(-1)
+    return (y_TKD * gates_TK[..., None].float()).sum(dim=1).to(x_TD.dtype)
+
+
 def expert_counts(ids_N: Tensor, n_experts: int) -> Tensor:
     """Assignments per expert, [E] int32, computed where the ids are: torch.bincount would read the largest id
     back to the host to size its output (a sync on CUDA, and a shape a CUDA graph cannot hold)."""
@@ -220,8 +237,11 @@ class GraphExperts(TorchExperts):
     indexed out of the stack. The same module serves both, since the step is traced from the eager model."""
 
     def forward(self, x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, keep_TK: Tensor | None = None) -> Tensor:
-        if torch.compiler.is_compiling():
-            return (moe_grouped if self.w.decode_grouped else moe_indexed)(x_TD, expert_ids_TK, gates_TK, self.w)
+        if torch.compiler.is_compiling():  # a step's row count is static in its graph: one path per bucket
+            w = self.w
+            path = (moe_reduced if x_TD.shape[0] <= w.decode_reduce_max else
+                    moe_grouped if w.decode_grouped else moe_indexed)
+            return path(x_TD, expert_ids_TK, gates_TK, w)
         return super().forward(x_TD, expert_ids_TK, gates_TK, keep_TK)
 
 
@@ -281,12 +301,14 @@ def moe_sorted_fp32(x_TD: Tensor, expert_ids_TK: Tensor, gates_TK: Tensor, w1_EF
 def lay_out_experts(experts: Experts, pack: bool | None = None, grouped_mm: bool | None = None,
                     gather_max: int | None = None, sync_free: bool | None = None, kernel: bool = False,
                     decode_grouped: bool = False, kernel_max_tokens: int | None = None,
-                    graph: bool = False, upcast: bool = False) -> TorchExperts | FusedExperts:
+                    graph: bool = False, upcast: bool = False, decode_reduce_max: int = 0,
+                    ) -> TorchExperts | FusedExperts:
     """`experts` laid out for inference from its current weights (again after any weight change).
     pack=None: oneDNN packing where available; grouped_mm=None and sync_free=None: on CUDA only;
     kernel: plain weights run by the C kernel (cpu_kernel.py), where the calibration measured it faster;
     graph: the compiled step's form (GraphExperts), decode_grouped: its experts as one grouped_mm call (which torch
-    compiles for bfloat16 only) rather than indexing each token's experts out of the stack."""
+    compiles for bfloat16 only) rather than indexing each token's experts out of the stack, and up to
+    decode_reduce_max rows as moe_reduced's GEMVs."""
     dev, dtype = experts.w1.device, experts.w1.dtype
     pack = (onednn_packing_available(dev, dtype) and not kernel) if pack is None else pack
     grouped_mm = (dev.type == "cuda") if grouped_mm is None else grouped_mm
@@ -295,7 +317,7 @@ def lay_out_experts(experts: Experts, pack: bool | None = None, grouped_mm: bool
         raise ValueError(f"decode_grouped runs torch's grouped_mm on plain bfloat16 weights: not with "
                          f"grouped_mm={grouped_mm}, kernel={kernel} and {str(dtype).removeprefix('torch.')}")
     w = fuse_expert_weights(experts.w1, experts.w2, experts.w3, experts.act, pack, grouped_mm, sync_free, kernel)
-    w.decode_grouped = decode_grouped
+    w.decode_grouped, w.decode_reduce_max = decode_grouped, decode_reduce_max
     if gather_max is not None:
         w.gather_max = gather_max
     if kernel:
