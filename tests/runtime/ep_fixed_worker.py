@@ -111,7 +111,7 @@ def compiled_ranks(ckpt: str, group) -> dict:
     compiled step, in steps where every rank only decoded; `eager`: the others) and the ranks' passes."""
     import ep_worker
 
-    ep = EPRank.load(ckpt, group, RankOptions(slots=SLOTS + 1, prefill_chunk=ep_worker.PREFILL_CHUNK, compile="on"))
+    ep = EPRank.load(ckpt, group, RankOptions(slots=SLOTS, prefill_chunk=ep_worker.PREFILL_CHUNK, compile="on"))
     ep.start()
     futures = [ep.submit(p, SamplingParams(**kw)) for p, kw in ep_worker.REQUESTS[group.rank]]
     rows = ep_worker.SCORE_ROWS[group.rank]
