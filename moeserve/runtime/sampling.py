@@ -59,25 +59,62 @@ MAX_LOGPROBS = 20  # alternatives per token at most, as vLLM and OpenAI's chat A
 MIN_TEMPERATURE = 1e-6
 
 
-def filter_logits(logits_V: Tensor, p: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p (the smallest set of tokens whose mass reaches p; never empty)."""
-    scaled = logits_V.float() / p.temperature
-    if p.top_k is not None and p.top_k < scaled.numel():
-        kth = scaled.topk(p.top_k).values[-1]
+def filter_logits(logits_NV: Tensor, p: SamplingParams) -> Tensor:
+    """Temperature, then top-k (the k likeliest, and any tied with the k-th), then top-p (the smallest set of tokens
+    whose mass reaches p, and any tied with its least likely; never empty), for each row of `logits_NV` (any
+    leading dimensions; each row on its own, as if alone)."""
+    scaled = logits_NV.float() / p.temperature
+    V = scaled.shape[-1]
+    if p.top_k is not None and p.top_k < V:
+        kth = scaled.topk(p.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if p.top_p is not None and p.top_p < 1:
-        sorted_V, idx = scaled.sort(descending=True)
-        cum = sorted_V.softmax(-1).cumsum(-1)
-        drop = cum - sorted_V.softmax(-1) >= p.top_p  # mass before this token already reaches p
-        drop[0] = False  # the likeliest token stays, even for a top_p that float32 rounds to 0
-        scaled = scaled.scatter(0, idx, sorted_V.masked_fill(drop, float("-inf")))
+        probs = scaled.softmax(-1)
+        n = _top_p_width(probs, p.top_p) if probs.device.type == "cpu" else V
+        mass = probs.topk(n, dim=-1).values if n < V else probs.sort(dim=-1, descending=True).values
+        # the tokens whose likelier tokens' mass is below p (the likeliest always), then every token as likely as the
+        # least likely of them: tokens tied with it are kept together, so the set is the same whatever order a sort
+        # or top-k left ties in (bf16 logits tie often), and whatever n is
+        cut = ((mass.cumsum(-1) - mass) < p.top_p).sum(-1, keepdim=True).clamp_(min=1)
+        scaled = scaled.masked_fill(probs < mass.gather(-1, cut - 1), float("-inf"))
     return scaled
 
 
-def sample(logits_V: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """A token drawn from the filtered distribution with the sequence's own (CPU) generator."""
-    probs = filter_logits(logits_V, p).softmax(-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=gen))
+def _top_p_width(probs_NV: Tensor, top_p: float) -> int:
+    """How many of each row's likeliest tokens top-p has to sort: those with any probability (what top-k left, its
+    k-th value's ties included), or only the likeliest 64 or 1024 where in every row they already hold top_p of the
+    mass (a margin over the cumulative sum's rounding), since the cut falls inside them. Read on the host, which a
+    CPU's tensors cost nothing for; a 32k vocabulary's full sort is ~1 ms a row there."""
+    live = int((probs_NV > 0).sum(-1).max())
+    for m in (64, 1024):
+        if m >= live:
+            break
+        if float(probs_NV.topk(m, dim=-1).values.sum(-1).min()) >= top_p + 1e-4:
+            return m
+    return live
+
+
+def sample_rows(logits_BV: Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[int]:
+    """A token for each row, drawn from its filtered distribution with its own (CPU) generator, one uniform number a
+    draw (inverse CDF: the first token whose cumulative probability passes u times the total).
+
+    Rows asking for the same filtering are filtered as one block where the logits are; the uniforms go to them, and
+    the tokens come back in one transfer: on a GPU one host sync a step, not one a row (each row's probabilities
+    copied out), and on a CPU no per-row multinomial, which draws one random number per vocabulary entry. Each
+    row's arithmetic is its own, so its token does not depend on what it is batched with."""
+    out = [0] * len(params)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    for rows in groups.values():
+        cdf_NV = filter_logits(logits_BV[rows], params[rows[0]]).softmax(-1).cumsum(-1)
+        u_N = torch.cat([torch.rand(1, generator=gens[i]) for i in rows])
+        x_N1 = (u_N.to(cdf_NV.device, non_blocking=True) * cdf_NV[:, -1])[:, None]
+        # right=True: a token of probability 0 (cdf equal to its predecessor's) is never the first to pass x
+        drawn = torch.searchsorted(cdf_NV, x_N1, right=True)[:, 0].clamp_(max=cdf_NV.shape[-1] - 1).tolist()
+        for i, t in zip(rows, drawn):
+            out[i] = t
+    return out
 
 
 @dataclass

@@ -24,7 +24,7 @@ from moeserve.config import MoEConfig
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.backends.base import ModelRunner
 from moeserve.runtime.output import Completion, OutputProcessor
-from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample, token_logprobs
+from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample_rows, token_logprobs
 from moeserve.runtime.scheduler import Plan, Prefill, Scheduler, Sequence
 from moeserve.runtime.validate import check_token_ids
 from moeserve.tokenizer import Tokenizer
@@ -201,11 +201,16 @@ class StepEngine:
             self.on_aux(aux)
 
     def _choose(self, rows: list[Sequence], logits_BV: Tensor, ended: list[Sequence]) -> None:
-        """One token per row: the argmax of every row in one device call (the step's one host sync), and a
-        draw from the row's own generator where it samples; each to the row's output."""
-        greedy = logits_BV.float().argmax(dim=-1).tolist()  # in fp32: torch's bf16 argmax is several times slower
-        tokens = [greedy[i] if seq.params.greedy else sample(logits_BV[i], seq.params, seq.generator)
-                  for i, seq in enumerate(rows)]
+        """One token per row: the argmax of the greedy rows in one device call, and the sampling rows' draws, each
+        from the row's own generator, in another (sample_rows): a host sync each; each token to its row's output."""
+        sampled = [i for i, seq in enumerate(rows) if not seq.params.greedy]
+        tokens = ([0] * len(rows) if len(sampled) == len(rows) else  # in fp32: torch's bf16 argmax is slower
+                  logits_BV.float().argmax(dim=-1).tolist())
+        if sampled:  # every sampling row in one call: one host sync, not one a row
+            drawn = sample_rows(logits_BV[sampled], [rows[i].params for i in sampled],
+                                [rows[i].generator for i in sampled])
+            for i, t in zip(sampled, drawn):
+                tokens[i] = t
         scored = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if scored:
