@@ -141,15 +141,15 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                  backends: tuple[str, ...] = ("eager", "grouped_mm"), checkpoint: Path | None = None,
                  calibration: str | None = None, compiled: bool = False, model: str = "tiny", device: str = "cpu",
                  batch: int = 1, quantize: tuple[str, ...] = (), progress=print) -> dict:
-    """Runs of the implementations are interleaved (one of each per round, after a warm-up of each),
-    so that drift in the machine's speed hits all of them alike; the median round is reported. The
-    Engine runs the dispatch plan calibrated for this machine (reported); a dtype torch does not run
-    here is skipped, with the reason. `compiled`: the Engine with its compiled decode step too (`--compile
-    on`: its compile time is reported, and kept out of the timed rounds by the warm-up), and on CUDA in bf16
-    again with its experts as one grouped GEMM (DispatchPlan.decode_grouped), and up to REDUCED_MAX_BATCH rows
-    as GEMVs (DispatchPlan.decode_reduce_max): which way is faster is measured per batch size, not assumed.
-    `batch` prompts of `prompt_len` random tokens each, decoded together (no padding: the same length). `quantize`: the Engine again with its weights quantized at load in
-    each of these formats (int8, int4, fp8: runtime/quant.py), compiled where `compiled` is, in the same rounds;
+    """Runs of the implementations are interleaved (one of each per round, after a warm-up of each), so that drift
+    in the machine's speed hits all of them alike; the median round is reported. The Engine runs the dispatch plan
+    calibrated for this machine (reported); a dtype torch does not run here is skipped, with the reason. `compiled`:
+    the Engine with its compiled decode step too (`--compile on`: its compile time is reported, and kept out of the
+    timed rounds by the warm-up), and on CUDA in bf16 again with its experts as one grouped GEMM
+    (DispatchPlan.decode_grouped), and up to REDUCED_MAX_BATCH rows as GEMVs (DispatchPlan.decode_reduce_max): which
+    way is faster is measured per batch size, not assumed. `batch` prompts of `prompt_len` random tokens each,
+    decoded together (no padding: the same length). `quantize`: the Engine again with its weights quantized at load
+    in each of these formats (int8, int4, fp8: runtime/quant.py), compiled where `compiled` is, in the same rounds;
     their tokens differ from the float model's by the quantization (same_tokens says whether), and their bandwidth
     counts the quantized bytes a token reads. Each row's prefill rate is the prompt's tokens over the time to the
     first token (the prefill and one sampled token)."""
