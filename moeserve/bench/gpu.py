@@ -152,7 +152,11 @@ def _kept(errors: dict, part: str):
 
 
 def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | None = None,
-              test_timeout: float = 240.0, progress=print) -> dict:
+              test_timeout: float = 240.0, progress=print, save=None) -> dict:
+    """The run (module docstring). `save(report)`, if given, after each part with what is measured so far: a GPU
+    lent for minutes can be taken back mid-run, and the parts done should survive it (`main` writes them to --json,
+    marked partial, until the whole report replaces them)."""
+    save = save or (lambda report: None)
     if not torch.cuda.is_available():
         raise BenchError("no CUDA device here (torch.cuda.is_available() is False): this bench is for a GPU")
     started = time.perf_counter()
@@ -165,6 +169,7 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
         seconds["tests"] = round(time.perf_counter() - started, 1)
         if "skipped" in report["tests"] and isinstance(report["tests"]["skipped"], str):
             skipped["tests"] = report["tests"]["skipped"]
+        save(report)
     else:
         skipped["tests"] = "--skip-tests"
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,6 +185,7 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
                 report["engine"][str(batch)] = bench_engine(
                     ["bfloat16"], new_tokens=64, repeats=3, checkpoint=checkpoint, compiled=True, device="cuda",
                     batch=batch, quantize=QUANTIZED if batch == 1 else (), progress=lambda msg: None)
+            save(report | {"errors": errors})
         seconds["engine"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         with _kept(errors, "live length"):
@@ -233,9 +239,16 @@ def plot(report: dict, path: Path) -> None:
     engine_plot(report["engine"]["1"] | {"bench": "engine"}, path)
 
 
+def save_partial(path: Path | None, report: dict) -> None:
+    """What `bench_gpu` has measured so far, at the --json path (replaced by the whole report at the end)."""
+    if path is not None:
+        path.write_text(json.dumps({"partial": True, **report}, indent=1, allow_nan=False))
+
+
 def main(args) -> int:
     report = run_bench(args, "gpu", lambda progress: bench_gpu(args.checkpoint, tests=not args.skip_tests,
-                                                               progress=progress))
+                                                               progress=progress,
+                                                               save=lambda r: save_partial(args.json, r)))
     if report is None:
         return 2
     failed = report.get("tests", {}).get("failed")

@@ -105,3 +105,30 @@ def test_refused_without_a_gpu():
                        text=True, timeout=120)
     assert p.returncode == 2
     assert "moeserve bench gpu: no CUDA device here (torch.cuda.is_available() is False)" in p.stderr
+
+
+def test_each_part_is_saved_as_it_ends(monkeypatch, tmp_path):
+    """A GPU lent for minutes can go mid-run: `save` gets the report after the tests and after each engine batch,
+    and main's save_partial writes it to --json marked partial. The GPU parts are stood in for here; the run
+    itself is made on a GPU."""
+    from moeserve.bench import gpu
+
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu.torch.cuda, "get_device_name", lambda i=0: "a GPU")
+    monkeypatch.setattr(gpu, "run_tests", lambda root, timeout: {"passed": 3, "failed": [], "skipped": {}})
+    monkeypatch.setattr(gpu, "write_mixtral", lambda path, size, dtype: path)
+    monkeypatch.setattr(gpu, "bench_engine", lambda *a, batch, **kw: _engine(batch, 100.0 * batch, 50.0 * batch))
+
+    def taken_back(*a, **kw):
+        raise RuntimeError("the machine was taken back")
+
+    monkeypatch.setattr(gpu, "live_length", taken_back)
+    saved = []
+    report = gpu.bench_gpu(save=lambda r: saved.append(json.loads(json.dumps(r))), progress=lambda msg: None)
+    assert [sorted(r.get("engine", {})) for r in saved] == [[], ["1"], ["1", "32"]]
+    assert saved[0]["tests"]["passed"] == 3
+    assert report["errors"] == {"live length": "RuntimeError: the machine was taken back"}
+    out = tmp_path / "gpu.json"
+    gpu.save_partial(out, saved[1])
+    assert json.loads(out.read_text()) == {"partial": True, **saved[1]}
+    gpu.save_partial(None, saved[1])  # no --json: nothing written
