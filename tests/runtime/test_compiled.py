@@ -93,6 +93,36 @@ def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
     assert fast.runner._decode is not None and fast.runner.graph_decode  # it ran compiled, not a silent fallback
 
 
+def bucket_logits(device: str, plan, seen: list) -> tuple[torch.Tensor, Engine]:
+    """The tiny softmax model (the same weights each call) in bf16 with a compiled step on `plan`: two prompts
+    prefilled eagerly, then one token decoded at batch bucket 2 and at 1; their logits, [3, V]. `seen` (a list that
+    a patched path appends to) is emptied after the prefill, so what it holds after came from the step's graphs."""
+    torch.manual_seed(0)
+    tok = ByteTokenizer()
+    rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import")]
+    engine = Engine.from_model(Transformer(preset("tiny", router="softmax")), tok, dtype="bfloat16", device=device,
+                               compile="on", plan=plan)
+    runner, cache, steps = engine.runner, engine.runner.new_cache(2, 32), []
+    with torch.inference_mode():
+        for slot, r in enumerate(rows):
+            runner.prefill(cache, slot, torch.tensor(r, device=device), 0)
+        seen.clear()
+        for n in (2, 1):  # each bucket in turn
+            ids = torch.tensor([7, 11][:n], device=device)
+            out = runner.decode(cache, list(range(n)), ids, [len(r) + 2 - n for r in rows[:n]])
+            steps.append(out.logits.float().cpu())
+    assert runner.graph_decode
+    return torch.cat([x.reshape(-1, x.shape[-1]) for x in steps]), engine
+
+
+def assert_within_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    # 2-core AVX512 EPYC, grouped_mm against indexing: max 0.15% of the largest logit, mean 0.03%; the groups'
+    # offsets shifted by one expert: max 1.9%, mean 0.3%
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 2**-7 * scale
+    assert (got - want).abs().mean() <= 2**-10 * scale
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_compiled_decode_with_grouped_experts(device, monkeypatch):
@@ -104,36 +134,13 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
         pytest.skip(why)
     grouped_mm, seen = experts_mod.F.grouped_mm, []
     monkeypatch.setattr(experts_mod.F, "grouped_mm", lambda *a, **k: seen.append(1) or grouped_mm(*a, **k))
-    torch.manual_seed(0)
-    cfg = preset("tiny", router="softmax")
-    weights = Transformer(cfg).state_dict()
-    tok = ByteTokenizer()
-    rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import")]
     plan = dataclasses.replace(default_plan(device, torch.bfloat16), grouped_mm=True)
     logits = {}
-    for grouped in (False, True):
-        model = Transformer(cfg)
-        model.load_state_dict(weights)
-        engine = Engine.from_model(model, tok, dtype="bfloat16", device=device, compile="on",
-                                   plan=dataclasses.replace(plan, decode_grouped=grouped))
+    for grouped in (False, True):  # eager prefills run grouped_mm either way
+        logits[grouped], engine = bucket_logits(device, dataclasses.replace(plan, decode_grouped=grouped), seen)
         assert engine.model.moe_layers[0].experts.w.decode_grouped == grouped
-        runner, cache, steps = engine.runner, engine.runner.new_cache(2, 32), []
-        with torch.inference_mode():
-            for slot, r in enumerate(rows):  # eager: grouped_mm for the prompts' tokens either way
-                runner.prefill(cache, slot, torch.tensor(r, device=device), 0)
-            seen.clear()
-            for n in (2, 1):  # each bucket in turn
-                ids = torch.tensor([7, 11][:n], device=device)
-                out = runner.decode(cache, list(range(n)), ids, [len(r) + 2 - n for r in rows[:n]])
-                steps.append(out.logits.float().cpu())
-        assert runner.graph_decode and (len(seen) > 0) == grouped  # grouped_mm only in the grouped step
-        logits[grouped] = torch.cat([x.reshape(-1, x.shape[-1]) for x in steps])
-    want, got = logits[False], logits[True]
-    scale = want.abs().max()
-    # 2-core AVX512 EPYC: max 0.15% of the largest logit, mean 0.03%; the groups' offsets shifted by one
-    # expert: max 1.9%, mean 0.3%
-    assert (got - want).abs().max() <= 2**-7 * scale
-    assert (got - want).abs().mean() <= 2**-10 * scale
+        assert (len(seen) > 0) == grouped  # grouped_mm only in the grouped step
+    assert_within_bf16(logits[True], logits[False])
 
 
 @pytest.mark.cuda
@@ -146,33 +153,12 @@ def test_compiled_decode_with_gemv_experts_on_cuda(monkeypatch):
         pytest.skip(why)
     reduced, seen = experts_mod.moe_reduced, []
     monkeypatch.setattr(experts_mod, "moe_reduced", lambda *a: seen.append(1) or reduced(*a))
-    torch.manual_seed(0)
-    cfg = preset("tiny", router="softmax")
-    weights = Transformer(cfg).state_dict()
-    tok = ByteTokenizer()
-    rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import")]
     plan = dataclasses.replace(default_plan("cuda", torch.bfloat16), decode_grouped=False)
     logits = {}
     for gemv in (0, 2):
-        model = Transformer(cfg)
-        model.load_state_dict(weights)
-        engine = Engine.from_model(model, tok, dtype="bfloat16", device="cuda", compile="on",
-                                   plan=dataclasses.replace(plan, decode_reduce_max=gemv))
-        runner, cache, steps = engine.runner, engine.runner.new_cache(2, 32), []
-        seen.clear()
-        with torch.inference_mode():
-            for slot, r in enumerate(rows):
-                runner.prefill(cache, slot, torch.tensor(r, device="cuda"), 0)
-            for n in (2, 1):
-                ids = torch.tensor([7, 11][:n], device="cuda")
-                out = runner.decode(cache, list(range(n)), ids, [len(r) + 2 - n for r in rows[:n]])
-                steps.append(out.logits.float().cpu())
-        assert runner.graph_decode and (len(seen) > 0) == bool(gemv)
-        logits[gemv] = torch.cat([x.reshape(-1, x.shape[-1]) for x in steps])
-    want, got = logits[0], logits[2]
-    scale = want.abs().max()
-    assert (got - want).abs().max() <= 2**-7 * scale
-    assert (got - want).abs().mean() <= 2**-10 * scale
+        logits[gemv], _ = bucket_logits("cuda", dataclasses.replace(plan, decode_reduce_max=gemv), seen)
+        assert (len(seen) > 0) == bool(gemv)
+    assert_within_bf16(logits[2], logits[0])
 
 
 @pytest.mark.slow
