@@ -166,8 +166,8 @@ def add_serve(sub) -> None:
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     sv.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                     help=COMPILE_HELP + "; with --ray, every rank: a rank of --expert-parallel N > 1 runs its "
-                    "graphs in the steps where every rank only decodes (int8 / int4 or redundant experts: eager with auto, "
-                    "refused with on)")
+                    "graphs in the steps where every rank only decodes (int8 / int4 or redundant experts: eager "
+                    "with auto, refused with on)")
     sv.add_argument("--scheduler", default=_serve_default("scheduler"), choices=SCHEDULERS,
                     help="continuous: completions join the running decode steps and leave when done; batch: "
                     "run-to-completion batches, the baseline (default: %(default)s)")

@@ -29,7 +29,6 @@ class Lockstep:
         self.layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         self.calls = 0  # forward passes made since the last `agree`
         self.allowed = 0  # the most this step may make: the group's agreed maximum
-        self.empty_passes = 0  # made so far, in all
         self.graph = graph  # this rank's decode can run a compiled step (through the fixed exchange)
         self.fixed_step = False  # this step's: every rank runs its compiled decode or nothing (agreed)
         model.register_forward_pre_hook(self._count)
@@ -96,7 +95,6 @@ class Lockstep:
         n = self.allowed - self.calls if self.group.world_size > 1 else 0
         for _ in range(n):
             self.empty_pass()
-        self.empty_passes += n
         self.calls = self.allowed
         self.fixed_step = False
         for layer in self.layers:  # past the step: a call outside one (a table's build) takes the variable exchange
