@@ -51,6 +51,7 @@ from typing import Generator
 import torch
 
 from moeserve.checkpoint import load_expert_slice, read_config
+from moeserve.config import MoEConfig
 from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.compiled import CompiledBackend, resolve_compile
 from moeserve.runtime.backends.cpu import CpuKernelBackend
@@ -60,6 +61,7 @@ from moeserve.runtime.expert_parallel import (
     EPGroup, ExchangeStats, ExpertParallelError, ExpertParallelExperts, LockstepError, join_group,
 )
 from moeserve.runtime.expert_replicas import Replication
+from moeserve.runtime.experts import biased_experts
 from moeserve.runtime.lockstep import Lockstep
 from moeserve.runtime.output import EventCallback
 from moeserve.runtime.quant import QuantSpec, describe
@@ -67,7 +69,16 @@ from moeserve.runtime.sampling import EngineError, SamplingParams
 from moeserve.runtime.scheduler import Plan, Sequence, default_prefill_chunk
 from moeserve.runtime.steps import check_request
 
-__all__ = ["EPRank", "RankOptions", "RankStats", "load_rank_engine", "run_rank"]
+__all__ = ["EPRank", "RankOptions", "RankStats", "load_rank_engine", "run_rank", "uncompilable_experts"]
+
+
+def uncompilable_experts(cfg: MoEConfig, replicas: bool = False) -> str | None:
+    """Why a rank's experts cannot exchange inside a compiled step (their row splits are sized on the host, which the
+    fixed exchange does not do), or None: int8 / int4 experts, biased ones (gpt-oss), redundant copies (`replicas`)
+    or a capacity limit."""
+    biased = biased_experts(cfg)
+    return ("int8 / int4 experts" if cfg.quantization is not None and not biased else "biased experts" if biased else
+            "redundant experts" if replicas else "capacity_factor" if cfg.capacity_factor is not None else None)
 
 
 def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtype = "float32",
@@ -80,7 +91,7 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
     many tokens (off until the lockstep turns them on); 'on' fails with the reason where the experts cannot take it
     (`replicas`: redundant experts will be placed), 'auto' runs eager there."""
     cfg = read_config(checkpoint)
-    biased = cfg.expert_bias or cfg.expert_act == "clamped_swiglu"  # make_experts' BiasedExperts (gpt-oss)
+    biased = biased_experts(cfg)
     spec = None
     if cfg.quantization is not None:  # int8 / int4 checkpoints: each rank reads its experts' integers and scales
         if "bits" not in cfg.quantization:
@@ -95,9 +106,7 @@ def load_rank_engine(checkpoint: str, group: EPGroup, *, dtype: str | torch.dtyp
         raise ExpertParallelError(f"device {dev} for a {group.backend} group, which exchanges on {group.device}")
     dt = resolve_dtype(dtype, dev)
     graph = resolve_compile(compile, dev)
-    why = ("int8 / int4 experts" if spec is not None else "biased experts" if biased else
-           "redundant experts" if replicas else "capacity_factor" if cfg.capacity_factor is not None else None)
-    if graph and why is not None:
+    if graph and (why := uncompilable_experts(cfg, replicas)) is not None:
         if compile == "on":
             raise ExpertParallelError(f"compile = 'on' for rank {group.rank} of {group.world_size}: its {why} have no "
                                       f"compiled exchange (their rows are counted on the host); use compile 'off'")

@@ -231,10 +231,14 @@ class BiasedExperts(nn.Module):
         return combine(d, self.compute(d.x_ND, d.counts), x_TD)
 
 
+def biased_experts(cfg) -> bool:
+    """Whether `cfg`'s experts are `BiasedExperts`: expert biases or the clamped SwiGLU (gpt-oss)."""
+    return cfg.expert_bias or cfg.expert_act == "clamped_swiglu"
+
+
 def make_experts(cfg) -> nn.Module:
-    """A MoE layer's own experts as `cfg` describes them: `Experts`, or `BiasedExperts` where the config turns on
-    expert biases or the clamped SwiGLU (gpt-oss)."""
-    if cfg.expert_bias or cfg.expert_act == "clamped_swiglu":
+    """A MoE layer's own experts as `cfg` describes them: `Experts`, or `BiasedExperts` (biased_experts)."""
+    if biased_experts(cfg):
         return BiasedExperts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act, cfg.expert_bias,
                              cfg.swiglu_limit, cfg.swiglu_alpha)
     return Experts(cfg.n_experts, cfg.d_model, cfg.d_ff, cfg.expert_act)

@@ -34,8 +34,7 @@ from ray import serve
 
 from moeserve.errors import UserError
 from moeserve.ray_cluster import connect
-from moeserve.runtime.ep_rank import RankOptions
-from moeserve.runtime.quant import describe
+from moeserve.runtime.ep_rank import RankOptions, uncompilable_experts
 from moeserve.serve import ray_metrics
 from moeserve.serve.app import create_app
 from moeserve.serve.config import BatchConfig, ExpertParallelOptions
@@ -61,10 +60,9 @@ def check_checkpoint(checkpoint: str | Path, options: ExpertParallelOptions) -> 
     if cfg.quantization is not None and "bits" not in cfg.quantization:
         raise UserError(f"--expert-parallel: {checkpoint}'s weights are quantized at load on one GPU; the ranks serve "
                         "float, int8 and int4 checkpoints (moeserve quantize)")
-    if options.compile == "on" and options.ranks > 1 and cfg.quantization is not None:
-        raise UserError(f"--compile on with --expert-parallel {options.ranks}: {checkpoint}'s experts are "
-                        f"{describe(cfg.quantization)}, whose rows a rank counts on the host; a compiled rank's "
-                        f"exchange takes float experts (--compile off)")
+    if options.compile == "on" and options.ranks > 1 and (why := uncompilable_experts(cfg)) is not None:
+        raise UserError(f"--compile on with --expert-parallel {options.ranks}: {checkpoint}'s {why} have no compiled "
+                        f"exchange (a rank counts their rows on the host); use --compile off")
     options.check_experts(cfg.n_experts)
     return model
 

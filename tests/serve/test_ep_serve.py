@@ -418,3 +418,8 @@ def test_compile_on_refuses_a_quantized_checkpoint_over_ranks(tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "int8", model.cfg, model.state_dict())
     assert cli.main(["serve", str(ckpt), "--ray", "--expert-parallel", "2", "--compile", "on"]) == 2
     assert "--compile on with --expert-parallel 2" in capsys.readouterr().err
+    # the ranks' own refusal (ep_rank.uncompilable_experts), made here too: a capacity limit's dropped rows
+    capped = save_checkpoint(tmp_path / "capped", preset("tiny", capacity_factor=1.5), Transformer(
+        preset("tiny", capacity_factor=1.5)).state_dict())
+    assert cli.main(["serve", str(capped), "--ray", "--expert-parallel", "2", "--compile", "on"]) == 2
+    assert "capacity_factor have no compiled exchange" in capsys.readouterr().err
