@@ -16,3 +16,18 @@ def connect():
     if not ray.is_initialized():
         ray.init(include_dashboard=False, logging_level=logging.WARNING, configure_logging=True)
     return ray
+
+
+def local_ray_lost() -> bool:
+    """Whether the local Ray that `connect` started here has lost its GCS server or raylet. A signal to the whole
+    process group (Ctrl-C in a terminal, SIGTERM from a supervisor) reaches Ray's own processes too, and then no call
+    to Ray can finish: there is nothing left to wait for. False on a cluster this process joined, whose processes are
+    not its own. Ray's node object is private API, so any change to it reads as False (the caller's bounded wait)."""
+    import ray
+
+    try:
+        node = ray._private.worker._global_node
+        return bool(node is not None and node.head
+                    and any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes()))
+    except Exception:  # noqa: BLE001 - see the docstring
+        return False

@@ -17,6 +17,7 @@ from typing import Callable
 import ray
 from ray import serve
 
+from moeserve.ray_cluster import local_ray_lost
 from moeserve.serve.state import ServeConfig
 
 __all__ = ["APP_NAME", "serve_until_stopped"]
@@ -51,10 +52,13 @@ def serve_until_stopped(build: Callable[[], object], serve_cfg: ServeConfig, wha
         return 0
     finally:
         # deleting the application drains its replicas (each app's lifespan lets requests in flight finish);
-        # bounded, for a Ray whose processes the same signal already stopped (Ctrl-C reaches the process group)
+        # bounded, and not waited for once the local Ray is gone: a signal to the process group (Ctrl-C) stops
+        # Ray's processes too, and the wait would run to its bound (45 s under load, docs/bench/log.md)
         deleting = threading.Thread(target=_delete_app, daemon=True)
         deleting.start()
-        deleting.join(serve_cfg.shutdown_timeout_s + 15)
+        deadline = time.monotonic() + serve_cfg.shutdown_timeout_s + 15
+        while deleting.is_alive() and time.monotonic() < deadline and not local_ray_lost():
+            deleting.join(0.2)
         ray.shutdown()
 
 
