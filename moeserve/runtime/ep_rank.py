@@ -343,12 +343,15 @@ class EPRank:
                 most, all_finished = self.lockstep.agree(calls, finished, self._tokens(plan, job), eager)
                 if self.graph:  # the compiled decode where every rank runs one (or nothing), else eager everywhere
                     self.engine.runner.graph_decode = self.lockstep.fixed_step
-                graph_calls = self._graph_calls()
+                graph_calls, step_calls = self._graph_calls(), self.steps.model_calls
                 ended = self.steps.execute(plan)  # no model call when `calls` is 0: only cancelled sequences end
                 self.lockstep.calls += self._graph_calls() - graph_calls  # past the forward hook (compiled)
+                made = self.steps.model_calls - step_calls  # the C decode step, too, is past the hook
                 if job is not None:
+                    scored = self.lockstep.calls
                     self._score_slice(job)
-                made, fixed = self.lockstep.calls, self.lockstep.fixed_step
+                    made += self.lockstep.calls - scored
+                fixed = self.lockstep.fixed_step
                 self.stats.empty_passes += self.lockstep.pad()
                 if fixed:  # every pass of the step, real or empty, made each layer's fixed calls (uncounted there)
                     for layer, n in zip(self.lockstep.layers, self._fixed_calls):

@@ -64,6 +64,7 @@ class StepEngine:
         self.on_aux, self.on_decode = on_aux, on_decode
         self.scheduler = Scheduler(slots, prefill_chunk, share_prefill=share_prefill and runner.can_copy_prefix)
         self.cache: Any = runner.new_cache(slots, max_len)
+        self.model_calls = 0  # the runner's calls so far, whatever path each took (C step, graph, eager)
 
     @property
     def slots(self) -> int:
@@ -148,6 +149,7 @@ class StepEngine:
             rows = [*seqs, *carry]
             out = self.runner.step_rows(self.cache, [s.slot for s in rows], chunks + [[s.out[-1]] for s in carry],
                                         call.starts + [self._position(s) for s in carry])
+        self.model_calls += 1
         self._account(out.aux)
         if call.scored:
             self._score_prompt(seqs[0], call.starts[0], out.logits[0, -call.takes[0]:])
@@ -183,6 +185,7 @@ class StepEngine:
             return
         ids = torch.tensor([s.out[-1] for s in rows], device=self.runner.device)
         out = self.runner.decode(self.cache, [s.slot for s in rows], ids, [self._position(s) for s in rows])
+        self.model_calls += 1
         self._account(out.aux)
         self._count("graph" if out.graph else "eager", len(rows))
         self._choose(rows, out.logits[:, -1], ended)

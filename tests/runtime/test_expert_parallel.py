@@ -309,6 +309,7 @@ def test_a_rank_in_one_process_serves_as_the_engine(solo_group, checkpoints, who
         ep.stop()
         ep.thread.join(30)
         assert got.token_ids == want.complete(["def f(x):"], params)[0].token_ids, name
+        assert ep.stats.model_calls == 1 + 5 + 1, name  # the prompt's chunk, 5 decodes (C step or not), the scores
         assert counters["rows_routed"] == counters["rows_computed"] > 0 and counters["rows_sent"] == 0
         assert scores[0].logprob == pytest.approx(want.score_ids([[1, 5, 6, 7]])[0].logprob, abs=1e-5)
         assert not ep.thread.is_alive()
