@@ -7,7 +7,8 @@
 set -u
 SIG=${1:-TERM}
 CKPT=/tmp/moeserve-ep-serve/small
-[ -f $CKPT/config.json ] || python -c "import sys; sys.path.insert(0, 'docs/bench'); __import__('ep-serve').checkpoint()"
+[ -f $CKPT/config.json ] ||
+    python -c "import sys; sys.path.insert(0, 'docs/bench'); __import__('ep-serve').checkpoint()"
 setsid moeserve serve $CKPT --ray --expert-parallel 2 --dtype float32 --port 8123 > /tmp/ep-stop-server.log 2>&1 &
 PID=$!
 for i in $(seq 1 180); do curl -sf localhost:8123/readyz > /dev/null && break; sleep 1; done
