@@ -7,7 +7,7 @@ HTTP, SSE, the relay's wake-ups) and the rest's (the model thread, which steps, 
 torch's intra-op workers; Python does not name its threads for the OS, so /proc cannot tell these apart).
 
     PYTHONPATH=. python docs/bench/stream-cost.py [--trees base=/tmp/base new=.] [--clients 32] [--duration 10]
-        [--rounds 2] [--tokens 64] [--args "--kv-slots 32"]
+        [--rounds 2] [--tokens 64] [--args "--kv-slots 32"] [--preset small] [--null-model]
 
 Prints one line per tree, round and level: req/s, ITL p50, and CPU microseconds per streamed token of the event
 loop and of the other threads.
@@ -20,8 +20,23 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-checkpoint = __import__("ep-serve").checkpoint  # the random `small` checkpoint, fp32
+
+
+def checkpoint(name: str) -> Path:
+    """A random checkpoint of preset `name` (seed 0, fp32, a context of 256), written once (`small`: the built-in
+    model's shape)."""
+    import torch
+
+    from moeserve.checkpoint import save_checkpoint
+    from moeserve.config import preset
+    from moeserve.runtime.model import Transformer
+
+    path = Path(f"/tmp/moeserve-stream-cost/{name}")
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = Transformer(preset(name, max_seq_len=256))  # room for 32 prompt and 64 new tokens
+        save_checkpoint(path, model.cfg, model.state_dict())
+    return path
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -37,43 +52,74 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def server_pid(port: int) -> int:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in args and str(port).encode() in args:
-            return int(pid)
-    raise SystemExit(f"no server process on port {port}")
+def null_runner(runner, rows: int = 64) -> None:
+    """`runner`'s model calls replaced, on this instance, by canned logits (random, one row of them per call in
+    turn) and zero expert counts: a model that costs nothing, as a fast GPU's nearly does, so that what is left
+    is the server's host work. Greedy tokens then follow the canned rows; the text is noise."""
+    import torch
+
+    from moeserve.runtime.model import ModelOutput
+    from moeserve.runtime.moe import MoEAux
+
+    cfg = runner.cfg
+    logits = torch.randn(rows, 1, cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+    counts = [torch.zeros(cfg.n_experts, dtype=torch.long) for _ in cfg.moe_layer_ids]
+    turn = [0]
+
+    def out(B: int, graph: bool = False) -> ModelOutput:
+        turn[0] = (turn[0] + 1) % rows
+        return ModelOutput(logits[turn[0]:turn[0] + 1].expand(B, 1, -1), [MoEAux(c, None) for c in counts], graph)
+
+    runner.prefill = lambda cache, slot, ids_S, start, all_logits=False: out(1)
+    runner.step_rows = lambda cache, slots, ids, starts: out(len(slots))
+    runner.decode = lambda cache, slots, ids_B, positions: out(len(slots), graph=True)
 
 
-def run(tree: str, extra: list[str], clients: list[int], duration: float, tokens: int) -> list[str]:
+def serve_null(argv: list[str]) -> int:
+    """The server child of --null-model: `moeserve serve ARGV` whose engine's runner is null_runner's."""
+    import moeserve.serve.server as server
+    from moeserve.cli import main as cli_main
+
+    load = server.load_engine
+
+    def load_null(*args, **kwargs):
+        engine = load(*args, **kwargs)
+        null_runner(engine.runner)
+        return engine
+
+    server.load_engine = load_null
+    return cli_main(argv)
+
+
+def run(tree: str, ckpt: Path, extra: list[str], clients: list[int], duration: float, tokens: int,
+        null: bool) -> list[str]:
+    import subprocess
+
     from moeserve.bench.serve import ServeBenchConfig, bench_serve
-    from moeserve.bench.server_process import ServerLog, running_server
+    from moeserve.bench.server_process import free_port, server_command, stop_server, wait_ready
 
-    env = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(Path(tree).absolute())  # the server subprocess's moeserve
+    port = free_port()
+    command = server_command(ckpt, port, "float32", extra)
+    if null:  # the same command line, run by serve_null
+        command = [sys.executable, __file__, "--serve-null", *command[command.index("serve"):]]
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).absolute())}  # the server subprocess's moeserve
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
     lines = []
     try:
-        with running_server(checkpoint(), "float32", extra, ServerLog()) as url:
-            pid = server_pid(int(url.rsplit(":", 1)[1]))
-            for c in clients:
-                cfg = ServeBenchConfig(url=url, concurrency=(c,), duration_s=duration, input_len=(32, 32),
-                                       output_len=(tokens, tokens), timeout_s=120)
-                before = thread_cpu(pid)
-                lv = bench_serve(cfg)["levels"][0]
-                after = thread_cpu(pid)
-                streamed = lv["output_tokens_per_s"] * lv["wall_s"]
-                us = {k: 1e6 * (after[k] - before[k]) / max(streamed, 1) for k in after}
-                lines.append(f"C={c:3d} {lv['requests_per_s']:6.2f} req/s  itl p50 {lv['itl_ms']['p50']:5.1f} ms  "
-                             f"CPU us a token: loop {us['loop']:6.1f}  rest {us['rest']:7.1f}")
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url)
+        for c in clients:
+            cfg = ServeBenchConfig(url=url, concurrency=(c,), duration_s=duration, input_len=(32, 32),
+                                   output_len=(tokens, tokens), timeout_s=120)
+            before = thread_cpu(proc.pid)
+            lv = bench_serve(cfg)["levels"][0]
+            after = thread_cpu(proc.pid)
+            streamed = lv["output_tokens_per_s"] * lv["wall_s"]
+            us = {k: 1e6 * (after[k] - before[k]) / max(streamed, 1) for k in after}
+            lines.append(f"C={c:3d} {lv['requests_per_s']:6.2f} req/s  itl p50 {lv['itl_ms']['p50']:5.1f} ms  "
+                         f"CPU us a token: loop {us['loop']:6.1f}  rest {us['rest']:7.1f}")
     finally:
-        if env is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = env
+        stop_server(proc)
     return lines
 
 
@@ -85,11 +131,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--args", default="", help="extra flags for every server, one string")
+    p.add_argument("--preset", default="small", help="the random checkpoint's shape")
+    p.add_argument("--null-model", action="store_true", help="the runner's model calls cost nothing (null_runner)")
+    if sys.argv[1:2] == ["--serve-null"]:
+        sys.exit(serve_null(sys.argv[2:]))
     a = p.parse_args()
+    ckpt = checkpoint(a.preset)
     trees = [t.split("=", 1) for t in a.trees]
     for r in range(a.rounds):
         for name, path in trees if r % 2 == 0 else trees[::-1]:
-            for line in run(path, a.args.split(), a.clients, a.duration, a.tokens):
+            for line in run(path, ckpt, a.args.split(), a.clients, a.duration, a.tokens, a.null_model):
                 print(f"round {r} {name:8s} {line}", flush=True)
 
 

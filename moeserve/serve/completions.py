@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 import uuid
 from typing import AsyncIterator
@@ -33,6 +34,7 @@ from moeserve.serve.state import ServeConfig, ServerState
 MAX_STOP = 4  # stop strings per request, as OpenAI
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DEADLINE = object()  # queued by a stream's deadline timer
 STREAM_DOC = {200: {"content": {"text/event-stream": {"schema": {
     "type": "string", "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`"}}}}}
 
@@ -305,7 +307,11 @@ async def _stream(job: Job, events: asyncio.Queue, head: dict, choices: Choices,
     """Server-sent events: each choice's opening chunk (chat), a chunk per stream event of its sequence
     (runtime/output.py: text as it becomes final, stop strings already cut), the finish reasons once the whole
     request has ended, usage if asked, [DONE]. A deadline or a failure after the stream started can only be
-    told in the stream: an error event. Rows are choices here (best_of == n)."""
+    told in the stream: an error event. Rows are choices here (best_of == n).
+
+    The events queued when the loop gets to this stream go out in one write: a loop that keeps up wakes once a
+    token, one that falls behind (a fast model's server is bound by its host work) sends fewer, larger writes
+    rather than falling further behind. The deadline is one timer that queues DEADLINE, not a timeout a token."""
     def event(choice: dict) -> bytes:
         return _sse({**head, "choices": [choice]})
 
@@ -314,32 +320,42 @@ async def _stream(job: Job, events: asyncio.Queue, head: dict, choices: Choices,
         return event(chunks.choice(i, e.text, e.logprobs, e.finish_reason))
 
     last: dict[int, StreamEvent] = {}  # each choice's last event, sent once the request has succeeded
+    loop = asyncio.get_running_loop()
+    timer = (loop.call_later(max(0.0, job.deadline - time.monotonic()), events.put_nowait, DEADLINE)
+             if math.isfinite(job.deadline) else None)
     try:
         for i in range(len(job.rows)):
             if (opening := chunks.first(i)) is not None:
                 yield event(opening)
         while True:
-            try:
-                item = await asyncio.wait_for(events.get(), timeout=max(0.0, job.deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                job.cancelled = True
-                raise DeadlineExceeded("no answer within the server's request timeout") from None
-            if item is None:  # the job finished
+            items = [await events.get()]
+            while not events.empty():
+                items.append(events.get_nowait())
+            # None: the job finished; DEADLINE: it ran out of time
+            end = next((k for k, item in enumerate(items) if item is None or item is DEADLINE), len(items))
+            out = []
+            for i, e in items[:end]:
+                if e.finish_reason is not None:
+                    last[i] = e
+                else:
+                    out.append(chunk(i, e))
+            if out:
+                yield b"".join(out)
+            if end < len(items):
                 break
-            i, e = item
-            if e.finish_reason is not None:
-                last[i] = e
-            else:
-                yield chunk(i, e)
+        if items[end] is DEADLINE:
+            job.cancelled = True
+            raise DeadlineExceeded("no answer within the server's request timeout")
         if job.future.exception() is not None:
             raise job.future.exception()
         done: list[Completion] = job.future.result()
-        for i in range(len(done)):
-            yield chunk(i, last[i])
+        tail = [chunk(i, last[i]) for i in range(len(done))]
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": choices.usage(done)})
-        yield _sse("[DONE]")
+            tail.append(_sse({**head, "choices": [], "usage": choices.usage(done)}))
+        yield b"".join(tail) + _sse("[DONE]")
     except Exception as e:
         yield _sse(_result_error(e).body())
     finally:
+        if timer is not None:
+            timer.cancel()
         job.cancelled = True  # a no-op once finished; stops the generation if the client left
