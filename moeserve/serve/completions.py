@@ -226,8 +226,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     row = tokenizer.encode(text, bos=state.chat_template.needs_bos)
     ctx = engine.cfg.max_seq_len
     if len(row) > ctx - 1:
-        raise ApiError("invalid_value", f"the conversation (messages) is {len(row)} tokens; at most {ctx - 1} fit this model's "
-                       f"context of {ctx}", param="messages", limit=ctx - 1)
+        raise ApiError("invalid_value", f"the conversation (messages) is {len(row)} tokens; at most {ctx - 1} fit this "
+                       f"model's context of {ctx}", param="messages", limit=ctx - 1)
     if req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     else:
