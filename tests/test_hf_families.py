@@ -22,7 +22,7 @@ from moeserve.checkpoint import (  # noqa: E402
     CheckpointError, is_expert_weight, load_checkpoint, load_expert_slice,
 )
 from moeserve.runtime.backends import cpu_kernel  # noqa: E402
-from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
+from moeserve.runtime.backends.plan import DispatchPlan  # noqa: E402
 from moeserve.runtime.backends.compiled import compile_unavailable  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
 

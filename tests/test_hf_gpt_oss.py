@@ -21,7 +21,7 @@ from moeserve.checkpoint import (  # noqa: E402
     CheckpointError, describe, is_expert_weight, load_checkpoint, load_expert_slice,
 )
 from moeserve.hf_gpt_oss import FP4_VALUES, dequantize_mxfp4  # noqa: E402
-from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
+from moeserve.runtime.backends.plan import DispatchPlan  # noqa: E402
 from moeserve.runtime.backends.experts import moe_indexed_biased  # noqa: E402
 from moeserve.runtime.experts import BiasedExperts  # noqa: E402
 from moeserve.runtime.kv_cache import KVCache  # noqa: E402

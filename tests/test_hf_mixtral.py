@@ -23,7 +23,7 @@ from moeserve.checkpoint import (  # noqa: E402
 from moeserve.runtime.loading import load_model  # noqa: E402
 from moeserve.runtime.kv_cache import KVCache  # noqa: E402
 from moeserve.tokenizer import HFTokenizer, load_checkpoint_tokenizer, load_tokenizer  # noqa: E402
-from moeserve.runtime.backends.calibration import default_plan  # noqa: E402
+from moeserve.runtime.backends.plan import default_plan  # noqa: E402
 from moeserve.runtime.backends.eager import EagerBackend  # noqa: E402
 from moeserve.runtime.backends.experts import lay_out_experts  # noqa: E402
 from moeserve.runtime.model import TiedHead  # noqa: E402

@@ -17,7 +17,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from moeserve.bench.quant import held_out_records, next_token_logp
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.quant import QuantSpec, describe
 

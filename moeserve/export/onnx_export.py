@@ -156,7 +156,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike, mode: str
     from moeserve.export.moe_graph import dequantized, qmoe_experts, widened
     from moeserve.export.onnx_graph import build_graph
     from moeserve.export.parity import TOLERANCE, check
-    from moeserve.runtime.backends.calibration import DispatchPlan
+    from moeserve.runtime.backends.plan import DispatchPlan
     from moeserve.runtime.backends.eager import EagerBackend
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.loading import load_model

@@ -23,7 +23,8 @@ from torch import Tensor
 from moeserve.config import MoEConfig
 from moeserve.runtime import BACKENDS, COMPILE_MODES
 from moeserve.runtime.backends import ModelRunner
-from moeserve.runtime.backends.calibration import DispatchPlan, resolve_mode
+from moeserve.runtime.backends.calibration import resolve_mode
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.device import cpu_has_fast_bf16, dtype_unsupported
 from moeserve.runtime.executor import Executor, ExpertLoad
 from moeserve.runtime.loading import load_model, verifying

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from moeserve.config import MoEConfig
 from moeserve.runtime.backends import ModelRunner, backend_for
-from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, plan_for, quantized_plan
+from moeserve.runtime.backends.calibration import ExpertShape, plan_for
+from moeserve.runtime.backends.plan import DispatchPlan, quantized_plan
 from moeserve.runtime.backends.compiled import CompileError, model_uncompilable, resolve_compile
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
@@ -57,7 +58,7 @@ class ExpertLoad:
 
 
 class Executor:
-    """One model's calls, over its backend. A torch model is laid out by a DispatchPlan (calibration.py): `plan` if
+    """One model's calls, over its backend. A torch model is laid out by a DispatchPlan (backends/plan.py): `plan` if
     given, else the one measured for this model's shapes on this machine (cached after the first time;
     `calibration` 'off' takes the unmeasured defaults, 'redo' measures again; None: $MOESERVE_CALIBRATION, else
     'auto'). `compile`: the decode step as a compiled graph (compiled.py: 'on', 'off', or 'auto': on CUDA only,

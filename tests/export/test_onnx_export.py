@@ -32,7 +32,7 @@ from moeserve.checkpoint import save_checkpoint  # noqa: E402
 from moeserve.config import preset  # noqa: E402
 from moeserve.export.onnx_export import export_onnx  # noqa: E402
 from moeserve.export.onnx_graph import build_graph  # noqa: E402
-from moeserve.runtime.backends.calibration import DispatchPlan  # noqa: E402
+from moeserve.runtime.backends.plan import DispatchPlan  # noqa: E402
 from moeserve.runtime.engine import Engine  # noqa: E402
 from moeserve.runtime.model import Transformer  # noqa: E402
 from moeserve.runtime.backends.eager import EagerBackend  # noqa: E402

@@ -15,7 +15,7 @@ from moeserve.export.onnx_export import ExportError, export_onnx
 from moeserve.export.onnx_graph import build_graph
 from moeserve.export.tensorrt import (OPS_FILE, TENSORRT_PRECISIONS, build_engine, supported_ops, tensorrt_missing,
                                       unsupported_ops)
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.backends.eager import EagerBackend
 

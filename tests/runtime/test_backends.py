@@ -11,7 +11,7 @@ import torch
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.backends import cpu_kernel
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.compiled import compile_unavailable
 from moeserve.runtime.backends.packing import onednn_packing_available
 from moeserve.runtime.engine import Engine, SamplingParams, load_engine

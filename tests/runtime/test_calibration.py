@@ -13,15 +13,8 @@ import torch
 from moeserve.config import preset
 from moeserve.runtime.backends import calibration as cal
 from moeserve.runtime import device
-from moeserve.runtime.backends.calibration import (
-    CalibrationError,
-    DispatchPlan,
-    ExpertShape,
-    calibrate,
-    choose,
-    default_plan,
-    plan_for,
-)
+from moeserve.runtime.backends.calibration import CalibrationError, ExpertShape, calibrate, choose, plan_for
+from moeserve.runtime.backends.plan import DispatchPlan, default_plan
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.backends.packing import PackedLinear, onednn_packing_available

@@ -12,7 +12,7 @@ import torch
 from moeserve.config import preset
 from moeserve.runtime.backends import compiled as compiled_mod
 from moeserve.runtime.backends import experts as experts_mod
-from moeserve.runtime.backends.calibration import default_plan
+from moeserve.runtime.backends.plan import default_plan
 from moeserve.runtime.backends.experts import lay_out_experts
 from moeserve.runtime.backends.compiled import CompileError, buckets, resolve_compile, spans
 from moeserve.runtime.engine import Engine, EngineError

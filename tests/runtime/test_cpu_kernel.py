@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.runtime.backends import cpu_kernel
-from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, calibrate, choose
+from moeserve.runtime.backends.calibration import ExpertShape, calibrate, choose
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.cpu import FusedExperts, KernelLinear
 from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.engine import Engine
@@ -384,7 +385,7 @@ def test_a_kernel_plan_where_the_kernel_is_off_is_refused_by_name(tmp_path):
 import torch
 from moeserve.config import preset
 from moeserve.runtime.backends import backend_for
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.model import Transformer
 for plan in (DispatchPlan(kernel_dense=True), DispatchPlan(kernel_norms=True)):

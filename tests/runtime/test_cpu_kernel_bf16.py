@@ -11,7 +11,8 @@ import torch
 
 from moeserve.runtime.backends import cpu_kernel
 from moeserve.runtime.backends.cpu import FusedExperts, KernelLinear
-from moeserve.runtime.backends.calibration import DispatchPlan, ExpertShape, calibrate
+from moeserve.runtime.backends.calibration import ExpertShape, calibrate
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.cpu_kernel import KernelError
 from moeserve.runtime.device import cpu_flags
 from moeserve.runtime.engine import Engine

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.runtime.backends.calibration import default_plan
+from moeserve.runtime.backends.plan import default_plan
 from moeserve.runtime.backends.eager import EagerBackend
 from moeserve.checkpoint import load_checkpoint, save_checkpoint
 from moeserve.config import preset

@@ -16,7 +16,7 @@ from moeserve.checkpoint import CheckpointError, WEIGHTS_FILE, load_checkpoint, 
 from moeserve.cli import main as cli_main
 from moeserve.config import ConfigError, MoEConfig, preset
 from moeserve.runtime.backends import cpu_kernel
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams, load_engine
 from moeserve.runtime.experts import Experts
 from moeserve.runtime.loading import load_model

@@ -23,7 +23,7 @@ from moeserve.config import MoEConfig, preset
 from moeserve.runtime.backends import compiled as compiled_mod
 from moeserve.runtime.backends import quant_gpu
 from moeserve.runtime.backends.layout import plain_
-from moeserve.runtime.backends.calibration import DispatchPlan, quantized_plan
+from moeserve.runtime.backends.plan import DispatchPlan, quantized_plan
 from moeserve.runtime.backends.quant_gpu import (
     DequantizedLinear, Fp8ScaledLinear, IndexedQuantExperts, Int4PackLinear, Int8PackLinear, describe_forms,
     indexed_experts, linear_form, tinygemm_bytes, tinygemm_scales, tinygemm_unfit,

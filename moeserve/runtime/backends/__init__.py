@@ -14,7 +14,7 @@ quantized one, another GPU step) is a new class here.
 from __future__ import annotations
 
 from moeserve.runtime.backends.base import ModelRunner, TorchBackend
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.compiled import CompiledBackend
 from moeserve.runtime.backends.cpu import CpuKernelBackend
 from moeserve.runtime.backends.eager import EagerBackend

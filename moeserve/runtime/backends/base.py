@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.layout import plain_
 from moeserve.runtime.kv_cache import KVCache
 from moeserve.runtime.model import ModelOutput, Transformer

@@ -1,4 +1,5 @@
-"""How this machine runs a model: weight layout and dispatch path, measured here rather than assumed.
+"""How this machine runs a model: the weight layout and dispatch path of its DispatchPlan (plan.py), measured here
+rather than assumed.
 
 Three choices decide an MoE model's speed on a CPU, and their best answers differ from CPU to CPU:
 
@@ -40,7 +41,7 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -57,8 +58,7 @@ from moeserve.runtime.device import cpu_name
 from moeserve.runtime.backends.experts import (InferenceWeights, fuse_expert_weights, moe_gather, moe_grouped,
                                               moe_sorted_fp32)
 from moeserve.runtime.backends.packing import onednn_packing_available, pack_weight, packed_linear
-from moeserve.runtime.backends.quant_gpu import describe_forms, quantized_ops_unavailable
-from moeserve.runtime.quant_fp8 import check_fp8, is_fp8_config
+from moeserve.runtime.backends.plan import DispatchPlan, default_plan
 
 VERSION = 9  # bump when what is measured or how it is decided changes: older cache files are then ignored
 MODES = ("auto", "off", "redo")
@@ -82,9 +82,6 @@ ROUTINGS = 8  # routings cycled through per token count: at one token, top_k of 
 MAX_S = 20.0  # a model so large that the ladder takes longer stops at the count it has reached
 MIN_ROUNDS, MAX_ROUNDS = 3, 25
 TIE = 1.02  # within 2% of the best score, the simpler configuration wins
-# A quantized model on a GPU: up to this many tokens its experts are indexed per token (quant_gpu.py), each
-# assignment's expert dequantized: what one decode row reads anyway, as the float default's gather_max of 1
-QUANT_GATHER_MAX = 1
 
 # configuration -> (gather candidate, grouped candidate, pack_experts, grouped_mm), simplest first: what a tie
 # goes to. The C kernel reads the weights where they lie (a checkpoint's mapped pages: no copy at load), so it
@@ -104,85 +101,6 @@ log = logging.getLogger("moeserve.runtime")
 
 class CalibrationError(UserError):
     """A calibration mode other than auto, off or redo."""
-
-
-@dataclass
-class DispatchPlan:
-    """The choices the model's inference layout is built from (backends/: a backend lays the model out by it)."""
-
-    pack_dense: bool = False  # attention, dense FFN and tied LM-head weights oneDNN-packed
-    pack_experts: bool = False  # expert weights oneDNN-packed
-    grouped_mm: bool = False  # many tokens: one grouped_mm call instead of a loop over the experts
-    gather_max: int = 1  # at most this many tokens: the gather path
-    source: str = "default"  # default (not measured), measured (now), cached (measured before, on this machine)
-    reason: str = ""  # the measurements that decided, in words
-    timings: dict[str, dict[int, float]] = field(default_factory=dict, repr=False)  # ms per candidate per count
-    kernel_experts: bool = False  # expert weights plain, a layer's experts in one call (cpu_kernel.KernelExperts)
-    kernel_dense: bool = False  # the other linear maps too (never with pack_dense)
-    kernel_norms: bool = False  # RMSNorm and decode attention on the C kernel, whatever the GEMMs' layout
-    decode_grouped: bool = False  # a compiled decode step's experts: one grouped_mm call, not indexed per token
-    # a compiled decode step of at most this many rows: its experts as GEMVs on the indexed weights (moe_reduced;
-    # 0: never). Not yet measured on a GPU, where it is meant for batch 1 (`bench engine --compile` times it there)
-    decode_reduce_max: int = 0
-    # more tokens than this in one call: the C kernel's experts (dense layers) run torch's GEMMs on the same plain
-    # weights, faster there (None: the kernel at every count)
-    kernel_max_tokens: int | None = None
-    dense_kernel_max_tokens: int | None = None
-    # past those counts, torch's GEMMs in float32 on upcast weights: a bf16 model on a CPU without bf16 arithmetic
-    upcast_experts: bool = False
-    upcast_dense: bool = False
-    # quantized weights on torch's quantized ops where they take them, the experts indexed per token up to gather_max
-    # tokens (quant_gpu.py): a GPU's layout of a quantized model
-    quant_ops: bool = False
-
-    def describe(self) -> str:
-        grouped = "one grouped_mm call" if self.grouped_mm else "a loop over experts"
-        layout = "packed" if self.pack_experts else "plain, C kernel" if self.kernel_experts else "plain"
-        return (f"experts {layout}, gather path up to {self.gather_max} "
-                f"token{'s' if self.gather_max != 1 else ''} then {grouped}; dense layers "
-                f"{'packed' if self.pack_dense else 'C kernel' if self.kernel_dense else 'plain'}"
-                f"{'; norms and decode attention C kernel' if self.kernel_norms else ''}"
-                f"{f'; torch GEMMs past {self.kernel_max_tokens} tokens (experts)' if self.kernel_experts and self.kernel_max_tokens is not None else ''}"
-                f"{f', {self.dense_kernel_max_tokens} (dense)' if self.kernel_dense and self.dense_kernel_max_tokens is not None else ''}"
-                f"{' in float32 on upcast weights' if self.upcast_experts or self.upcast_dense else ''}"
-                f"{'; compiled decode: grouped_mm' if self.decode_grouped else ''}"
-                f"{f', GEMVs up to {self.decode_reduce_max} rows' if self.decode_reduce_max else ''}"
-                f"{'; quantized weights on torch quantized ops, experts indexed' if self.quant_ops else ''}"
-                f" ({self.source})")
-
-
-def default_plan(device: torch.device | str, dtype: torch.dtype, reason: str = "not measured") -> DispatchPlan:
-    """Without measuring: packed wherever oneDNN can pack, gather for one token, grouped_mm on CUDA, and in
-    bf16 on CUDA a compiled decode step's experts as one grouped_mm call: it reads each hit expert once where
-    indexing copies an expert's weights per routed row (on an H100, faster at batch 1 and far faster at 32:
-    docs/bench/engine-2.4b-h100*)."""
-    pack = onednn_packing_available(device, dtype)
-    cuda = torch.device(device).type == "cuda"
-    return DispatchPlan(pack, pack, cuda, 1, "default", reason, decode_grouped=cuda and dtype == torch.bfloat16)
-
-
-def quantized_plan(cfg: MoEConfig, device: torch.device | str, dtype: torch.dtype) -> DispatchPlan:
-    """A quantized model's plan, not measured: on a CPU the C kernel's integer GEMMs (quant_kernel.py), at every row
-    count; on a GPU torch's quantized ops (quant_gpu.py: _weight_int8pack_mm, tinygemm, _scaled_mm) with the experts
-    indexed per token for a decode step's row; torch dequantizing the weights (QuantLinear's own forward) where
-    neither runs (the CPU kernel's widths are multiples of 32; tinygemm takes bfloat16 on compute capability 8.0+).
-    fp8 weights anywhere but a GPU with fp8 arithmetic: Fp8Unavailable."""
-    if is_fp8_config(cfg.quantization):
-        check_fp8(device)
-    if torch.device(device).type != "cpu":
-        why = quantized_ops_unavailable(cfg.quantization, device, dtype)
-        reason = (f"quantized weights on a GPU: {describe_forms(cfg.quantization)}" if why is None else
-                  f"quantized weights on a GPU: dense layers dequantized by torch ({why}); experts indexed and "
-                  "dequantized per token for few rows, each hit expert dequantized once for many")
-        return DispatchPlan(False, False, False, QUANT_GATHER_MAX, "quantized", reason, quant_ops=True)
-    why = cpu_kernel.unavailable_for(dtype)
-    widths = [cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.head_dim]
-    if why is None and any(w % 32 for w in widths):
-        why = f"the kernel's quantized GEMMs take widths that are multiples of 32, not {widths}"
-    if why is not None:
-        return DispatchPlan(False, False, False, 0, "quantized", f"quantized weights dequantized by torch: {why}")
-    return DispatchPlan(False, False, False, 0, "quantized", "quantized weights on the C kernel's integer GEMMs",
-                        kernel_experts=True, kernel_dense=True, kernel_norms=True)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
 from moeserve.runtime.backends.experts import GraphBiasedExperts
 from moeserve.runtime.expert_parallel import ExpertParallelExperts

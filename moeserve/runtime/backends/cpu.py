@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moeserve.runtime.backends import cpu_kernel
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend, is_linear
 from moeserve.runtime.backends.experts import FusedExperts
 from moeserve.runtime.backends.layout import Laid

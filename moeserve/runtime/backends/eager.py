@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from moeserve.runtime.backends.base import TorchBackend
-from moeserve.runtime.backends.calibration import DispatchPlan
+from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.experts import lay_out_experts
 from moeserve.runtime.backends.layout import Laid, lay_out_
 from moeserve.runtime.backends.packing import PackedLinear, pack_weight

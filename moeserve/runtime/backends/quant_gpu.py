@@ -210,7 +210,7 @@ def quantized_ops_unavailable(quantization: dict | None, device: torch.device | 
 def linear_form(m: QuantLinear, dtype: torch.dtype, max_rows: int = INT8PACK_MAX_ROWS) -> QuantLinear | None:
     """`m` on torch's quantized op for its format, device and the model's `dtype`, or None where the op does not
     take it (the reference forward stays). Whether fp8 may run on the device at all is the plan's question
-    (calibration.quantized_plan refuses it where it cannot): on a CPU, _scaled_mm runs too, which the tests use."""
+    (plan.quantized_plan refuses it where it cannot): on a CPU, _scaled_mm runs too, which the tests use."""
     dev, O, I = m.qweight.device, m.out_features, m.in_features
     if isinstance(m, Fp8Linear):
         if scaled_mm_unfit(O, I) is not None:
