@@ -37,6 +37,7 @@ from moeserve.errors import UserError
 from moeserve.runtime.ep_rank import EPRank, RankOptions, run_rank
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.serve.config import ExpertParallelOptions
+from moeserve.serve.state import freeze_loaded_heap
 
 __all__ = ["RankActor", "RankGroup"]
 
@@ -73,6 +74,7 @@ class RankActor:
         bos = [tok.bos_id] if tok is not None and tok.bos_id is not None else []
         await asyncio.wrap_future(self.ep.submit(bos + [1, 2, 3], SamplingParams(max_new_tokens=2)))
         self.ep.engine.expert_load.reset()
+        freeze_loaded_heap()
         return self.info()
 
     def info(self) -> dict:
