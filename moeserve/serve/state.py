@@ -84,7 +84,8 @@ class ServerState:
                                    engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
         self.metrics.watch_decode(lambda: self.engine.executor.decode_tokens if self.engine else None)
         if engine.cfg.task == "lm":
-            engine.executor.warm_up(self.cfg.kv_slots if self.cfg.scheduler == "continuous" else self.cfg.batch.max_batch_size)
+            c = self.cfg
+            engine.executor.warm_up(c.kv_slots if c.scheduler == "continuous" else c.batch.max_batch_size)
         self._warm_up(engine)
         return self._batcher(engine)
 
