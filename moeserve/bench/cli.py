@@ -82,11 +82,14 @@ def add_bench(sub, calibrate_help: str) -> None:
                          description="Run on one CUDA GPU, from a checkout: pytest -m cuda (parity, no host sync in "
                          "a replay, ONNX Runtime CUDA and TensorRT where installed), `bench engine` on a random 2.4B "
                          "Mixtral in bf16 at batch 1 and 32 (eager, compiled indexed and grouped_mm experts, "
-                         "transformers), and decode at 100 tokens of context for a 2k- and a 32k-token context; "
-                         "the goals of issue 40 against those numbers; what was skipped and why. Exit 1 if a test "
+                         "transformers), decode at 100 tokens of context for a 2k- and a 32k-token context, and the "
+                         "built-in model served on the GPU and on 2 CPU cores (where it is cached); the goals of issue "
+                         "40 against those numbers; what was skipped and why. Exit 1 if a test "
                          "failed, 2 without a GPU.")
     bg.add_argument("--checkpoint", type=Path, help="a Hugging Face Mixtral directory (default: a random 2.4B one)")
     bg.add_argument("--skip-tests", action="store_true", help="leave out the cuda tests")
+    bg.add_argument("--skip-served", action="store_true", help="leave out the built-in model served on the GPU and on "
+                    "2 CPU cores")
     _report_files(bg, "batch 1's tokens/s by implementation, as a PNG (needs matplotlib: the bench extra)")
     bg.set_defaults(func=_main("moeserve.bench.gpu"))
     bsc = bsub.add_parser("score", help="batch scoring: moeserve score from a cold process and a warm engine, beside "

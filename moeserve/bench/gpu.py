@@ -8,7 +8,9 @@ It runs, on the first CUDA device:
    compiled with grouped_mm experts, and transformers' `generate` on the same weights in the same run; at batch 1
    also compiled with GEMV experts (decode_reduce_max), and on int8, int4 and fp8 weights quantized at load;
 3. decode at ~100 tokens of context for the same weights declared with a 2k and a 32k context: a step reads the
-   keys its rows can see, not the whole cache, so the two should match.
+   keys its rows can see, not the whole cache, so the two should match;
+4. the built-in model served (`moeserve serve`, `bench serve`'s closed loop of 32 clients) on the GPU and on two of
+   this machine's CPU cores, where it is cached here (`served`).
 
 The issue's goals are computed from those numbers (`goals`), each with the value it asks for. What could not run
 here is in `skipped`, with why.
@@ -17,7 +19,10 @@ here is in `skipped`, with why.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,14 +36,18 @@ import torch
 
 from moeserve.bench.engine import _sync, bench_engine, write_mixtral
 from moeserve.bench.report import BenchError, run_bench
+from moeserve.bench.serve import ServeBenchConfig, bench_serve
+from moeserve.bench.server_process import ServerLog, running_server
 from moeserve.runtime import GPU_QUANT_FORMATS, QUANT_FORMATS
 from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.training.default_model import default_model_dir
 
 TESTS = ["tests/runtime", "tests/bench/test_engine_bench.py", "tests/export/test_tensorrt.py",
          "tests/export/test_onnx_cuda.py"]
 CONTEXTS = (2048, 32768)
 BATCHES = (1, 32)
 QUANTIZED = QUANT_FORMATS + GPU_QUANT_FORMATS  # batch 1 again on each weight format (issue 39's GPU goal)
+SERVED_CLIENTS, SERVED_CORES, SERVED_GOAL = 32, 2, 10.0  # issue 40: the GPU server >= 10x two CPU cores' req/s
 
 
 def run_tests(root: Path, timeout: float, paths: list[str] = TESTS) -> dict:
@@ -119,6 +128,40 @@ def _quantized(impl: str) -> str | None:
     return next((f for f in QUANT_FORMATS if f", {f}" in impl), None)
 
 
+def on_cores(n: int) -> list[str] | None:
+    """A command prefix that runs a process on `n` of this process's CPU cores (`taskset -c`), or None where
+    taskset or that many cores are missing."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if shutil.which("taskset") is None or len(cores) < n:
+        return None
+    return ["taskset", "-c", ",".join(map(str, cores[:n]))]
+
+
+def served(checkpoint: Path, device: str = "cuda", clients: int = SERVED_CLIENTS, cores: int = SERVED_CORES,
+           duration_s: float = 15.0, input_len: int = 128, output_len: int = 64) -> dict:
+    """Issue 40's served goal, in one run: `checkpoint` served on `device` with a cache slot a client, then on
+    `cores` CPU cores (taskset, --device cpu --threads cores, its default slots), each under `bench serve`'s closed
+    loop of `clients` streams; req/s of each, and their ratio."""
+    prefix = on_cores(cores)
+    if prefix is None:
+        raise BenchError(f"cannot pin a server to {cores} cores here (taskset, or as many cores, is missing)")
+    out = {"clients": clients, "input_len": input_len, "output_len": output_len, "duration_s": duration_s}
+    for name, pin, extra in [(device, [], ["--device", device, "--kv-slots", str(clients)]),
+                             (f"{cores} CPU cores", prefix, ["--device", "cpu", "--threads", str(cores)])]:
+        log = ServerLog()
+        with running_server(checkpoint, "auto", extra, log, prefix=pin) as url:
+            cfg = ServeBenchConfig(url=url, concurrency=(clients,), duration_s=duration_s,
+                                   input_len=(input_len, input_len), output_len=(output_len, output_len),
+                                   timeout_s=120)
+            level = bench_serve(cfg)["levels"][0]
+        out[name] = {"command": " ".join([*pin, "moeserve serve", *extra]), "requests_per_s":
+                     round(level["requests_per_s"], 2), "itl_ms_p50": level["itl_ms"]["p50"],
+                     "errors": level["errors"]}
+    out["ratio"] = round(out[device]["requests_per_s"] / max(out[f"{cores} CPU cores"]["requests_per_s"], 1e-9), 2)
+    out["goal"] = SERVED_GOAL
+    return out
+
+
 def goals(engine: dict) -> dict:
     """Issue 40's performance goals against this run's numbers (moeserve's fastest bf16 row against transformers'),
     and issue 39's at batch 1: the fastest int8 row against that bf16 row."""
@@ -152,7 +195,7 @@ def _kept(errors: dict, part: str):
 
 
 def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | None = None,
-              test_timeout: float = 240.0, progress=print, save=None) -> dict:
+              test_timeout: float = 240.0, progress=print, save=None, serve: bool = True) -> dict:
     """The run (module docstring). `save(report)`, if given, after each part with what is measured so far: a GPU
     lent for minutes can be taken back mid-run, and the parts done should survive it (`main` writes them to --json,
     marked partial, until the whole report replaces them)."""
@@ -193,8 +236,23 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
         seconds["live_length"] = round(time.perf_counter() - t0, 1)
     report["goals"] = goals(report["engine"])
     report["errors"] = errors
-    skipped["served"] = ("the served comparison (the built-in model on the GPU against 2 CPU cores at 32 clients) is "
-                         "`moeserve bench serve` against two servers, not part of this run")
+    model = default_model_dir()
+    if not serve:
+        skipped["served"] = "--skip-served"
+    elif missing := [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]:
+        skipped["served"] = (f"{', '.join(missing)} not installed: the server's own dependencies (a plain `pip install "
+                             "-e .` brings them)")
+    elif not (model / "config.json").exists():
+        skipped["served"] = (f"the built-in model is not cached here ({model}): run `moeserve serve` once, or give "
+                             "$MOESERVE_CACHE a cache that holds it")
+    else:
+        progress("the built-in model served on the GPU and on 2 CPU cores ...")
+        t0 = time.perf_counter()
+        with _kept(errors, "served"):
+            report["served"] = served(model)
+            report["goals"]["served"] = {"ours": "the GPU server", "theirs": "2 CPU cores' server",
+                                         "speedup": report["served"]["ratio"], "speedup_goal": SERVED_GOAL}
+        seconds["served"] = round(time.perf_counter() - t0, 1)
     report["skipped"] = skipped
     seconds["total"] = round(time.perf_counter() - started, 1)
     report["seconds"] = seconds
@@ -223,7 +281,9 @@ def markdown(report: dict) -> str:
               + ", ".join(f"{c}-token context {v['decode_ms']} ms a step" for c, v in ll["contexts"].items())
               + f" (ratio {ll['ratio']})", "", "| goal | measured | asked |", "| --- | ---: | ---: |"]
     for name, g in report["goals"].items():
-        lines.append(f"| {name}: {g['ours']} / {g['theirs']} | {g['decode_speedup']}x | {g['decode_speedup_goal']}x |")
+        speedup, goal = (g["speedup"], g["speedup_goal"]) if "speedup" in g else (g["decode_speedup"],
+                                                                                 g["decode_speedup_goal"])
+        lines.append(f"| {name}: {g['ours']} / {g['theirs']} | {speedup}x | {goal}x |")
         if "pct_of_read_bandwidth" in g:
             lines.append(f"| {name}: % of read bandwidth | {g['pct_of_read_bandwidth']}% | "
                          f"{g['pct_of_read_bandwidth_goal']}% |")
@@ -247,7 +307,7 @@ def save_partial(path: Path | None, report: dict) -> None:
 
 def main(args) -> int:
     report = run_bench(args, "gpu", lambda progress: bench_gpu(args.checkpoint, tests=not args.skip_tests,
-                                                               progress=progress,
+                                                               progress=progress, serve=not args.skip_served,
                                                                save=lambda r: save_partial(args.json, r)))
     if report is None:
         return 2

@@ -74,12 +74,14 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 
 @contextlib.contextmanager
-def running_server(checkpoint: Path, dtype: str, extra: list[str], log: ServerLog) -> Iterator[str]:
+def running_server(checkpoint: Path, dtype: str, extra: list[str], log: ServerLog,
+                   prefix: list[str] = ()) -> Iterator[str]:
     """A `moeserve serve` subprocess on a free port, ready; yields its base URL. It is stopped on the way
-    out, whatever happens (an exception, Ctrl-C); `log` gets what it wrote and its exit status."""
+    out, whatever happens (an exception, Ctrl-C); `log` gets what it wrote and its exit status. `prefix` runs
+    the command under another (`taskset -c 0,1`: the server on two cores)."""
     port = free_port()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(server_command(checkpoint, port, dtype, extra), stdout=out,
+        proc = subprocess.Popen([*prefix, *server_command(checkpoint, port, dtype, extra)], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"

@@ -1,9 +1,11 @@
 """`moeserve bench gpu`'s parts that run anywhere: the cuda tests' report from a real pytest child, the goals from
-engine reports, the page, the refusal without a GPU. The run itself is made on a GPU (docs/bench/gpu-*.json)."""
+engine reports, the page, the served comparison (two real servers, the CPU standing in for the GPU), the refusal
+without a GPU. The run itself is made on a GPU (docs/bench/gpu-*.json)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.bench.gpu import goals, markdown, run_tests, with_context
+from moeserve.bench.gpu import goals, markdown, on_cores, run_tests, served, with_context
+from moeserve.checkpoint import save_checkpoint
+from moeserve.config import preset
+from moeserve.runtime.model import Transformer
 
 
 def test_run_tests_counts_failures_and_skip_reasons(tmp_path):
@@ -124,11 +129,50 @@ def test_each_part_is_saved_as_it_ends(monkeypatch, tmp_path):
 
     monkeypatch.setattr(gpu, "live_length", taken_back)
     saved = []
+    monkeypatch.setattr(gpu, "default_model_dir", lambda: tmp_path / "not-trained")
     report = gpu.bench_gpu(save=lambda r: saved.append(json.loads(json.dumps(r))), progress=lambda msg: None)
     assert [sorted(r.get("engine", {})) for r in saved] == [[], ["1"], ["1", "32"]]
     assert saved[0]["tests"]["passed"] == 3
     assert report["errors"] == {"live length": "RuntimeError: the machine was taken back"}
+    assert report["skipped"]["served"].startswith(f"the built-in model is not cached here ({tmp_path / 'not-trained'})")
+    # where it is cached, the served part runs and its ratio is a goal on the page
+    (tmp_path / "not-trained").mkdir()
+    (tmp_path / "not-trained" / "config.json").write_text("{}")
+    monkeypatch.setattr(gpu, "served", lambda model: {"ratio": 4.9, "goal": 10.0})
+    report = gpu.bench_gpu(progress=lambda msg: None)
+    assert report["goals"]["served"] == {"ours": "the GPU server", "theirs": "2 CPU cores' server", "speedup": 4.9,
+                                         "speedup_goal": 10.0}
+    page = markdown(report | {"live_length": None, "tests": None})
+    assert "| served: the GPU server / 2 CPU cores' server | 4.9x | 10.0x |" in page
+    assert "served" not in gpu.bench_gpu(progress=lambda msg: None, serve=False)["goals"]
+    real_find_spec = gpu.importlib.util.find_spec
+    monkeypatch.setattr(gpu.importlib.util, "find_spec", lambda m: None if m == "uvicorn" else real_find_spec(m))
+    assert gpu.bench_gpu(progress=lambda msg: None)["skipped"]["served"].startswith("uvicorn not installed")
     out = tmp_path / "gpu.json"
     gpu.save_partial(out, saved[1])
     assert json.loads(out.read_text()) == {"partial": True, **saved[1]}
     gpu.save_partial(None, saved[1])  # no --json: nothing written
+
+
+def test_on_cores_pins_to_cores_this_process_has():
+    have = sorted(os.sched_getaffinity(0))
+    assert on_cores(len(have) + 1) is None  # more than there are
+    pin = on_cores(1)
+    if pin is not None:  # taskset is installed
+        assert pin == ["taskset", "-c", str(have[0])]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(on_cores(2) is None, reason="needs taskset and two cores")
+def test_served_runs_both_servers_and_gives_their_ratio(tmp_path):
+    """Two real `moeserve serve` processes under `bench serve`, the CPU standing in for the GPU side."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", max_seq_len=256))
+    ckpt = save_checkpoint(tmp_path / "tiny", model.cfg, model.state_dict())
+    got = served(ckpt, device="cpu", clients=2, duration_s=1.5, input_len=8, output_len=4)
+    gpu_side, cpu_side = got["cpu"], got["2 CPU cores"]
+    assert cpu_side["command"].startswith("taskset -c ") and cpu_side["command"].endswith("--threads 2")
+    assert gpu_side["command"] == "moeserve serve --device cpu --kv-slots 2"
+    assert gpu_side["errors"] == cpu_side["errors"] == {} and gpu_side["requests_per_s"] > 0
+    assert got["ratio"] == round(gpu_side["requests_per_s"] / cpu_side["requests_per_s"], 2)
+    assert got["goal"] == 10.0
