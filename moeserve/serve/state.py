@@ -176,8 +176,8 @@ def _refusal(e: QueueFull | Closed) -> ApiError:
 
 def freeze_loaded_heap() -> None:
     """Once a server's model is loaded: what is garbage collected, then everything left (the model, the app, the
-    modules: ~200k objects for the built-in model, none of them ever garbage) moved out of the collector's sight
-    (gc.freeze, as vLLM does after start-up). A full collection walked all of them: 90-140 ms with the GIL held,
+    modules: ~211k objects for a `small` model, none of them ever garbage) moved out of the collector's sight
+    (gc.freeze, as vLLM does after start-up). A full collection walked all of them: 86-151 ms with the GIL held,
     about once in 30 s of load here, a stall of every stream (and, on an expert-parallel rank, of its whole group at
     the next collective); after it, one walks the ~10k objects made since (docs/bench/log.md)."""
     gc.collect()
