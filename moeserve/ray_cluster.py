@@ -4,6 +4,7 @@ grows no cluster layer of its own."""
 from __future__ import annotations
 
 import logging
+import os
 
 
 def connect():
@@ -14,6 +15,9 @@ def connect():
     except ImportError as e:
         raise ValueError("--ray needs Ray: pip install -e '.[ray]' (ray[serve,data])") from e
     if not ray.is_initialized():
+        # at ray.shutdown, task events are flushed to the GCS for up to 5 s, even to a GCS already gone (a signal to
+        # the process group stops it too: local_ray_lost); events for Ray's state API, not moeserve's own
+        os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "1000")
         ray.init(include_dashboard=False, logging_level=logging.WARNING, configure_logging=True)
     return ray
 
