@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,10 @@ def stub_app(itl_s: float) -> FastAPI:
     """/v1/models and /v1/completions; a streamed completion is exactly max_tokens text chunks, `itl_s` apart, then
     a usage chunk and [DONE], as the OpenAI API and moeserve send them."""
     app = FastAPI()
+
+    @app.get("/readyz")
+    def readyz():
+        return {"status": "ready"}
 
     @app.get("/v1/models")
     def models():
@@ -60,12 +63,6 @@ def stub_app(itl_s: float) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_uvicorn(port: int, itl_s: float) -> None:
@@ -111,22 +108,6 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    import httpx
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not ready after {timeout_s:g} s")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, nargs="+", default=[8, 32])
@@ -146,6 +127,7 @@ def main() -> int:
         return 0
 
     from moeserve.bench.serve import ServeBenchConfig, bench_serve
+    from moeserve.bench.server_process import free_port, wait_ready
 
     for rnd in range(a.rounds):
         servers = ["uvicorn", "ray"] if rnd % 2 == 0 else ["ray", "uvicorn"]
@@ -155,7 +137,7 @@ def main() -> int:
                                      str(a.itl_ms), "--ingress-cpus", str(a.ingress_cpus)], start_new_session=True)
             url = f"http://127.0.0.1:{port}"
             try:
-                wait_ready(url, proc)
+                wait_ready(proc, url)
                 time.sleep(3)  # Serve's replicas settle
                 for c in a.clients:
                     before = cpu_seconds()

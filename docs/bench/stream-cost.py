@@ -7,7 +7,7 @@ HTTP, SSE, the relay's wake-ups) and the rest's (the model thread, which steps, 
 torch's intra-op workers; Python does not name its threads for the OS, so /proc cannot tell these apart).
 
     PYTHONPATH=. python docs/bench/stream-cost.py [--trees base=/tmp/base new=.] [--clients 32] [--duration 10]
-        [--rounds 2] [--tokens 64] [--args "--kv-slots 32"] [--preset small] [--null-model]
+        [--rounds 2] [--tokens 64] [--args "--kv-slots 32"] [--null-model]
 
 Prints one line per tree, round and level: req/s, ITL p50, and CPU microseconds per streamed token of the event
 loop and of the other threads.
@@ -20,23 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-
-
-def checkpoint(name: str) -> Path:
-    """A random checkpoint of preset `name` (seed 0, fp32, a context of 256), written once (`small`: the built-in
-    model's shape)."""
-    import torch
-
-    from moeserve.checkpoint import save_checkpoint
-    from moeserve.config import preset
-    from moeserve.runtime.model import Transformer
-
-    path = Path(f"/tmp/moeserve-stream-cost/{name}")
-    if not (path / "config.json").exists():
-        torch.manual_seed(0)
-        model = Transformer(preset(name, max_seq_len=256))  # room for 32 prompt and 64 new tokens
-        save_checkpoint(path, model.cfg, model.state_dict())
-    return path
+sys.path.insert(0, str(Path(__file__).parent))
+checkpoint = __import__("ep-serve").checkpoint  # ep-serve.py's random `small` checkpoint (fp32), written once
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -131,12 +116,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--args", default="", help="extra flags for every server, one string")
-    p.add_argument("--preset", default="small", help="the random checkpoint's shape")
     p.add_argument("--null-model", action="store_true", help="the runner's model calls cost nothing (null_runner)")
     if sys.argv[1:2] == ["--serve-null"]:
         sys.exit(serve_null(sys.argv[2:]))
     a = p.parse_args()
-    ckpt = checkpoint(a.preset)
+    ckpt = checkpoint()
     trees = [t.split("=", 1) for t in a.trees]
     for r in range(a.rounds):
         for name, path in trees if r % 2 == 0 else trees[::-1]:
