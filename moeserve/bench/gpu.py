@@ -240,8 +240,8 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
     if not serve:
         skipped["served"] = "--skip-served"
     elif missing := [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]:
-        skipped["served"] = (f"{', '.join(missing)} not installed: the server's own dependencies (a plain `pip install "
-                             "-e .` brings them)")
+        skipped["served"] = (f"{', '.join(missing)} not installed: the server and its load generator need them "
+                             "(fastapi and uvicorn come with `pip install -e .`, httpx with the dev extra)")
     elif not (model / "config.json").exists():
         skipped["served"] = (f"the built-in model is not cached here ({model}): run `moeserve serve` once, or give "
                              "$MOESERVE_CACHE a cache that holds it")
