@@ -23,7 +23,7 @@ from moeserve.export.moe_graph import LayerForm, feed_forward, linear, moe_layer
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.moe import MoELayer
 
-FORMAT = "moeserve-onnx/1"
+FORMAT = "moeserve-onnx/2"  # 2: KV-cache graphs take position_ids
 
 
 def norm(g: Graph, x: str, module: torch.nn.Module, hint: str) -> str:
@@ -91,18 +91,20 @@ def attention(g: Graph, x: str, block, cfg: MoEConfig, cos: str, sin: str, bias:
     return linear(g, o, a.wo, f"{hint}.wo", nbits), present
 
 
-def mask_bias(g: Graph, cfg: MoEConfig, q_pos: str, k_pos: str, attention_mask: str, window: int | None) -> str:
-    """[B, 1, S, L]: 0 where query i may see key j, -inf elsewhere (model._mask): causal (and within the sliding
-    `window`, i - window < j) for language models, padding keys never; every query sees itself, so no row is all
-    -inf."""
-    i, j = g.unsqueeze(q_pos, [1]), g.unsqueeze(k_pos, [0])
-    allowed = g.unsqueeze(g.op("Cast", attention_mask, to=onnx.TensorProto.BOOL), [1, 2])  # [B, 1, 1, S]
+def mask_bias(g: Graph, cfg: MoEConfig, q_pos: str, k_pos: str, attention_mask: str, window: int | None,
+              self_keys: str) -> str:
+    """[B, 1, S, L]: 0 where query i may see key j, -inf elsewhere (model._mask), from each row's positions,
+    q_pos [B, S] and k_pos [B, L] (or [1, ...] for all rows): causal (and within the sliding `window`,
+    i - window < j) for language models, padding keys never. self_keys [S, L] is true at each query's own key,
+    which it always sees, so no row is all -inf (a padding query's either)."""
+    i, j = g.unsqueeze(q_pos, [1, 3]), g.unsqueeze(k_pos, [1, 2])  # [B, 1, S, 1], [B, 1, 1, L]
+    allowed = g.unsqueeze(g.op("Cast", attention_mask, to=onnx.TensorProto.BOOL), [1, 2])  # [B, 1, 1, L]
     if cfg.causal:
         causal = g.op("LessOrEqual", j, i)
         if window is not None:
             causal = g.op("And", causal, g.op("Greater", j, g.op("Sub", i, g.const(window))))
         allowed = g.op("And", allowed, causal)
-    allowed = g.op("Or", allowed, g.op("Equal", i, j))
+    allowed = g.op("Or", allowed, self_keys)
     return g.op("Where", allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32))
 
 
@@ -112,8 +114,9 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
     Call on a model laid out by EagerBackend(model, DispatchPlan()), which builds the VQ tables on plain weights.
 
     kv_cache: the graph also takes `past_key.N` / `past_value.N` [B, G, P, Dh] (P = 0 for a prompt) and
-    returns `present_key.N` / `present_value.N` [B, G, P + S, Dh]; the ids are then positions P..P+S-1
-    and `attention_mask` covers all P + S (a decode step of a language model)."""
+    `position_ids` [B, S], and returns `present_key.N` / `present_value.N` [B, G, P + S, Dh], the new keys and
+    values appended to the past; `attention_mask` [B, P + S] covers past and new, and its zeros may fall
+    anywhere (rows of unequal lengths in one call: a decode step of every sequence at once)."""
     if mode not in MODES:
         raise ValueError(f"unknown export mode {mode!r}; expected one of: {', '.join(MODES)}")
     cfg = model.cfg
@@ -126,22 +129,31 @@ def build_graph(model: Transformer, mode: str, metadata: dict[str, str] | None =
     pasts: list[tuple[str, str] | None] = [None] * cfg.n_layers
     cache_shape = ["batch", cfg.kv_heads, "past", cfg.head_dim]
     if kv_cache:
+        position_ids = g.input("position_ids", INT64, ["batch", "seq"])
         pasts = [(g.input(f"past_key.{b}", FLOAT, cache_shape), g.input(f"past_value.{b}", FLOAT, cache_shape))
                  for b in range(cfg.n_layers)]
 
     x = g.op("Gather", g.weight(np32(model.tok_embeddings.weight), "tok_embeddings.weight"), ids, axis=0)
     seq = g.op("Gather", g.op("Shape", ids), g.const(1), axis=0)
     if kv_cache:
+        # Each row's own positions, so that rows of any lengths share a call: the queries' from `position_ids`,
+        # the keys' counted along the mask (a key's position is the number of real keys before it), so a row's
+        # cache may hold padding anywhere, a shorter row's padding in the middle included.
         past_len = g.op("Gather", g.op("Shape", pasts[0][0]), g.const(2), axis=0)
         total = g.op("Add", past_len, seq)
-        q_pos = g.op("Range", past_len, total, g.const(1), hint="positions")
-        k_pos = g.op("Range", g.const(0), total, g.const(1), hint="key_positions")
+        q_pos = position_ids
+        k_pos = g.op("Sub", g.op("CumSum", attention_mask, g.const(1)), g.const(1))
+        q_index = g.op("Range", past_len, total, g.const(1))
+        k_index = g.op("Range", g.const(0), total, g.const(1))
     else:
-        q_pos = k_pos = g.op("Range", g.const(0), seq, g.const(1), hint="positions")
-    cos = g.op("Gather", g.weight(np32(model.rope_cos), "rope_cos"), q_pos, axis=0)  # [S, Dh]
-    sin = g.op("Gather", g.weight(np32(model.rope_sin), "rope_sin"), q_pos, axis=0)
+        q_index = k_index = g.op("Range", g.const(0), seq, g.const(1), hint="positions")
+        q_pos = k_pos = g.unsqueeze(q_index, [0])  # [1, S]: 0..S-1 in every row
+    self_keys = g.op("Equal", g.unsqueeze(q_index, [1]), g.unsqueeze(k_index, [0]))  # [S, L]
+    # [B, 1, S, Dh] (or [1, 1, S, Dh]): one row of each table per query, broadcast over the heads
+    cos = g.unsqueeze(g.op("Gather", g.weight(np32(model.rope_cos), "rope_cos"), q_pos, axis=0), [1])
+    sin = g.unsqueeze(g.op("Gather", g.weight(np32(model.rope_sin), "rope_sin"), q_pos, axis=0), [1])
     # one mask per distinct sliding window (gpt-oss alternates windowed and full layers), as Transformer.windows
-    biases = {w: mask_bias(g, cfg, q_pos, k_pos, attention_mask, w) for w in model.windows}
+    biases = {w: mask_bias(g, cfg, q_pos, k_pos, attention_mask, w, self_keys) for w in model.windows}
     ids_shape = g.op("Shape", ids)
 
     forms, expert_outputs, presents = [], [], []

@@ -16,7 +16,7 @@ from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.export.onnx_export import export_onnx
 from moeserve.export.tensorrt import build_engine, unsupported_ops
-from moeserve.runtime.engine import Engine, EngineError, load_engine
+from moeserve.runtime.engine import Engine, EngineError, SamplingParams, load_engine
 from moeserve.runtime.model import Transformer
 from moeserve.runtime.backends.onnx import OnnxBackend
 from moeserve.serve.state import ServeConfig
@@ -79,6 +79,77 @@ def test_kv_cache_export_decodes_like_the_torch_engine(lm, tmp_path, mode):
         assert unsupported_ops(onnx.load(report.output)) == []
         with pytest.raises(ValueError, match="KV-cache graph"):
             build_engine(report.output, tmp_path / "kv.plan")
+
+
+class CountedSession:
+    """An onnxruntime session with its calls counted by kind: run (numpy in and out) or run_with_iobinding."""
+
+    def __init__(self, session):
+        self.session, self.calls = session, {"run": 0, "run_with_iobinding": 0}
+
+    def __getattr__(self, name):
+        if name in self.calls:
+            self.calls[name] += 1
+        return getattr(self.session, name)
+
+
+@pytest.mark.parametrize("kv", [True, False], ids=["kv-cache", "plain"])
+def test_a_decode_step_is_one_session_call_for_every_sequence(lm, tmp_path, kv):
+    """Sequences join, finish and give their slots to others mid-flight: each decode step is one session call
+    whatever its batch, its cache bound on the device, and the tokens are the torch engine's."""
+    from moeserve.runtime.steps import Sequence
+
+    ckpt, fused = lm
+    path = export_onnx(ckpt, tmp_path / "kv.onnx", "fused", kv_cache=True).output if kv else fused
+    ref, got = Engine.load(ckpt, dtype="float32", device="cpu"), load_engine(path)
+    got.runner.session = session = CountedSession(got.runner.session)
+    prompts = ["def ", "import numpy as np\n", "x", "class A:\n    pass\n", "héllo"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 4, 12, 6, 7)]
+    want = [ref.complete([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    steps = got.step_engine(slots=3, prefill_chunk=6)
+    seqs = [Sequence(got.encode(p), sp) for p, sp in zip(prompts, params)]
+    steps.add(seqs[0])
+    steps.step(), steps.step()
+    for seq in seqs[1:]:  # 3 slots, 5 sequences: two wait for a slot to come free
+        steps.add(seq)
+    decodes = []
+    runner = steps.runner
+    decode = runner.decode
+
+    def counted(cache, slots, ids_B, positions):
+        before = session.calls["run_with_iobinding"]
+        out = decode(cache, slots, ids_B, positions)
+        decodes.append((len(slots), session.calls["run_with_iobinding"] - before))
+        if kv:  # the batch's keys and values are this call's present outputs, on the runner's device
+            assert cache.rows.slots == slots and cache.rows.past[0].shape[0] == len(slots)
+            assert cache.rows.past[0].device == runner.device
+        return out
+
+    runner.decode = counted
+    while not steps.idle:
+        steps.step()
+    assert [s.out for s in seqs] == want
+    assert max(rows for rows, _ in decodes) == 3 and {calls for _, calls in decodes} == {1}
+    assert session.calls["run"] == 0  # nothing through numpy
+    assert session.calls["run_with_iobinding"] == steps.model_calls == runner.session_calls
+
+
+def test_a_kv_graph_without_positions_is_refused(tmp_path):
+    """An export from before moeserve-onnx/2 takes one past length for every row, so it cannot batch a step."""
+    from onnx import TensorProto, helper
+
+    cfg = preset("tiny")
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "t"]),
+              helper.make_tensor_value_info("past_key.0", TensorProto.FLOAT, ["b", cfg.kv_heads, "p", cfg.head_dim])]
+    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["logits"])], "g", inputs,
+                              [helper.make_tensor_value_info("logits", TensorProto.INT64, ["b", "s"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    helper.set_model_props(model, {"moeserve.config": cfg.to_json(), "moeserve.format": "moeserve-onnx/1"})
+    (tmp_path / "old.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(EngineError, match="export it again with moeserve export onnx --kv-cache"):
+        load_engine(tmp_path / "old.onnx")
 
 
 def test_classifier_probabilities_equal_the_torch_engine(tmp_path):

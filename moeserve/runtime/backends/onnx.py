@@ -3,15 +3,16 @@ the Engine holds it as it holds the torch model, so serve, score and bench run a
 run a checkpoint (`--backend onnx`, or any path ending in .onnx).
 
 The graph carries its config and tokenizer in its metadata, so the .onnx file alone is enough.
-Generation runs the prompt, then one token per step: with a KV-cache export (`--kv-cache`) each step
-feeds the slot's previous keys and values back; with a plain forward graph each step recomputes the
-whole prefix (correct, O(n^2) in the generated length). Each sequence runs alone (batch 1), so its
-positions are its own and no padding is needed.
-"""
+Generation runs each prompt, then one token per step for every running sequence in one session call: with a
+KV-cache export (`--kv-cache`) the step feeds back the batch's keys and values, which never leave the session's
+device (IO binding: ONNX Runtime reads and writes torch tensors in place); with a plain forward graph each step
+recomputes every sequence's prefix (correct, O(n^2) in the generated length)."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,33 +27,48 @@ from moeserve.runtime.sampling import EngineError
 from moeserve.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 
-def onnx_providers(device: str) -> list[str]:
-    """ONNX Runtime execution providers for 'auto' (CUDA when onnxruntime-gpu sees a GPU), 'cpu', 'cuda'."""
+def onnx_providers(device: str) -> tuple[list, torch.device, torch.cuda.Stream | None]:
+    """ONNX Runtime execution providers for 'auto' (CUDA when onnxruntime-gpu sees a GPU), 'cpu', 'cuda[:N]', the
+    torch device the inputs and outputs are bound on, and on CUDA the stream both run on (torch's default stream
+    cannot be handed over: ONNX Runtime reads its handle, 0, as none given)."""
     import onnxruntime as ort
 
     available = ort.get_available_providers()
     device = str(device)
     if device == "auto":
-        device = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+        device = "cuda" if "CUDAExecutionProvider" in available and torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if "CUDAExecutionProvider" not in available:
             raise EngineError(f"device {device!r}: this onnxruntime has no CUDA provider (has {', '.join(available)});"
                               f" pip install onnxruntime-gpu on a machine with a CUDA GPU")
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        if not torch.cuda.is_available():
+            raise EngineError(f"device {device!r}: the ONNX runner binds its inputs, outputs and KV cache to torch "
+                              f"tensors on the GPU, and this torch ({torch.__version__}) sees no CUDA device")
+        where = torch.device(device)
+        where = torch.device("cuda", torch.cuda.current_device() if where.index is None else where.index)
+        stream = torch.cuda.Stream(where)
+        options = {"device_id": where.index, "user_compute_stream": str(stream.cuda_stream)}
+        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"], where, stream
     if device != "cpu":
         raise EngineError(f"device {device!r}: expected auto, cpu or cuda")
-    return ["CPUExecutionProvider"]
+    return ["CPUExecutionProvider"], torch.device("cpu"), None
 
 
-def session_feed(session, ids: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray] | None = None) -> dict:
-    """Inputs for a moeserve graph: ids and mask, and for a KV-cache graph the past keys and values
-    (empty, P = 0, when `past` is None)."""
+def session_feed(session, ids: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray] | None = None,
+                 positions: np.ndarray | None = None) -> dict:
+    """Numpy inputs for a moeserve graph: ids and mask, and for a KV-cache graph the past keys and values (empty,
+    P = 0, when `past` is None) and each row's positions (P..P+S-1 in every row when not given)."""
     feed = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
     for i in session.get_inputs():
         if i.name.startswith("past_"):
             _, heads, _, head_dim = i.shape
             empty = np.zeros((ids.shape[0], heads, 0, head_dim), np.float32)
             feed[i.name] = past[i.name] if past is not None else empty
+        elif i.name == "position_ids":
+            if positions is None:
+                first = mask.shape[1] - ids.shape[1]
+                positions = np.broadcast_to(np.arange(first, mask.shape[1]), ids.shape)
+            feed[i.name] = positions.astype(np.int64)
     return feed
 
 
@@ -61,90 +77,244 @@ def presents_as_past(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"past_" + k.removeprefix("present_"): v for k, v in outputs.items() if k.startswith("present_")}
 
 
+@dataclass
+class Rows:
+    """The decoding sequences' keys and values as one batch, in the session's device memory, so that a decode step
+    is one session call whose present outputs are the next step's past inputs as they are (never through the host).
+    Row b is slot `slots[b]`; `real` is the mask as the host wrote it (it is never read back from the device): a
+    row's keys are its prompt's, then padding up to the longest row's, then one a step."""
+
+    slots: list[int]
+    past: list[Tensor]  # per past_* input, [B, G, P, Dh]
+    mask: Tensor  # [B, P] int64, on the device
+    real: np.ndarray  # [B, P] bool, the same on the host
+
+    def take(self, b: int) -> list[Tensor]:
+        """Row b's real keys and values, [1, G, n, Dh] each, contiguous."""
+        cols = np.flatnonzero(self.real[b])
+        if len(cols) and cols[-1] - cols[0] + 1 == len(cols):  # no padding inside: a slice
+            return [p[b:b + 1, :, cols[0]:cols[-1] + 1].contiguous() for p in self.past]
+        index = torch.as_tensor(cols, device=self.mask.device)
+        return [p[b:b + 1].index_select(2, index) for p in self.past]
+
+
+@dataclass
+class OnnxCache:
+    """A KV-cache graph's slots: each alone ([1, G, n, Dh] per past input) from its prefill until a decode step
+    takes it into `rows`, the decoding batch. A plain graph's slots: each one's token ids so far."""
+
+    alone: dict[int, list[Tensor]] = field(default_factory=dict)
+    rows: Rows | None = None
+    history: dict[int, Tensor] = field(default_factory=dict)
+
+    def take(self, slot: int) -> list[Tensor] | None:
+        """The slot's keys and values, out of the cache (None if it holds none)."""
+        if slot in self.alone:
+            return self.alone.pop(slot)
+        if self.rows is None or slot not in self.rows.slots:
+            return None
+        b = self.rows.slots.index(slot)
+        taken = self.rows.take(b)
+        keep = [i for i in range(len(self.rows.slots)) if i != b]
+        if not keep:
+            self.rows = None
+            return taken
+        index = torch.tensor(keep, device=self.rows.mask.device)
+        self.rows = Rows([self.rows.slots[i] for i in keep], [p.index_select(0, index) for p in self.rows.past],
+                         self.rows.mask.index_select(0, index), self.rows.real[keep])
+        return taken
+
+
 class OnnxBackend:
-    """The runner calls (base.ModelRunner) over an ONNX Runtime session. A slot's cache is its past
-    keys and values (a KV-cache graph) or its token ids so far (a plain graph, which recomputes the
-    prefix each step); a decode step runs each slot on its own, since the graph takes one past length
-    per call."""
+    """The runner calls (base.ModelRunner) over an ONNX Runtime session, every input and output bound to torch
+    tensors on the session's device (IO binding): a KV-cache graph's keys and values stay there between calls, and
+    a decode step is one session call for all its sequences, each row at its own positions (`position_ids`, and
+    key positions counted along the mask). Prompts run one sequence a call; a plain graph (no cache) recomputes
+    each sequence's prefix every step, its rows right-padded into one call."""
 
     name = "onnx"
     can_step_rows = can_copy_prefix = graph_decode = False
 
-    def __init__(self, session, cfg: MoEConfig, mode: str):
-        self.session, self.cfg, self.mode = session, cfg, mode
+    def __init__(self, session, cfg: MoEConfig, mode: str, device: torch.device = torch.device("cpu"),
+                 stream: torch.cuda.Stream | None = None):
+        """device: where the session's inputs and outputs are bound; stream: on CUDA, the one ONNX Runtime was
+        given as its compute stream (load_onnx_backend makes both)."""
+        self.session, self.cfg, self.mode, self._device = session, cfg, mode, torch.device(device)
+        inputs = [i.name for i in session.get_inputs()]
         self._outputs = [o.name for o in session.get_outputs()]
         self._experts = sorted((n for n in self._outputs if n.startswith("expert_ids.")),
                                key=lambda n: int(n.split(".")[1]))
-        self.kv_cache = any(i.name.startswith("past_") for i in session.get_inputs())
+        self._past = [i for i in session.get_inputs() if i.name.startswith("past_")]
+        self.kv_cache = bool(self._past)
+        if self.kv_cache and "position_ids" not in inputs:
+            raise EngineError("this KV-cache graph takes no position_ids (an export older than moeserve-onnx/2, "
+                              "which batches no decode step): export it again with moeserve export onnx --kv-cache")
+        self.session_calls = 0  # runs of the session: a decode step is one, whatever its batch
+        self._stream = stream
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")  # where results come back; the session may run on a GPU
+        """Where the session's inputs and outputs live: the caller's tensors come and go there."""
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32
 
-    def _session_run(self, ids: Tensor, mask: Tensor, past: dict[str, np.ndarray] | None = None,
-                     count_from: int = 0) -> tuple[ModelOutput, dict[str, np.ndarray]]:
-        """The graph on ids [B, S] and mask [B, S] (or [B, P + S] with a past); the aux of the real tokens among
-        ids' columns >= count_from, and the present keys and values (empty for a graph without a cache)."""
-        feed = session_feed(self.session, ids.cpu().numpy(), mask.cpu().numpy(), past)
-        outs = dict(zip(self._outputs, self.session.run(None, feed)))
-        real = mask.bool()[:, mask.shape[1] - ids.shape[1]:][:, count_from:].numpy()
+    def _run(self, ids: Tensor, mask: Tensor, positions: Tensor | None = None, past: list[Tensor] | None = None
+             ) -> dict[str, Tensor]:
+        """One session call on device tensors, bound by pointer; its outputs as torch tensors over the memory ONNX
+        Runtime wrote them to (DLPack, no copy). A KV-cache graph's past is empty (P = 0) when not given."""
+        feed = {"input_ids": ids, "attention_mask": mask}
+        if self.kv_cache:
+            B = ids.shape[0]
+            feed["position_ids"] = positions
+            for n, i in enumerate(self._past):
+                feed[i.name] = (past[n] if past is not None
+                                else torch.empty(B, i.shape[1], 0, i.shape[3], device=self._device))
+        binding, kind, index = self.session.io_binding(), self._device.type, self._device.index or 0
+        feed = {name: t.to(self._device, torch.int64 if name in INT_INPUTS else torch.float32).contiguous()
+                for name, t in feed.items()}
+        for name, t in feed.items():
+            binding.bind_input(name, kind, index, np.int64 if name in INT_INPUTS else np.float32, list(t.shape),
+                               t.data_ptr())
+        for name in self._outputs:
+            binding.bind_output(name, kind, index)
+        with on_stream(self._stream):
+            self.session.run_with_iobinding(binding)
+        self.session_calls += 1
+        return {name: torch.from_dlpack(v) for name, v in zip(self._outputs, binding.get_outputs())}
+
+    def _output(self, outs: dict[str, Tensor], real: Tensor | None = None, logits: Tensor | None = None
+                ) -> ModelOutput:
+        """The logits (the graph's, unless given) and each MoE layer's aux over the tokens where `real` [B, S]
+        is true (every token when None: no boolean index, so no sync on a GPU)."""
         aux = []
+        discrete = self.cfg.router == "vq" and self.cfg.vq_mode == "discrete"
         for name in self._experts:
-            ids_TK = torch.from_numpy(outs[name][:, count_from:][real])
-            counts = torch.bincount(ids_TK.reshape(-1), minlength=self.cfg.n_experts)
-            discrete = self.cfg.router == "vq" and self.cfg.vq_mode == "discrete"
+            ids_BSK = outs[name]
+            ids_TK = ids_BSK.reshape(-1, ids_BSK.shape[-1]) if real is None else ids_BSK[real]
+            ids_N = ids_TK.reshape(-1)
+            counts = torch.zeros(self.cfg.n_experts, dtype=torch.long, device=ids_N.device).index_add_(
+                0, ids_N, torch.ones_like(ids_N))
             routing = None if discrete else Routing(ids_TK, torch.ones_like(ids_TK, dtype=torch.float32))
             aux.append(MoEAux(counts, routing, codes=ids_TK[:, 0] if discrete else None))
-        return ModelOutput(torch.from_numpy(outs["logits"]), aux), presents_as_past(outs)
+        return ModelOutput(outs["logits"] if logits is None else logits, aux)
 
     def forward(self, ids: Tensor, attention_mask: Tensor | None = None) -> ModelOutput:
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask
-        return self._session_run(ids, mask)[0]
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+        return self._output(self._run(ids, mask, positions), mask.to(self._device).bool())
 
     def target_logprobs(self, ids: Tensor, attention_mask: Tensor | None, targets: Tensor) -> ModelOutput:
         """forward's log p(targets) [B, T] (the graph returns every logit, so they are computed whole)."""
         out = self.forward(ids, attention_mask)
-        logp = torch.log_softmax(out.logits[:, :targets.shape[1]].float(), dim=-1).gather(-1, targets[..., None])
+        logp = torch.log_softmax(out.logits[:, :targets.shape[1]].float(), dim=-1).gather(
+            -1, targets.to(self._device)[..., None])
         return ModelOutput(logp[..., 0], out.aux)
 
-    def new_cache(self, slots: int, max_len: int) -> dict[int, object]:
-        return {}
+    def new_cache(self, slots: int, max_len: int) -> OnnxCache:
+        return OnnxCache()
 
     def warm_up(self, slots: int) -> None:
         """Nothing to build ahead: the session was built at load."""
 
-    def step_rows(self, cache: dict, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
-        raise NotImplementedError("an ONNX Runtime session runs each sequence alone (can_step_rows is False)")
+    def step_rows(self, cache: OnnxCache, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
+        raise NotImplementedError("the ONNX runner runs prompts one sequence a call (can_step_rows is False)")
 
-    def copy_prefix(self, cache: dict, src: int, dst: int, length: int) -> None:
+    def copy_prefix(self, cache: OnnxCache, src: int, dst: int, length: int) -> None:
         raise NotImplementedError("an ONNX Runtime runner keeps no shared cache rows (can_copy_prefix is False)")
 
-    def prefill(self, cache: dict, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:
+    def prefill(self, cache: OnnxCache, slot: int, ids_S: Tensor, start: int, all_logits: bool = False
+                ) -> ModelOutput:
         """Logits of every token of ids_S at least (the graph computes them all: all_logits changes nothing)."""
-        ids = ids_S.cpu()[None]
-        if self.kv_cache:
-            past = cache.get(slot) if start > 0 else None
-            out, cache[slot] = self._session_run(ids, torch.ones(1, start + ids.shape[1], dtype=torch.long), past)
-            return out
-        history = torch.cat([cache[slot], ids], dim=1) if start > 0 else ids
-        cache[slot] = history
-        return self._session_run(history, torch.ones_like(history), count_from=start)[0]
+        ids = ids_S.to(self._device)[None]
+        if not self.kv_cache:
+            history = torch.cat([cache.history[slot], ids], dim=1) if start > 0 else ids
+            cache.history[slot] = history
+            real = torch.arange(history.shape[1], device=self._device)[None] >= start
+            outs = self._run(history, torch.ones_like(history))
+            return self._output(outs, real, outs["logits"][:, start:])
+        past = cache.take(slot)
+        if start == 0:
+            past = None
+        elif past is None or past[0].shape[2] != start:
+            raise EngineError(f"slot {slot}: a prompt continued at position {start}, but its cache holds "
+                              f"{0 if past is None else past[0].shape[2]} positions")
+        total = start + ids.shape[1]
+        positions = torch.arange(start, total, device=self._device)[None]
+        outs = self._run(ids, torch.ones(1, total, dtype=torch.long, device=self._device), positions, past)
+        cache.alone[slot] = self._presents(outs)
+        return self._output(outs)
 
-    def decode(self, cache: dict, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
-        outs = [self.prefill(cache, slot, ids_B[b:b + 1], positions[b]) for b, slot in enumerate(slots)]
-        logits = torch.cat([o.logits[:, -1:] for o in outs])
-        aux = []
-        for layer in zip(*(o.aux for o in outs)):
-            counts = torch.stack([a.counts for a in layer]).sum(0)
-            routing = None if layer[0].routing is None else Routing(
-                torch.cat([a.routing.expert_ids for a in layer]), torch.cat([a.routing.gates for a in layer]))
-            codes = None if layer[0].codes is None else torch.cat([a.codes for a in layer])
-            aux.append(MoEAux(counts, routing, codes=codes))
-        return ModelOutput(logits, aux)
+    def decode(self, cache: OnnxCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
+        """One token for each slot, in one session call."""
+        ids = ids_B.to(self._device)[:, None]
+        if not self.kv_cache:
+            return self._decode_plain(cache, slots, ids)
+        if cache.rows is None or cache.rows.slots != slots:
+            self._regroup(cache, slots)
+        rows = cache.rows
+        mask = torch.cat([rows.mask, torch.ones(len(slots), 1, dtype=torch.long, device=self._device)], dim=1)
+        outs = self._run(ids, mask, torch.tensor(positions, device=self._device)[:, None], rows.past)
+        real = np.concatenate([rows.real, np.ones((len(slots), 1), bool)], axis=1)
+        cache.rows = Rows(slots, self._presents(outs), mask, real)
+        return self._output(outs)
+
+    def _presents(self, outs: dict[str, Tensor]) -> list[Tensor]:
+        """The present_* outputs in the order of the past_* inputs they become."""
+        return [outs["present_" + i.name.removeprefix("past_")] for i in self._past]
+
+    def _regroup(self, cache: OnnxCache, slots: list[int]) -> None:
+        """Make `slots` the decoding batch, in that order: each row's real keys then padding up to the longest row
+        (a row the step does not decode goes back to being alone, for when it decodes again)."""
+        if cache.rows is not None:
+            for b, slot in enumerate(cache.rows.slots):
+                cache.alone[slot] = cache.rows.take(b)
+            cache.rows = None
+        if missing := [s for s in slots if s not in cache.alone]:
+            raise EngineError(f"slots {missing} decode before their prompts ran")
+        parts = [cache.alone.pop(s) for s in slots]
+        lengths = [part[0].shape[2] for part in parts]
+        real = np.arange(max(lengths))[None] < np.array(lengths)[:, None]
+        past = []
+        for n, i in enumerate(self._past):
+            batch = torch.zeros(len(slots), i.shape[1], real.shape[1], i.shape[3], device=self._device)
+            for b, part in enumerate(parts):
+                batch[b, :, :lengths[b]] = part[n][0]
+            past.append(batch)
+        cache.rows = Rows(list(slots), past, torch.from_numpy(real.astype(np.int64)).to(self._device), real)
+
+    def _decode_plain(self, cache: OnnxCache, slots: list[int], ids: Tensor) -> ModelOutput:
+        """A plain graph's step: each slot's prefix and new token, right-padded into one call; the logits and
+        expert choices of each row's last token."""
+        histories = [torch.cat([cache.history[s], ids[b:b + 1]], dim=1) for b, s in enumerate(slots)]
+        for s, h in zip(slots, histories):
+            cache.history[s] = h
+        lengths = torch.tensor([h.shape[1] for h in histories], device=self._device)
+        batch = torch.nn.utils.rnn.pad_sequence([h[0] for h in histories], batch_first=True)
+        mask = (torch.arange(batch.shape[1], device=self._device)[None] < lengths[:, None]).long()
+        outs = self._run(batch, mask)
+        last = (lengths - 1)[:, None]
+        rows = torch.arange(len(slots), device=self._device)[:, None]
+        return self._output({**outs, **{n: outs[n][rows, last] for n in self._experts}},
+                            logits=outs["logits"][rows, last])
+
+
+INT_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@contextlib.contextmanager
+def on_stream(stream):
+    """Run the session on the backend's own CUDA stream (handed to ONNX Runtime as its compute stream, so its
+    kernels queue after the inputs torch wrote there), and have the caller's stream wait for it: no host sync."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def load_onnx_backend(path, dtype: str = "float32", device: str = "auto", *, threads: int | None = None
@@ -163,8 +333,9 @@ def load_onnx_backend(path, dtype: str = "float32", device: str = "auto", *, thr
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
+    providers, where, stream = onnx_providers(device)
     try:
-        session = ort.InferenceSession(str(path), options, providers=onnx_providers(device))
+        session = ort.InferenceSession(str(path), options, providers=providers)
     except EngineError:
         raise
     except Exception as e:  # onnxruntime raises its own types for a corrupt or foreign file
@@ -173,7 +344,7 @@ def load_onnx_backend(path, dtype: str = "float32", device: str = "auto", *, thr
     if "moeserve.config" not in meta:
         raise EngineError(f"{path} was not written by moeserve export onnx (no moeserve.config metadata)")
     cfg = MoEConfig.from_json(meta["moeserve.config"])
-    runner = OnnxBackend(session, cfg, meta.get("moeserve.mode", "?"))
+    runner = OnnxBackend(session, cfg, meta.get("moeserve.mode", "?"), where, stream)
     return runner, _tokenizer(cfg, meta)
 
 
