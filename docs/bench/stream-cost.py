@@ -87,7 +87,9 @@ def run(tree: str, ckpt: Path, extra: list[str], clients: list[int], duration: f
     command = server_command(ckpt, port, "float32", extra)
     if null:  # the same command line, run by serve_null
         command = [sys.executable, __file__, "--serve-null", *command[command.index("serve"):]]
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).absolute())}  # the server subprocess's moeserve
+    # the server subprocess's moeserve; PYTHONSAFEPATH, or `python -m` run from a checkout would import that
+    # checkout's (the working directory comes first on sys.path)
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).absolute()), "PYTHONSAFEPATH": "1"}
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
     lines = []
     try:
