@@ -46,22 +46,18 @@ def run(tree: str, extra: list[str], clients: list[int], duration: float) -> lis
 
     env = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(Path(tree).absolute())  # the server subprocess's moeserve
-    # `python -m` puts the working directory first on sys.path, so run from a checkout it would import that
-    # checkout's moeserve whatever PYTHONPATH says (Python 3.11+ honours this; 3.10 ignores it)
-    safe = os.environ.get("PYTHONSAFEPATH")
-    os.environ["PYTHONSAFEPATH"] = "1"
     log = ServerLog()
     try:
-        with running_server(CKPT, "float32", extra, log) as url:
+        # run in the tree: from a checkout, `python -m` and a local Ray's workers would import the checkout's
+        with running_server(CKPT, "float32", extra, log, cwd=Path(tree).absolute()) as url:
             cfg = ServeBenchConfig(url=url, concurrency=tuple(clients), duration_s=duration, input_len=(32, 32),
                                    output_len=(32, 32), timeout_s=120)
             return bench_serve(cfg)["levels"]
     finally:
-        for name, value in (("PYTHONPATH", env), ("PYTHONSAFEPATH", safe)):
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        if env is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = env
         if log.exit_code not in (0, -15):
             print(log.text[-3000:], file=sys.stderr)
 

@@ -86,11 +86,10 @@ def run(tree: str, ckpt: Path, extra: list[str], clients: list[int], duration: f
     port = free_port()
     command = server_command(ckpt, port, "float32", extra)
     if null:  # the same command line, run by serve_null
-        command = [sys.executable, __file__, "--serve-null", *command[command.index("serve"):]]
-    # the server subprocess's moeserve; PYTHONSAFEPATH, or `python -m` run from a checkout would import that
-    # checkout's (the working directory comes first on sys.path)
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).absolute()), "PYTHONSAFEPATH": "1"}
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        command = [sys.executable, str(Path(__file__).absolute()), "--serve-null", *command[command.index("serve"):]]
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).absolute())}  # the server subprocess's moeserve
+    # run in the tree: from a checkout, `python -m` would import the checkout's moeserve whatever PYTHONPATH says
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, cwd=Path(tree).absolute())
     lines = []
     try:
         url = f"http://127.0.0.1:{port}"

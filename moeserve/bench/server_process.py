@@ -75,14 +75,16 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 @contextlib.contextmanager
 def running_server(checkpoint: Path, dtype: str, extra: list[str], log: ServerLog,
-                   prefix: list[str] = ()) -> Iterator[str]:
+                   prefix: list[str] = (), cwd: Path | None = None) -> Iterator[str]:
     """A `moeserve serve` subprocess on a free port, ready; yields its base URL. It is stopped on the way
     out, whatever happens (an exception, Ctrl-C); `log` gets what it wrote and its exit status. `prefix` runs
-    the command under another (`taskset -c 0,1`: the server on two cores)."""
+    the command under another (`taskset -c 0,1`: the server on two cores). `cwd` is where it runs, which decides
+    its moeserve ahead of PYTHONPATH: `python -m` puts the working directory first on sys.path, and a local Ray's
+    workers get the driver's working directory first too."""
     port = free_port()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([*prefix, *server_command(checkpoint, port, dtype, extra)], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_ready(proc, url)
