@@ -56,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"moeserve serve: {e}", file=sys.stderr)
             return 2
     path = args.checkpoint
-    if path is not None:  # a config the runtime cannot run is named now (exit 2), not after the server started
+    onnx = path is not None and (path.suffix == ".onnx" or args.backend == "onnx")  # its config is in the graph
+    if path is not None and not onnx:  # a config the runtime cannot run is named now (exit 2), not after the start
         from moeserve.checkpoint import CheckpointError, read_config
 
         try:

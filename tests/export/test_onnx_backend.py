@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import onnx
 import pytest
 import torch
@@ -243,6 +244,19 @@ def test_cli_export_score_and_failures(lm, tmp_path):
     p = cli("export", "onnx", ckpt, "--out", tmp_path / "a.onnx", "--mode", "turbo")
     assert p.returncode == 2 and "invalid choice: 'turbo'" in p.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temporary left
+
+
+def test_cli_serves_an_export(lm):
+    """`moeserve serve model.onnx`, as the README has it: a real server over a socket, the torch engine's text."""
+    from moeserve.bench.server_process import MODEL_NAME, ServerLog, running_server
+
+    ckpt, onnx_path = lm
+    log = ServerLog()
+    with running_server(onnx_path, "float32", ["--kv-slots", "2"], log) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "def ", "max_tokens": 8,
+                                                       "temperature": 0}, timeout=60)
+    assert r.status_code == 200, (r.text, log.text)
+    assert r.json()["choices"][0]["text"] == Engine.load(ckpt, dtype="float32").generate("def ", max_new_tokens=8)[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
