@@ -150,7 +150,12 @@ class OnnxBackend:
             raise EngineError("this KV-cache graph takes no position_ids (an export older than moeserve-onnx/2, "
                               "which batches no decode step): export it again with moeserve export onnx --kv-cache")
         self.session_calls = 0  # runs of the session: a decode step is one, whatever its batch
-        self._stream = stream
+        self._stream, self._run_options = stream, None
+        if stream is not None:  # ONNX Runtime would otherwise synchronize its stream with the host after each run
+            import onnxruntime as ort
+
+            self._run_options = ort.RunOptions()
+            self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
 
     @property
     def device(self) -> torch.device:
@@ -181,7 +186,7 @@ class OnnxBackend:
         for name in self._outputs:
             binding.bind_output(name, kind, index)
         with on_stream(self._stream):
-            self.session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding, self._run_options)
         self.session_calls += 1
         return {name: torch.from_dlpack(v) for name, v in zip(self._outputs, binding.get_outputs())}
 
