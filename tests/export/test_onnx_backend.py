@@ -183,6 +183,20 @@ def test_load_errors_are_named(lm, tmp_path):
             load_engine(onnx_path, device="cuda")
 
 
+def test_cuda_needs_a_torch_that_sees_the_gpu(monkeypatch):
+    """onnxruntime-gpu beside a CPU-only torch: the runner binds its tensors with torch, so 'cuda' is refused by
+    name and 'auto' stays on the CPU (a GPU cannot be had here, so the provider list is what is faked)."""
+    import onnxruntime as ort
+
+    from moeserve.runtime.backends.onnx import onnx_providers
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(EngineError, match="sees no CUDA device"):
+        onnx_providers("cuda")
+    assert onnx_providers("auto") == (["CPUExecutionProvider"], torch.device("cpu"), None)
+
+
 def test_a_foreign_onnx_file_is_refused(tmp_path):
     from onnx import TensorProto, helper
 
