@@ -135,6 +135,31 @@ def test_a_decode_step_is_one_session_call_for_every_sequence(lm, tmp_path, kv):
     assert session.calls["run_with_iobinding"] == steps.model_calls == runner.session_calls
 
 
+def test_the_decode_batch_answers_in_the_callers_order(lm, tmp_path):
+    """The batch keeps its own row order (joiners appended), so the caller's order may differ from it: the logits
+    and expert choices come back in the caller's order, exactly as from a batch made in that order."""
+    ckpt, _ = lm
+    runner = load_engine(export_onnx(ckpt, tmp_path / "kv.onnx", "fused", kv_cache=True).output).runner
+    prompts = [torch.tensor(t) for t in ([5, 9, 2, 7], [3, 3], [8, 1, 4, 4, 6, 2])]
+    caches = [runner.new_cache(3, 64), runner.new_cache(3, 64)]
+    for cache in caches:
+        for slot, ids in enumerate(prompts):
+            runner.prefill(cache, slot, ids, 0)
+    a, b = caches
+    runner.decode(a, [0, 1, 2], torch.tensor([1, 2, 3]), [4, 2, 6])  # a's batch: rows 0, 1, 2
+    runner.decode(b, [1, 2], torch.tensor([2, 3]), [2, 6])
+    runner.prefill(b, 0, torch.tensor([1]), 4)  # the same token for slot 0, as a prompt's last chunk
+    steps = [([0, 1, 2], [7, 8, 9], [5, 3, 7]), ([2, 0, 1], [4, 6, 5], [8, 6, 4])]
+    for k, (order, ids, positions) in enumerate(steps):
+        want = runner.decode(a, order, torch.tensor(ids), positions)
+        got = runner.decode(b, order, torch.tensor(ids), positions)
+        assert (a.rows.slots, b.rows.slots) == ([0, 1, 2], [1, 2, 0])  # b: 1 and 2 stayed, 0 joined
+        assert torch.allclose(got.logits, want.logits, atol=1e-5), k
+        for x, y in zip(got.aux, want.aux):
+            assert torch.equal(x.routing.expert_ids, y.routing.expert_ids), k
+            assert torch.equal(x.counts, y.counts), k
+
+
 def test_a_kv_graph_without_positions_is_refused(tmp_path):
     """An export from before moeserve-onnx/2 takes one past length for every row, so it cannot batch a step."""
     from onnx import TensorProto, helper

@@ -253,17 +253,26 @@ class OnnxBackend:
         return self._output(outs)
 
     def decode(self, cache: OnnxCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
-        """One token for each slot, in one session call."""
+        """One token for each slot, in one session call. The batch keeps its own row order (a sequence that joins
+        is appended), so only a change in the set of slots moves the cache; rows are put in the caller's order on
+        the way in and out (ids and positions, logits and expert choices: [B] and [B, V], not the cache)."""
         ids = ids_B.to(self._device)[:, None]
         if not self.kv_cache:
             return self._decode_plain(cache, slots, ids)
-        if cache.rows is None or cache.rows.slots != slots:
+        if cache.rows is None or set(cache.rows.slots) != set(slots):
             self._regroup(cache, slots)
         rows = cache.rows
+        order = [slots.index(s) for s in rows.slots]  # batch row k is the caller's row order[k]
+        positions_B = torch.tensor([positions[b] for b in order], device=self._device)[:, None]
+        if order != list(range(len(slots))):
+            ids = ids[torch.tensor(order, device=self._device)]
         mask = torch.cat([rows.mask, torch.ones(len(slots), 1, dtype=torch.long, device=self._device)], dim=1)
-        outs = self._run(ids, mask, torch.tensor(positions, device=self._device)[:, None], rows.past)
+        outs = self._run(ids, mask, positions_B, rows.past)
         real = np.concatenate([rows.real, np.ones((len(slots), 1), bool)], axis=1)
-        cache.rows = Rows(slots, self._presents(outs), mask, real)
+        cache.rows = Rows(rows.slots, self._presents(outs), mask, real)
+        if order != list(range(len(slots))):
+            back = torch.tensor([rows.slots.index(s) for s in slots], device=self._device)
+            outs = {name: outs[name][back] for name in ("logits", *self._experts)}
         return self._output(outs)
 
     def _presents(self, outs: dict[str, Tensor]) -> list[Tensor]:
@@ -271,24 +280,59 @@ class OnnxBackend:
         return [outs["present_" + i.name.removeprefix("past_")] for i in self._past]
 
     def _regroup(self, cache: OnnxCache, slots: list[int]) -> None:
-        """Make `slots` the decoding batch, in that order: each row's real keys then padding up to the longest row
-        (a row the step does not decode goes back to being alone, for when it decodes again)."""
-        if cache.rows is not None:
-            for b, slot in enumerate(cache.rows.slots):
-                cache.alone[slot] = cache.rows.take(b)
-            cache.rows = None
-        if missing := [s for s in slots if s not in cache.alone]:
+        """Make the set `slots` the decoding batch: the rows that stay keep their order and columns (one
+        index_select), the rows that join are appended, padded to the batch's length (or it to theirs, padding
+        being allowed anywhere), and a row the step does not decode goes back to being alone, for when it decodes
+        again. Padding left behind by rows that went is dropped only once it is over half the batch's length
+        (`_compact`), so its cost is spread over many steps."""
+        old = cache.rows
+        cache.rows = None
+        stay = [] if old is None else [b for b, slot in enumerate(old.slots) if slot in slots]
+        if old is not None:
+            for b, slot in enumerate(old.slots):
+                if slot not in slots:
+                    cache.alone[slot] = old.take(b)
+        joining = [s for s in slots if old is None or s not in old.slots]
+        if missing := [s for s in joining if s not in cache.alone]:
             raise EngineError(f"slots {missing} decode before their prompts ran")
-        parts = [cache.alone.pop(s) for s in slots]
+        parts = [cache.alone.pop(s) for s in joining]
         lengths = [part[0].shape[2] for part in parts]
-        real = np.arange(max(lengths))[None] < np.array(lengths)[:, None]
+        S, old_len = len(stay), old.real.shape[1] if stay else 0
+        P = max([*lengths, old_len])
+        front = P - old_len  # the rows that stay are padded at the front when a joining row is longer
+        real = np.zeros((S + len(parts), P), bool)
+        if stay:
+            real[:S, front:] = old.real[stay]
+        for j, n in enumerate(lengths):
+            real[S + j, :n] = True
+        kept = torch.as_tensor(stay, device=self._device)
         past = []
         for n, i in enumerate(self._past):
-            batch = torch.zeros(len(slots), i.shape[1], real.shape[1], i.shape[3], device=self._device)
-            for b, part in enumerate(parts):
-                batch[b, :, :lengths[b]] = part[n][0]
+            batch = torch.empty(S + len(parts), i.shape[1], P, i.shape[3], device=self._device)
+            if S and not front:
+                torch.index_select(old.past[n], 0, kept, out=batch[:S])  # one copy, into place
+            elif S:
+                batch[:S, :, :front] = 0
+                batch[:S, :, front:] = old.past[n][kept]
+            batch[S:] = 0
+            for j, part in enumerate(parts):
+                batch[S + j, :, :lengths[j]] = part[n][0]
             past.append(batch)
-        cache.rows = Rows(list(slots), past, torch.from_numpy(real.astype(np.int64)).to(self._device), real)
+        order = [old.slots[b] for b in stay] + joining
+        cache.rows = Rows(order, past, torch.from_numpy(real.astype(np.int64)).to(self._device), real)
+        longest = int(real.sum(1).max())
+        if P > 2 * longest:
+            self._compact(cache.rows, longest)
+
+    def _compact(self, rows: Rows, P: int) -> None:
+        """Drop the padding columns: each row's real keys first (the columns the host knows), padded to the longest
+        by repeating its first (finite values the mask hides), by one gather per past input."""
+        cols = [np.flatnonzero(r) for r in rows.real]
+        index = np.stack([np.pad(c, (0, P - len(c)), mode="edge") for c in cols])
+        at = torch.as_tensor(index, device=self._device)[:, None, :, None]
+        rows.past = [p.gather(2, at.expand(-1, p.shape[1], -1, p.shape[3])) for p in rows.past]
+        rows.real = np.arange(P)[None] < np.array([len(c) for c in cols])[:, None]
+        rows.mask = torch.from_numpy(rows.real.astype(np.int64)).to(self._device)
 
     def _decode_plain(self, cache: OnnxCache, slots: list[int], ids: Tensor) -> ModelOutput:
         """A plain graph's step: each slot's prefix and new token, right-padded into one call; the logits and
