@@ -121,7 +121,8 @@ def test_a_decode_step_is_one_session_call_for_every_sequence(lm, tmp_path, kv):
         before = session.calls["run_with_iobinding"]
         out = decode(cache, slots, ids_B, positions)
         decodes.append((len(slots), session.calls["run_with_iobinding"] - before))
-        if kv:  # the batch's keys and values are this call's present outputs, on the runner's device
+        if kv:  # the batch's keys and values are this call's present outputs, on the runner's device, its rows
+            # in the step engine's order (which appends joiners, as the batch does: no reorder a step)
             assert cache.rows.slots == slots and cache.rows.past[0].shape[0] == len(slots)
             assert cache.rows.past[0].device == runner.device
         return out
