@@ -163,7 +163,9 @@ def add_serve(sub) -> None:
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if there is one)")
     sv.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     sv.add_argument("--quantize", choices=QUANT_FORMATS + GPU_QUANT_FORMATS, help=QUANTIZE_HELP)
-    sv.add_argument("--threads", type=int, metavar="N", help="torch threads for the model (default: one per core)")
+    sv.add_argument("--threads", type=int, metavar="N",
+                    help="threads for the model (default: one per core): torch's, or an ONNX export's session's "
+                         "(torch, which then only samples, gets one)")
     sv.add_argument("--calibrate", action="store_true", help=CALIBRATE_HELP)
     sv.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                     help=COMPILE_HELP + "; with --ray, every rank: a rank of --expert-parallel N > 1 runs its "

@@ -28,10 +28,23 @@ from moeserve.runtime.engine import Engine, load_engine
 BLOCKS = 3
 
 
+def as_served(engine: Engine, call):
+    """call(engine) as `moeserve serve` runs that engine: an ONNX Runtime session's with torch at one thread, since
+    there torch only samples and its spinning OpenMP team would slow the session's next call (serve/state.py)."""
+    if engine.runner.name != "onnx":
+        return call(engine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return call(engine)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def timed(engines: dict[str, Engine], call, repeats: int) -> dict[str, float]:
-    """p50 seconds of call(engine) per engine, the engines taking turns in BLOCKS blocks, each block after two
-    untimed calls (first-call allocations, and the other pool's threads going idle)."""
-    ms = interleaved_ms({name: (lambda e=engine: call(e)) for name, engine in engines.items()}, 0.0,
+    """p50 seconds of call(engine) per engine (as_served), the engines taking turns in BLOCKS blocks, each block
+    after two untimed calls (first-call allocations, and the other pool's threads going idle)."""
+    ms = interleaved_ms({name: (lambda e=engine: as_served(e, call)) for name, engine in engines.items()}, 0.0,
                         min_rounds=BLOCKS, max_rounds=BLOCKS, warmup=0, turn_warmup=2,
                         per_turn=max(1, repeats // BLOCKS))
     return {name: statistics.median(ts) / 1e3 for name, ts in ms.items()}

@@ -44,6 +44,7 @@ class ServerState:
         self.created = int(time.time())
         self.on_fatal: Callable[[], None] | None = None  # the server's exit, called if the model fails to load
         self._thread: threading.Thread | None = None
+        self.torch_threads: int | None = None  # what the model's thread runs torch ops with, once loaded
 
     @property
     def batcher(self) -> Batcher | None:
@@ -62,6 +63,12 @@ class ServerState:
             torch.set_num_threads(self.cfg.threads)
         try:
             made = source if isinstance(source, Engine) else source()
+            if isinstance(made, Engine) and made.runner.name == "onnx" and made.runner.device.type == "cpu":
+                # The session has the model's threads; torch only samples here, and its OpenMP team, spinning after
+                # each parallel op, slows the session's next call (2-2.8x fewer tokens/s at batch 8-32 on two cores
+                # with a 32k vocabulary: docs/bench/log.md). So torch gets one thread on this, the model's, thread.
+                torch.set_num_threads(1)
+            self.torch_threads = torch.get_num_threads()
             runner = self._local(made) if isinstance(made, Engine) else made
             self.name = self.cfg.model_name or runner.model.name
             self.chat_template = self._chat_template(runner.model)

@@ -236,7 +236,16 @@ def test_a_foreign_onnx_file_is_refused(tmp_path):
         load_engine(tmp_path / "foreign.onnx")
 
 
-def test_serving_an_export_over_http(lm):
+@pytest.fixture
+def two_torch_threads():
+    """Torch at two threads while a test runs (this module's others run with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_serving_an_export_over_http(lm, two_torch_threads):
     ckpt, onnx_path = lm
     ref = Engine.load(ckpt, dtype="float32", device="cpu")
     with live_server(lambda: load_engine(onnx_path), ServeConfig(model_name="tiny-onnx")) as live:
@@ -248,6 +257,7 @@ def test_serving_an_export_over_http(lm):
             assert item["logprob"] == pytest.approx(want.logprob, abs=1e-3)
         metrics = live.client.get("/metrics").text
         assert 'moeserve_expert_routed_tokens_total{expert="0",layer="0"}' in metrics
+        assert live.state.torch_threads == 1  # the session has the threads; torch, which only samples, one
 
 
 # ---- the command line ------------------------------------------------------------------------------
