@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from moeserve.config import MoEConfig
+from moeserve.runtime.backends.experts import expert_counts
 from moeserve.runtime.model import ModelOutput
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.routing import Routing
@@ -199,9 +200,7 @@ class OnnxBackend:
         for name in self._experts:
             ids_BSK = outs[name]
             ids_TK = ids_BSK.reshape(-1, ids_BSK.shape[-1]) if real is None else ids_BSK[real]
-            ids_N = ids_TK.reshape(-1)
-            counts = torch.zeros(self.cfg.n_experts, dtype=torch.long, device=ids_N.device).index_add_(
-                0, ids_N, torch.ones_like(ids_N))
+            counts = expert_counts(ids_TK.reshape(-1), self.cfg.n_experts)
             routing = None if discrete else Routing(ids_TK, torch.ones_like(ids_TK, dtype=torch.float32))
             aux.append(MoEAux(counts, routing, codes=ids_TK[:, 0] if discrete else None))
         return ModelOutput(outs["logits"] if logits is None else logits, aux)
