@@ -159,6 +159,14 @@ def test_the_decode_batch_answers_in_the_callers_order(lm, tmp_path):
         for x, y in zip(got.aux, want.aux):
             assert torch.equal(x.routing.expert_ids, y.routing.expert_ids), k
             assert torch.equal(x.counts, y.counts), k
+    fresh = runner.new_cache(3, 64)
+    for slot in (1, 2, 0):  # each slot given a new prompt: out of the batch, the last one leaving it empty
+        runner.prefill(b, slot, torch.tensor([4, 4, slot]), 0)
+        runner.prefill(fresh, slot, torch.tensor([4, 4, slot]), 0)
+    assert b.rows is None and sorted(b.alone) == [0, 1, 2]
+    want = runner.decode(fresh, [0, 1, 2], torch.tensor([5, 6, 7]), [3, 3, 3])
+    assert torch.allclose(runner.decode(b, [0, 1, 2], torch.tensor([5, 6, 7]), [3, 3, 3]).logits, want.logits,
+                          atol=1e-6)
 
 
 def test_a_kv_graph_without_positions_is_refused(tmp_path):

@@ -108,23 +108,6 @@ class OnnxCache:
     rows: Rows | None = None
     history: dict[int, Tensor] = field(default_factory=dict)
 
-    def take(self, slot: int) -> list[Tensor] | None:
-        """The slot's keys and values, out of the cache (None if it holds none)."""
-        if slot in self.alone:
-            return self.alone.pop(slot)
-        if self.rows is None or slot not in self.rows.slots:
-            return None
-        b = self.rows.slots.index(slot)
-        taken = self.rows.take(b)
-        keep = [i for i in range(len(self.rows.slots)) if i != b]
-        if not keep:
-            self.rows = None
-            return taken
-        index = torch.tensor(keep, device=self.rows.mask.device)
-        self.rows = Rows([self.rows.slots[i] for i in keep], [p.index_select(0, index) for p in self.rows.past],
-                         self.rows.mask.index_select(0, index), self.rows.real[keep])
-        return taken
-
 
 class OnnxBackend:
     """The runner calls (base.ModelRunner) over an ONNX Runtime session, every input and output bound to torch
@@ -239,7 +222,9 @@ class OnnxBackend:
             real = torch.arange(history.shape[1], device=self._device)[None] >= start
             outs = self._run(history, torch.ones_like(history))
             return self._output(outs, real, outs["logits"][:, start:])
-        past = cache.take(slot)
+        if cache.rows is not None and slot in cache.rows.slots:  # out of the decoding batch, the rest left there
+            self._regroup(cache, [s for s in cache.rows.slots if s != slot])
+        past = cache.alone.pop(slot, None)
         if start == 0:
             past = None
         elif past is None or past[0].shape[2] != start:
@@ -262,14 +247,15 @@ class OnnxBackend:
             self._regroup(cache, slots)
         rows = cache.rows
         order = [slots.index(s) for s in rows.slots]  # batch row k is the caller's row order[k]
+        reordered = order != list(range(len(slots)))
         positions_B = torch.tensor([positions[b] for b in order], device=self._device)[:, None]
-        if order != list(range(len(slots))):
+        if reordered:
             ids = ids[torch.tensor(order, device=self._device)]
         mask = torch.cat([rows.mask, torch.ones(len(slots), 1, dtype=torch.long, device=self._device)], dim=1)
         outs = self._run(ids, mask, positions_B, rows.past)
         real = np.concatenate([rows.real, np.ones((len(slots), 1), bool)], axis=1)
         cache.rows = Rows(rows.slots, self._presents(outs), mask, real)
-        if order != list(range(len(slots))):
+        if reordered:
             back = torch.tensor([rows.slots.index(s) for s in slots], device=self._device)
             outs = {name: outs[name][back] for name in ("logits", *self._experts)}
         return self._output(outs)
@@ -291,6 +277,8 @@ class OnnxBackend:
             for b, slot in enumerate(old.slots):
                 if slot not in slots:
                     cache.alone[slot] = old.take(b)
+        if not slots:
+            return
         joining = [s for s in slots if old is None or s not in old.slots]
         if missing := [s for s in joining if s not in cache.alone]:
             raise EngineError(f"slots {missing} decode before their prompts ran")
