@@ -28,11 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from moeserve.bench.engine import _sync, bench_engine, write_mixtral
 from moeserve.bench.report import BenchError, run_bench
@@ -47,6 +49,7 @@ TESTS = ["tests/runtime", "tests/bench/test_engine_bench.py", "tests/export/test
 CONTEXTS = (2048, 32768)
 BATCHES = (1, 32)
 QUANTIZED = QUANT_FORMATS + GPU_QUANT_FORMATS  # batch 1 again on each weight format (issue 39's GPU goal)
+PATH_COUNTERS = ("moeserve_decode_tokens", "moeserve_prefill_tokens")  # read from a served run's /metrics
 SERVED_CLIENTS, SERVED_CORES, SERVED_GOAL = 32, 2, 10.0  # issue 40: the GPU server >= 10x two CPU cores' req/s
 
 
@@ -154,12 +157,23 @@ def served(checkpoint: Path, device: str = "cuda", clients: int = SERVED_CLIENTS
                                    input_len=(input_len, input_len), output_len=(output_len, output_len),
                                    timeout_s=120)
             level = bench_serve(cfg)["levels"][0]
+            paths = call_paths(url)
         out[name] = {"command": " ".join([*pin, "moeserve serve", *extra]), "requests_per_s":
                      round(level["requests_per_s"], 2), "itl_ms_p50": level["itl_ms"]["p50"],
-                     "errors": level["errors"]}
+                     "errors": level["errors"], "tokens_by_path": paths}
     out["ratio"] = round(out[device]["requests_per_s"] / max(out[f"{cores} CPU cores"]["requests_per_s"], 1e-9), 2)
     out["goal"] = SERVED_GOAL
     return out
+
+
+def call_paths(url: str) -> dict:
+    """The server's decode and prompt tokens by how their calls ran (moeserve_{decode,prefill}_tokens_total{path}):
+    on a GPU both should be nearly all "graph" under load."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {f.name.removeprefix("moeserve_").removesuffix("_tokens"): {s.labels["path"]: int(s.value) for s in f.samples
+                                                                       if s.name.endswith("_total")}
+            for f in text_string_to_metric_families(text) if f.name in PATH_COUNTERS}
 
 
 def goals(engine: dict) -> dict:

@@ -82,8 +82,10 @@ class Executor:
         self.cfg: MoEConfig = model.cfg
         n_moe = len(self.cfg.moe_layer_ids) if self.model is None else len(self.model.moe_layers)
         self.expert_load = ExpertLoad(n_moe, self.cfg.n_experts, self.device)
-        # decode tokens by how they ran: "graph" (a compiled step's replay) or "eager" (moeserve_decode_tokens_total)
+        # decode and prompt tokens by how their call ran: "graph" (a compiled step's replay) or "eager"
+        # (moeserve_decode_tokens_total, moeserve_prefill_tokens_total)
         self.decode_tokens: collections.Counter[str] = collections.Counter()
+        self.prefill_tokens: collections.Counter[str] = collections.Counter()
         self.lock = threading.RLock()
 
     def _compiled(self, mode: str) -> bool:
@@ -143,11 +145,14 @@ class Executor:
     def step_engine(self, tokenizer: Tokenizer | None, eos_id: int | None, slots: int, max_len: int | None = None,
                     prefill_chunk: int = 512, share_prefill: bool = True) -> StepEngine:
         """A step engine over this backend with a cache of `slots` sequences of `max_len` positions (default: the
-        model's context), its expert load and decode paths counted here. The caller steps it on one thread (the
+        model's context), its expert load and its calls' paths counted here. The caller steps it on one thread (the
         server's model thread) and holds `lock` around each step if others use the model."""
         return StepEngine(self.runner, tokenizer, eos_id, slots=slots, max_len=max_len or self.cfg.max_seq_len,
                           prefill_chunk=prefill_chunk, on_aux=self.expert_load.add, share_prefill=share_prefill,
-                          on_decode=self._count_decode)
+                          on_decode=self._count_decode, on_prefill=self._count_prefill)
 
     def _count_decode(self, path: str, rows: int) -> None:
         self.decode_tokens[path] += rows
+
+    def _count_prefill(self, path: str, tokens: int) -> None:
+        self.prefill_tokens[path] += tokens

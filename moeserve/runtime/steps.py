@@ -48,7 +48,8 @@ def check_request(cfg: MoEConfig, tokenizer: Tokenizer | None, prompt: list[int]
 class StepEngine:
     """Sequences over `slots` cache slots of `max_len` positions each, advanced one `step` at a time: the
     scheduler's plan, run. One thread calls it; `on_aux` gets each model call's MoE aux (for expert-load
-    accounting), `on_decode(path, n)` the n rows each decode ran on the "graph" or "eager".
+    accounting), `on_decode(path, n)` the n rows each decode ran on the "graph" or "eager", `on_prefill(path, n)`
+    the n prompt tokens each prefill call wrote.
 
     `share_prefill`: a request's n choices share one prefill where the runner can copy cache rows
     (`can_copy_prefix`). Decode rows ride in a step's prompt chunk where the runner takes rows of any lengths
@@ -56,12 +57,13 @@ class StepEngine:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, eos_id: int | None, *, slots: int,
                  max_len: int, prefill_chunk: int = 512, on_aux: Callable[[list[MoEAux]], None] | None = None,
-                 share_prefill: bool = True, on_decode: Callable[[str, int], None] | None = None):
+                 share_prefill: bool = True, on_decode: Callable[[str, int], None] | None = None,
+                 on_prefill: Callable[[str, int], None] | None = None):
         if slots < 1 or prefill_chunk < 1:
             raise ValueError(f"slots = {slots}, prefill_chunk = {prefill_chunk}: expected integers >= 1")
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
         self.max_len = max_len
-        self.on_aux, self.on_decode = on_aux, on_decode
+        self.on_aux, self.on_decode, self.on_prefill = on_aux, on_decode, on_prefill
         self.scheduler = Scheduler(slots, prefill_chunk, share_prefill=share_prefill and runner.can_copy_prefix)
         self.cache: Any = runner.new_cache(slots, max_len)
         self.model_calls = 0  # the runner's calls so far, whatever path each took (C step, graph, eager)
@@ -151,6 +153,8 @@ class StepEngine:
                                         call.starts + [self._position(s) for s in carry])
         self.model_calls += 1
         self._account(out.aux)
+        if self.on_prefill is not None:
+            self.on_prefill("graph" if out.graph else "eager", sum(call.takes))
         if call.scored:
             self._score_prompt(seqs[0], call.starts[0], out.logits[0, -call.takes[0]:])
         for b, seq in enumerate(seqs):

@@ -63,19 +63,21 @@ class ExpertLoadCollector(Collector):
         yield dead
 
 
-class DecodeTokensCollector(Collector):
-    """moeserve_decode_tokens_total{path}: tokens decoded by a compiled step's replay ("graph") or eagerly
-    ("eager": no compiled step, or a row that could not take it), read from the engine's count when scraped."""
+class PathTokensCollector(Collector):
+    """moeserve_{kind}_tokens_total{path}: the decode steps' tokens, or the prompt chunks', by whether a compiled
+    graph's replay ("graph") or an eager call ("eager": no compiled graph, or a call that could not take it) ran
+    them, read from the engine's count when scraped."""
 
-    def __init__(self, counts: Callable[[], Mapping[str, int] | None]):
-        self.counts = counts
+    def __init__(self, kind: str, counts: Callable[[], Mapping[str, int] | None]):
+        self.kind, self.counts = kind, counts
 
     def collect(self) -> Iterable[Metric]:
         counts = self.counts()
         if counts is None:  # the model is still loading
             return
-        family = CounterMetricFamily("moeserve_decode_tokens", "Tokens decoded, by how their step ran: graph (a "
-                                     "compiled step's replay) or eager", labels=["path"])
+        what = "decoded" if self.kind == "decode" else "of prompts prefilled"
+        family = CounterMetricFamily(f"moeserve_{self.kind}_tokens", f"Tokens {what}, by how their call ran: graph "
+                                     "(a compiled step's replay) or eager", labels=["path"])
         for path in ("graph", "eager"):
             family.add_metric([path], counts.get(path, 0))
         yield family
@@ -130,10 +132,9 @@ class Metrics:
         self.registry.register(collector)
         self.collectors.append(collector)
 
-    def watch_decode(self, counts: Callable[[], Mapping[str, int] | None]) -> None:
-        collector = DecodeTokensCollector(counts)
-        self.registry.register(collector)
-        self.collectors.append(collector)
+    def watch_paths(self, kind: str, counts: Callable[[], Mapping[str, int] | None]) -> None:
+        """moeserve_{kind}_tokens_total{path} ("decode" or "prefill") from the engine's counts."""
+        self.watch_collector(PathTokensCollector(kind, counts))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.request_seconds.labels(endpoint, str(status)).observe(seconds)

@@ -86,10 +86,11 @@ class ServerState:
         self.runner.run()
 
     def _local(self, engine: Engine) -> Batcher:
-        """The runner of an Engine in this process, warmed up, its expert load and decode paths in the metrics."""
+        """The runner of an Engine in this process, warmed up, its expert load and its calls' paths in the metrics."""
         self.metrics.watch_experts(lambda: self.engine.expert_load if self.engine else None,
                                    engine.cfg.moe_layer_ids, engine.cfg.n_experts, self.cfg.expert_metrics)
-        self.metrics.watch_decode(lambda: self.engine.executor.decode_tokens if self.engine else None)
+        self.metrics.watch_paths("decode", lambda: self.engine.executor.decode_tokens if self.engine else None)
+        self.metrics.watch_paths("prefill", lambda: self.engine.executor.prefill_tokens if self.engine else None)
         if engine.cfg.task == "lm":
             c = self.cfg
             engine.executor.warm_up(c.kv_slots if c.scheduler == "continuous" else c.batch.max_batch_size)

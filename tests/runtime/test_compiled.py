@@ -277,7 +277,7 @@ def test_decode_stays_on_the_graph_while_prompts_arrive():
     assert eager.executor.decode_tokens == {"eager": 33}
     assert fast.executor.decode_tokens == {"graph": 33}
     metrics = Metrics()
-    metrics.watch_decode(lambda: fast.executor.decode_tokens)
+    metrics.watch_paths("decode", lambda: fast.executor.decode_tokens)
     text = metrics.render().decode()
     assert 'moeserve_decode_tokens_total{path="graph"} 33.0' in text
     assert 'moeserve_decode_tokens_total{path="eager"} 0.0' in text
