@@ -19,6 +19,13 @@ every time, so here it is made shape-static:
 - expert-parallel experts (expert_parallel.py) exchange rows through the fixed-size all-to-all (use_fixed, every
   rank sized for at least the largest bucket): the variable one sizes its buffers on the host, and is refused.
 
+A prompt's chunk runs on a compiled graph too (`CompiledPrefill`), where its experts compile as one grouped_mm call
+(bf16, `decode_grouped`: the CUDA default): eager, a chunk of the built-in model is ~390 torch calls, each a kernel
+launch on a GPU, and a served GPU's prompts arrive every few steps. The chunk is padded up to a power of two of
+tokens (`chunk_sizes`); the padding tokens follow the chunk at the next positions of the same slot, whose keys no
+query reads before its own token has written them, and are dropped from the logits and the expert counts. The
+chunk's length is a dynamic dimension like the span: one compile, and on CUDA a graph per (size, span).
+
 Same tokens as eager in fp32 (tests/runtime/test_compiled.py); the logits differ by float rounding
 (fused reductions), ~1e-6 here.
 """
@@ -38,10 +45,10 @@ from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
 from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
-from moeserve.runtime.backends.experts import GraphBiasedExperts
+from moeserve.runtime.backends.experts import GraphBiasedExperts, GraphExperts
 from moeserve.runtime.expert_parallel import ExpertParallelExperts
 from moeserve.runtime.experts import BiasedExperts, Experts
-from moeserve.runtime.kv_cache import CacheRows, KVCache
+from moeserve.runtime.kv_cache import CacheRows, KVCache, RowsPart, StepRows
 from moeserve.runtime.model import ModelOutput, Transformer
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.backends.quant_gpu import indexed_experts
@@ -123,6 +130,48 @@ def spans(max_len: int, least: int = LEAST_SPAN) -> list[int]:
     return [*sizes, max_len]
 
 
+PREFILL_LEAST, PREFILL_MOST = 16, 512  # a compiled prompt chunk's fewest and most tokens (chunk_sizes)
+PREFILL_SPAN_MOST = 4096  # past this many keys a chunk runs eager: its attention, not its launches, is the cost
+
+
+def chunk_sizes(max_len: int, least: int = PREFILL_LEAST, most: int = PREFILL_MOST) -> list[int]:
+    """Token counts a prompt chunk's graph is built for: `least`, doubling, up to min(`most`, `max_len`) and that
+    itself. A chunk pads up to the first size that holds it: at most twice its tokens' work, which on a GPU costs
+    less than one eager call's launches for the chunks a server sees (a prompt of a few hundred tokens)."""
+    top = min(most, max_len)
+    return [*[least << i for i in range(max(top // least, 1).bit_length()) if least << i < top], top]
+
+
+def prefill_uncompilable(model: Transformer) -> str | None:
+    """Why a prompt chunk of this model has no compiled graph, or None: its experts must run a path with fixed shapes
+    that is cheap for many tokens (grouped_mm, `decode_grouped`; indexing copies an expert's weights per token), and
+    it must be a causal language model (a bidirectional row would attend to its padding)."""
+    if not model.cfg.causal or model.cfg.task != "lm":
+        return "a prompt chunk's padding would be attended to: only causal language models pad"
+    for layer in model.moe_layers:
+        if not (isinstance(layer.experts, GraphExperts) and layer.experts.w.decode_grouped):
+            return "its experts do not compile as one grouped_mm call (decode_grouped: bf16 plain weights)"
+    return None
+
+
+def span_view(views: dict[int, Tensor], cache: KVCache, span: int) -> Tensor:
+    """A compiled step's span argument: `span` bytes, its length marked dynamic once (kept in `views`)."""
+    if span not in views:
+        view = cache.k[0].new_empty(span, dtype=torch.uint8)
+        torch._dynamo.mark_dynamic(view, 0)
+        views[span] = view
+    return views[span]
+
+
+def real_counts(aux: list[MoEAux], real_N: Tensor, n_experts: int) -> Tensor:
+    """[MoE layers, E] int32: each layer's assignments of the real tokens (real_N [N] int32, 1 real, 0 padding;
+    N the call's tokens in order), counted in the graph rather than by a few small kernels per layer after it."""
+    counts = [(F.one_hot(a.routing.expert_ids if a.routing is not None else a.codes[:, None], n_experts)
+               .to(torch.int32).reshape(real_N.shape[0], -1, n_experts) * real_N[:, None, None]).sum((0, 1))
+              for a in aux]
+    return torch.stack(counts).to(torch.int32)
+
+
 class _Step(nn.Module):
     """model + the cache's tensors as buffers: the pure function (ids, slots, positions, span) -> logits, expert
     counts."""
@@ -144,10 +193,20 @@ class _Step(nn.Module):
         # state that a graph would guard on; the rank counts the graph's calls (CompiledBackend.graph_calls) instead
         out = self.model.forward(ids_B1, cache=CacheRows(self.cache, slots_B, positions_B1, span_L.shape[0]))
         real_B = (slots_B != self.scratch).to(torch.int32)
-        E = self.model.cfg.n_experts
-        counts = [(F.one_hot(a.routing.expert_ids if a.routing is not None else a.codes[:, None], E).to(torch.int32)
-                   * real_B[:, None, None]).sum((0, 1)) for a in out.aux]
-        return out.logits, torch.stack(counts).to(torch.int32)
+        return out.logits, real_counts(out.aux, real_B, self.model.cfg.n_experts)
+
+
+class _Prefill(_Step):
+    """model + the cache's tensors as buffers: the pure function (ids [1, P], slot, positions [1, P], span, last)
+    -> the logits of token `last` [1, 1, V] and the expert counts of tokens 0..last (the rest are padding)."""
+
+    def forward(self, ids_1P: Tensor, slot_1: Tensor, positions_1P: Tensor, span_L: Tensor,
+                last_1: Tensor) -> tuple[Tensor, Tensor]:
+        P = ids_1P.shape[1]
+        rows = CacheRows(self.cache, slot_1, positions_1P, span_L.shape[0])
+        out = self.model.forward(ids_1P, cache=StepRows([RowsPart(rows, slice(0, P))], last_1, [0]))
+        real_P = (torch.arange(P, device=ids_1P.device) <= last_1).to(torch.int32)
+        return out.logits, real_counts(out.aux, real_P, self.model.cfg.n_experts)
 
 
 class CompiledDecode:
@@ -204,12 +263,7 @@ class CompiledDecode:
         return logits[:B], [MoEAux(c, None) for c in counts.unbind(0)]
 
     def _span(self, span: int) -> Tensor:
-        """The step's span argument: `span` bytes, its length marked dynamic once."""
-        if span not in self._span_views:
-            view = self.cache.k[0].new_empty(span, dtype=torch.uint8)
-            torch._dynamo.mark_dynamic(view, 0)
-            self._span_views[span] = view
-        return self._span_views[span]
+        return span_view(self._span_views, self.cache, span)
 
     def warm_up(self) -> None:
         """Compile each bucket's step and (CUDA) record its graph at every span now, as a server does before it
@@ -225,10 +279,81 @@ class CompiledDecode:
                                torch.zeros(b, 1, dtype=torch.long, device=device), self._span(span))
 
 
+class CompiledPrefill:
+    """A prompt chunk of one sequence as a compiled graph over the compiled decode step's cache: padded up to the
+    first of `sizes` that holds it, attending over the first of `spans` that holds its keys. `steps[(size, span)]`
+    counts each graph's calls. A chunk it cannot take (`fits` is None: longer than the largest size, keys past
+    PREFILL_SPAN_MOST, or padding past the cache's end) runs eager."""
+
+    def __init__(self, model: Transformer, cache: KVCache, least_span: int | None = None):
+        why = model_uncompilable(model) or prefill_uncompilable(model)
+        if why is not None:
+            raise CompileError(f"no compiled prompt chunk for this model: {why}")
+        self.model, self.cache = model, cache
+        self.scratch = cache.slots - 1
+        self.sizes = chunk_sizes(cache.max_len)
+        self.spans = [s for s in spans(cache.max_len, least_span or LEAST_SPAN) if s <= PREFILL_SPAN_MOST]
+        self._span_views: dict[int, Tensor] = {}
+        self.steps: Counter[tuple[int, int]] = Counter()
+        device = model.tok_embeddings.weight.device
+        torch._dynamo.config.cache_size_limit += 1  # one compile: the chunk's length and its span are dynamic
+        self._step = torch.compile(_Prefill(model, cache), mode="reduce-overhead" if device.type == "cuda" else
+                                   "default", dynamic=False, fullgraph=True)
+
+    def fits(self, n_tokens: int, start: int) -> tuple[int, int] | None:
+        """(size, span) of a chunk of `n_tokens` from position `start`, or None where no graph takes it."""
+        size = next((p for p in self.sizes if p >= n_tokens), None)
+        span = next((s for s in self.spans if s >= start + n_tokens), None)
+        if size is None or span is None or start < 0 or start + size > self.cache.max_len:
+            return None
+        return size, span
+
+    def __call__(self, slot: int, ids_T: Tensor, start: int) -> tuple[Tensor, list[MoEAux]] | None:
+        """(logits [1, 1, V] of the chunk's last token, per-layer aux with its tokens' expert counts), or None where
+        no graph takes the chunk. Its keys go to slot `slot` from position `start`."""
+        T = ids_T.shape[0]
+        fit = self.fits(T, start)
+        if fit is None or not 0 <= slot < self.scratch:
+            return None
+        size, span = fit
+        self.cache.touch([slot])
+        device = ids_T.device
+        out = self._run(torch.cat([ids_T, ids_T.new_zeros(size - T)])[None], to_device([slot], device),
+                        torch.arange(start, start + size, device=device)[None], span,
+                        to_device([T - 1], device))
+        self.steps[(size, span)] += 1
+        return out[0], [MoEAux(c, None) for c in out[1].unbind(0)]
+
+    def _run(self, ids_1P: Tensor, slot_1: Tensor, positions_1P: Tensor, span: int,
+             last_1: Tensor) -> tuple[Tensor, Tensor]:
+        for t in (ids_1P, positions_1P):  # one compile for every size
+            torch._dynamo.mark_dynamic(t, 1)
+        logits, counts = self._step(ids_1P, slot_1, positions_1P, span_view(self._span_views, self.cache, span),
+                                    last_1)
+        if ids_1P.device.type == "cuda":  # a replayed graph's outputs are overwritten by the next replay
+            logits, counts = logits.clone(), counts.clone()
+        return logits, counts
+
+    def warm_up(self) -> None:
+        """Compile the chunk's step and (CUDA) record its graph for every size at every span that holds it, on the
+        scratch slot from position 0."""
+        device = self.model.tok_embeddings.weight.device
+        self.cache.touch([self.scratch])
+        scratch = torch.tensor([self.scratch], device=device)
+        for size in self.sizes:
+            for span in (s for s in self.spans if s >= size):
+                for _ in range(2 if device.type == "cuda" else 1):
+                    self._run(torch.zeros(1, size, dtype=torch.long, device=device), scratch,
+                              torch.arange(size, device=device)[None], span,
+                              torch.tensor([size - 1], device=device))
+
+
 class CompiledBackend(EagerBackend):
     """The torch backend on plain weights whose decode step is one compiled graph per batch bucket (CompiledDecode),
-    over a cache kept from one call to the next so that the graphs are built once. `fallback`: if building or
-    running the graph fails, say so and decode eagerly for good (`graph_decode` turns False)."""
+    over a cache kept from one call to the next so that the graphs are built once, and whose prompt chunks run on
+    one too where the model's experts compile for many tokens (CompiledPrefill: `graph_prefill`). `fallback`: if
+    building or running a graph fails, say so and run that call eagerly for good (`graph_decode` or
+    `graph_prefill` turns False)."""
 
     name = "compiled"
 
@@ -239,7 +364,9 @@ class CompiledBackend(EagerBackend):
                                        reason=f"{plan.reason}; plain weights for the compiled decode step")
         super().__init__(model, plan)
         self.fallback, self.graph_decode = fallback, True
+        self.graph_prefill = prefill_uncompilable(model) is None
         self._decode: CompiledDecode | None = None
+        self._prefill: CompiledPrefill | None = None
 
     def experts(self, plan: DispatchPlan) -> dict:
         return dict(pack=False, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
@@ -259,6 +386,7 @@ class CompiledBackend(EagerBackend):
             return super().new_cache(slots, max_len)
         if self._decode is None or self._decode.scratch < slots:  # one slot more: the padding rows' scratch
             self._decode = CompiledDecode(self.model, KVCache.for_model(self.model, slots + 1, spare=1))
+            self._prefill = CompiledPrefill(self.model, self._decode.cache) if self.graph_prefill else None
         return self._decode.cache
 
     @property
@@ -267,10 +395,35 @@ class CompiledBackend(EagerBackend):
         return sum(self._decode.steps.values()) if self._decode is not None else 0
 
     def warm_up(self, slots: int) -> None:
-        """Build the compiled decode step's graphs now, for up to `slots` rows."""
+        """Build the compiled decode step's graphs now, for up to `slots` rows, and the prompt chunk's."""
         if self.graph_decode:
             self.new_cache(slots, self.cfg.max_seq_len)
             self._guarded(self._decode.warm_up)
+            if self._prefill is not None:
+                self._guarded(self._prefill.warm_up, prefill=True)
+
+    def _chunk_graph(self, cache: KVCache) -> CompiledPrefill | None:
+        """The compiled prompt chunk over `cache`, where there is one and its graphs have not failed."""
+        ok = self.graph_prefill and self._prefill is not None and self._decode is not None
+        return self._prefill if ok and cache is self._decode.cache else None
+
+    def prefill(self, cache: KVCache, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:
+        chunk = None if all_logits else self._chunk_graph(cache)
+        out = self._guarded(chunk, slot, ids_S, start, prefill=True) if chunk is not None else None
+        if out is not None:
+            return ModelOutput(*out, graph=True)
+        return super().prefill(cache, slot, ids_S, start, all_logits)
+
+    def step_rows(self, cache: KVCache, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
+        """Prompt chunks of several sequences (a compiled runner's decode rows never ride along): a graph call each,
+        where a graph takes every one; on a GPU the replays cost less than the one eager call's launches, though
+        each reads the experts' weights again."""
+        chunk = self._chunk_graph(cache)
+        if chunk is None or not self.graph_decode or any(chunk.fits(len(t), a) is None for t, a in zip(ids, starts)):
+            return super().step_rows(cache, slots, ids, starts)
+        outs = [self.prefill(cache, s, to_device(t, self.device), a) for s, t, a in zip(slots, ids, starts)]
+        aux = [MoEAux(torch.stack([o.aux[i].counts for o in outs]).sum(0), None) for i in range(len(outs[0].aux))]
+        return ModelOutput(torch.cat([o.logits for o in outs]), aux, graph=all(o.graph for o in outs))
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
         if self.graph_decode and self._decode is not None and cache is self._decode.cache:
@@ -279,14 +432,18 @@ class CompiledBackend(EagerBackend):
                 return ModelOutput(*out, graph=True)
         return super().decode(cache, slots, ids_B, positions)
 
-    def _guarded(self, fn, *args):
-        """fn(*args); if it fails and the compiled step was only asked for where it may help ('auto'), log why, go
-        eager for good, and return None."""
+    def _guarded(self, fn, *args, prefill: bool = False):
+        """fn(*args); if it fails and the compiled step was only asked for where it may help ('auto'), log why, run
+        that call (the decode step, or a prompt chunk) eager for good, and return None."""
         try:
             return fn(*args)
         except Exception as e:
             if not self.fallback:
                 raise
-            log.warning("moeserve: the compiled decode step failed (%s: %s); running eager", type(e).__name__, e)
-            self.graph_decode = False
+            what = "prompt chunk" if prefill else "decode step"
+            log.warning("moeserve: the compiled %s failed (%s: %s); running eager", what, type(e).__name__, e)
+            if prefill:
+                self.graph_prefill = False
+            else:
+                self.graph_decode = False
             return None
