@@ -246,6 +246,10 @@ def add_bench(sub, calibrate_help: str) -> None:
     bs.add_argument("--slo-itl", type=float, metavar="MS", help="goodput: mean inter-token latency at most this")
     bs.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per request (default: 300)")
     bs.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrival times (default: 0)")
+    bs.add_argument("--client-procs", type=int, default=1, metavar="N",
+                    help="processes the load generator runs in, each with its share of a level's users or arrivals "
+                    "(default: 1). One streams ~10k tokens/s at most (~100 us of CPU a token): give more for a server "
+                    "that sends more, so that the server, not the client, is measured")
     bs.add_argument("--quick", action="store_true", help="the first level of each kind, 3 s and 8 requests each")
     _report_files(bs, "latency against throughput, TTFT and ITL percentiles, as a PNG (needs matplotlib: the "
                   "bench extra)")

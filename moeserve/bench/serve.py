@@ -24,13 +24,17 @@ not sent twice within 4096 requests, so that a server's prompt cache answers non
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import multiprocessing
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from moeserve.bench.plots import PlotUnavailable
 from moeserve.bench.report import BenchError, check_plot, finish
@@ -66,6 +70,9 @@ class ServeBenchConfig:
     slo_itl_ms: float | None = None
     timeout_s: float = 300.0
     seed: int = 0
+    # processes the load generator runs in, each with its share of a level's users or arrivals: one streams ~10k
+    # tokens/s at most (~100 us of CPU a token through httpx), less than a fast server sends
+    client_procs: int = 1
 
 
 @dataclass
@@ -293,44 +300,101 @@ def arrival_times(rate: float, n: int, seed: int) -> list[float]:
     return times
 
 
+@dataclass(frozen=True)
+class Part:
+    """The share of a level that one client process runs: part k of n, begun at t0 (time.perf_counter's clock, which
+    the processes of a machine share; None: at once). Part k sends the level's requests k, k + n, k + 2n, ..., so n
+    parts send what one process would."""
+
+    k: int = 0
+    n: int = 1
+    t0: float | None = None
+
+    def share(self, total: int) -> int:
+        return total // self.n + (self.k < total % self.n)
+
+    async def start(self) -> float:
+        if self.t0 is None:
+            return time.perf_counter()
+        await asyncio.sleep(max(0.0, self.t0 - time.perf_counter()))
+        return self.t0
+
+
 async def closed_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], users: int,
-                       ignore_eos: bool) -> tuple[list[Record], float]:
+                       ignore_eos: bool, part: Part = Part()) -> tuple[list[Record], float]:
+    """`users` closed-loop users (this part's share of them) until the duration or --requests ends the level; the
+    clients are made before its clock starts."""
     from moeserve.bench.client import clients
 
     records: list[Record] = []
-    limit = cfg.requests or math.inf  # else the duration ends it; the prompts are used round-robin
-    next_i = 0
-    t0 = time.perf_counter()
-    end = t0 + cfg.duration_s
+    limit = part.share(cfg.requests) if cfg.requests else math.inf  # else the duration ends it
+    sent = 0
 
     async def user(client) -> None:
-        nonlocal next_i
-        while time.perf_counter() < end and next_i < limit:
-            prompt, max_tokens = work[next_i % len(work)]
-            next_i += 1
+        nonlocal sent
+        while time.perf_counter() < end and sent < limit:
+            prompt, max_tokens = work[(part.k + part.n * sent) % len(work)]  # the prompts round-robin
+            sent += 1
             records.append(await send(client, cfg, request_body(cfg, model, prompt, max_tokens, ignore_eos), t0))
 
-    async with clients(cfg.url, users, headers=headers(cfg), timeout_s=cfg.timeout_s) as pool:
+    async with clients(cfg.url, part.share(users), headers=headers(cfg), timeout_s=cfg.timeout_s) as pool:
+        t0 = await part.start()
+        end = t0 + cfg.duration_s
         await asyncio.gather(*(user(c) for c in pool))
     return records, time.perf_counter() - t0
 
 
 async def open_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], rate: float,
-                     ignore_eos: bool) -> tuple[list[Record], float]:
+                     ignore_eos: bool, part: Part = Part()) -> tuple[list[Record], float]:
+    """The level's Poisson arrivals (this part's share of them), each sent at its time whatever the answers do."""
     from moeserve.bench.client import clients
 
-    n = level_requests(cfg, rate)
-    times = arrival_times(rate, n, cfg.seed)
-    async with clients(cfg.url, min(n, 64), headers=headers(cfg), timeout_s=cfg.timeout_s, connections=None) as pool:
-        t0 = time.perf_counter()
+    times = arrival_times(rate, level_requests(cfg, rate), cfg.seed)
+    mine = range(part.k, len(times), part.n)
+    async with clients(cfg.url, min(len(mine), 64), headers=headers(cfg), timeout_s=cfg.timeout_s,
+                       connections=None) as pool:
+        t0 = await part.start()
 
-        async def at(i: int) -> Record:
+        async def at(j: int, i: int) -> Record:
             await asyncio.sleep(max(0.0, t0 + times[i] - time.perf_counter()))
             prompt, max_tokens = work[i % len(work)]
-            return await send(pool[i % len(pool)], cfg, request_body(cfg, model, prompt, max_tokens, ignore_eos), t0)
+            return await send(pool[j % len(pool)], cfg, request_body(cfg, model, prompt, max_tokens, ignore_eos), t0)
 
-        records = list(await asyncio.gather(*(at(i) for i in range(n))))
+        records = list(await asyncio.gather(*(at(j, i) for j, i in enumerate(mine))))
     return records, time.perf_counter() - t0
+
+
+PART_START_S = 1.0  # a level split over processes begins this long after its parts are handed out
+
+
+def run_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], kind: str, value: float,
+              ignore_eos: bool, pool=None) -> tuple[list[Record], float]:
+    """One level's records and wall time: in this process, or split over `pool`'s processes (cfg.client_procs, at
+    most one a user or request), which begin together and whose records are merged."""
+    level, arg = (closed_level, int(value)) if kind == "concurrency" else (open_level, value)
+    n = min(cfg.client_procs, int(value) if kind == "concurrency" else level_requests(cfg, value))
+    if pool is None or n < 2:
+        return asyncio.run(level(cfg, model, work, arg, ignore_eos))
+    t0 = time.perf_counter() + PART_START_S
+    parts = [f.result() for f in [pool.submit(run_part, level, cfg, model, work, arg, ignore_eos, Part(k, n, t0))
+                                  for k in range(n)]]
+    return sorted((r for records, _ in parts for r in records), key=lambda r: r.start), max(w for _, w in parts)
+
+
+def run_part(level, *args) -> tuple[list[Record], float]:
+    """A client process's part of a level (run_level)."""
+    return asyncio.run(level(*args))
+
+
+@contextlib.contextmanager
+def client_processes(n: int) -> Iterator[ProcessPoolExecutor | None]:
+    """n load-generating processes, started (and their imports done) before any level is timed; None for one."""
+    if n < 2:
+        yield None
+        return
+    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(time.sleep, [0.2] * n))  # each worker up and importing this module before the first level
+        yield pool
 
 
 def distinct_prompts(cfg: ServeBenchConfig) -> int:
@@ -403,16 +467,15 @@ def bench_serve(cfg: ServeBenchConfig, log=lambda msg: None, report: dict | None
     context = card.get("max_model_len") if isinstance(card.get("max_model_len"), int) else None
     work = workload(cfg, model, distinct_prompts(cfg), context)
     levels = [("concurrency", float(c)) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
-    for kind, value in levels:
-        log(f"{kind} {value:g}: up to {cfg.duration_s:g} s" + (f" or {cfg.requests} requests" if cfg.requests else ""))
-        if kind == "concurrency":
-            records, wall = asyncio.run(closed_level(cfg, model, work, int(value), ignore_eos))
-        else:
-            records, wall = asyncio.run(open_level(cfg, model, work, value, ignore_eos))
-        report["levels"].append(summarize(kind, value, records, wall, cfg))
-        if records and all(r.status in ("connection", "timeout") for r in records):
-            raise ServerGone(f"{kind} {value:g}: every request failed ({records[0].status}); the server stopped "
-                             "answering")
+    with client_processes(cfg.client_procs) as pool:
+        for kind, value in levels:
+            log(f"{kind} {value:g}: up to {cfg.duration_s:g} s" + (f" or {cfg.requests} requests" if cfg.requests
+                                                                   else ""))
+            records, wall = run_level(cfg, model, work, kind, value, ignore_eos, pool)
+            report["levels"].append(summarize(kind, value, records, wall, cfg))
+            if records and all(r.status in ("connection", "timeout") for r in records):
+                raise ServerGone(f"{kind} {value:g}: every request failed ({records[0].status}); the server stopped "
+                                 "answering")
     report["complete"] = True
     return report
 
@@ -439,6 +502,8 @@ def config_from_args(args) -> ServeBenchConfig:
         raise BenchError("--concurrency levels must be >= 1 and --rate levels > 0 (inf: all at once)")
     if not args.duration > 0 or (args.requests is not None and args.requests < 1):
         raise BenchError("--duration must be > 0 and --requests >= 1")
+    if args.client_procs < 1:
+        raise BenchError(f"--client-procs {args.client_procs}: expected an integer >= 1")
     concurrency, rates = tuple(args.concurrency), tuple(args.rate)
     duration, requests = args.duration, args.requests
     if args.quick:  # seconds, for CI and a first look
@@ -451,7 +516,7 @@ def config_from_args(args) -> ServeBenchConfig:
                             prompts=args.prompts, input_len=span(args.input_len, "input-len"),
                             output_len=span(args.output_len, "output-len"), ignore_eos=args.ignore_eos,
                             slo_ttft_ms=args.slo_ttft, slo_itl_ms=args.slo_itl, timeout_s=args.timeout,
-                            seed=args.seed)
+                            seed=args.seed, client_procs=args.client_procs)
 
 
 def main(args) -> int:

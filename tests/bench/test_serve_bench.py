@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.bench.serve import SCHEMA_FILE, ServeBenchConfig, arrival_times, distinct_prompts
+from moeserve.bench.serve import SCHEMA_FILE, Part, ServeBenchConfig, arrival_times, distinct_prompts
 from moeserve.bench.stats import percentile
 from moeserve.cli import main
 from moeserve.runtime.engine import Engine
@@ -156,6 +156,36 @@ def test_bad_endpoints_are_named_errors(tiny_ckpt, tmp_path, capsys):
         assert rc == 0 and report["levels"][0]["ok"] == 8
     assert bench("http://127.0.0.1:1", tmp_path, "--input-len", "0")[0] == 2
     assert "--input-len 0: expected N or LOW HIGH" in capsys.readouterr().err
+
+
+def test_a_level_split_over_client_processes_sends_what_one_would(tiny_ckpt, tmp_path, capsys):
+    """--client-procs 2: a closed level's users and an open level's arrivals are shared by two processes that begin
+    together on one clock: the same requests as one process sends (each counted once, the same prompts: prompt
+    lengths drawn from a range have the same mean), every one answered, the server counting as many."""
+    args = ["--concurrency", "3", "--rate", "inf", "--requests", "7", "--duration", "30", "--input-len", "4", "16",
+            "--output-len", "12", "--quiet"]
+    with serve(tiny_ckpt) as s:
+        rc, one = bench(s.url, tmp_path, *args)
+        before = s.client.get("/metrics").text
+        rc2, two = bench(s.url, tmp_path, *args, "--client-procs", "2")
+        after = s.client.get("/metrics").text
+    assert rc == rc2 == 0 and two["config"]["client_procs"] == 2
+    for a, b in zip(one["levels"], two["levels"]):
+        assert (b["requests"], b["ok"], b["errors"], b["output_tokens_mean"]) == (7, 7, {}, 12)
+        assert b["prompt_tokens_mean"] == a["prompt_tokens_mean"]
+        assert 0 < b["ttft_ms"]["p50"] <= b["e2e_ms"]["p50"] and b["wall_s"] < 30
+    from moeserve.bench.http import metric_sums
+
+    counted = [metric_sums(text, "moeserve_request_duration_seconds", {"endpoint": "/v1/completions"})[1]
+               for text in (before, after)]
+    assert counted[1] - counted[0] == 2 * 7 + 1  # the levels' requests and the prompt-sizing one
+    assert bench(s.url, tmp_path, "--quick", "--client-procs", "0")[0] == 2
+    assert "--client-procs 0: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_parts_share_users_and_requests():
+    assert [Part(k, 3).share(7) for k in range(3)] == [3, 2, 2]
+    assert [Part(k, 2).share(1) for k in range(2)] == [1, 0]
 
 
 def test_a_server_that_goes_away_leaves_a_partial_valid_report(tiny_ckpt, tmp_path, capsys):
