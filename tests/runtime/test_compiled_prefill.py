@@ -72,8 +72,7 @@ def test_which_models_compile_a_prompt_chunk():
 def test_a_compiled_prompt_chunk_writes_and_counts_as_eager(device):
     """Chunks of 5, 40 and 20 tokens (sizes 16, 64, 32; the last from position 5 of a slot that holds 5) and one whose
     padding would pass the cache's end (eager): keys and values where eager writes them, the last token's logits and
-    the real tokens' expert counts, one compile in all; several prompts in one call (step_rows) take the graph once
-    each, their logits those of eager's call in the rows' order."""
+    the real tokens' expert counts, one compile in all. Several prompts in one call (step_rows) stay eager."""
     why = compiled_mod.compile_unavailable(torch.device(device))
     if why is not None:
         pytest.skip(why)
@@ -99,20 +98,19 @@ def test_a_compiled_prompt_chunk_writes_and_counts_as_eager(device):
                     assert_within_bf16(a, b)
         assert counters["stats"]["unique_graphs"] - compiles == 1
         assert graph.runner._prefill.steps == {(16, 64): 1, (64, 64): 1, (32, 64): 1}
-        rows = [[7, 8, 9], list(range(40, 70)), [5] * 17]
-        got, want = (e.runner.step_rows(c, [0, 1, 2], rows, [0, 0, 0]) for e, c in zip((graph, eager), caches))
-    assert got.graph and not want.graph and got.logits.shape == want.logits.shape == (3, 1, graph.cfg.vocab_size)
-    assert_within_bf16(got.logits.float().cpu(), want.logits.float().cpu())
-    assert [a.counts.tolist() for a in got.aux] == [a.counts.tolist() for a in want.aux]
-    assert graph.runner._prefill.steps == {(16, 64): 2, (64, 64): 1, (32, 64): 3}  # sizes 16, 32, 32
+        # several prompts in one call: one eager call, reading the experts once rather than once a prompt
+        out = graph.runner.step_rows(caches[0], [0, 1, 2], [[7, 8, 9], list(range(40, 70)), [5] * 17], [0, 0, 0])
+    assert not out.graph and out.logits.shape == (3, 1, graph.cfg.vocab_size)
+    assert sum(graph.runner._prefill.steps.values()) == 3
 
 
 @pytest.mark.slow
 def test_prompts_arriving_while_others_decode_take_the_graph():
-    """Prompts join a step engine while a sequence decodes, one at a time and two together: every prompt token is a
-    graph's (moeserve_prefill_tokens_total{path="graph"}), every decode token too, and each sequence generates all
-    its tokens. A 60-token prompt arriving beside a decoding sequence is cut at 50 tokens (prefill_chunk): its first
-    chunk takes the graph, its second, whose padding would pass the cache's 64 positions, runs eager."""
+    """Prompts join a step engine while a sequence decodes, one at a time and two together: a prompt alone in its call
+    is a graph's (moeserve_prefill_tokens_total{path="graph"}), two together one eager call, every decode token a
+    replay, and each sequence generates all its tokens. A 60-token prompt arriving beside a decoding sequence is cut
+    at 50 tokens (prefill_chunk): its first chunk takes the graph, its second, whose padding would pass the cache's 64
+    positions, runs eager."""
     if compiled_mod.compile_unavailable(torch.device("cpu")) is not None:
         pytest.skip("no C++ compiler: inductor cannot build a CPU graph here")
     from moeserve.serve.metrics import Metrics
@@ -132,8 +130,8 @@ def test_prompts_arriving_while_others_decode_take_the_graph():
         while not steps.idle:
             steps.step()
     assert [len(s.out) for s in seqs] == [6] * 4
-    prompt_tokens = sum(map(len, prompts))
-    assert graph.executor.prefill_tokens == {"graph": prompt_tokens}
+    alone, together = sum(map(len, prompts[:2])), sum(map(len, prompts[2:]))
+    assert graph.executor.prefill_tokens == {"graph": alone, "eager": together}
     assert graph.executor.decode_tokens == {"graph": 4 * 5}
     with torch.inference_mode():
         for seq in long:  # the second joins while the first decodes
@@ -142,13 +140,12 @@ def test_prompts_arriving_while_others_decode_take_the_graph():
         while not steps.idle:
             steps.step()
     assert [len(s.out) for s in long] == [4, 1]
-    assert graph.executor.prefill_tokens == {"graph": 2 * len(prompts[0]) + sum(map(len, prompts[1:])) + 50,
-                                             "eager": 10}
+    assert graph.executor.prefill_tokens == {"graph": alone + len(prompts[0]) + 50, "eager": together + 10}
     metrics = Metrics()
     metrics.watch_paths("prefill", lambda: graph.executor.prefill_tokens)
     text = metrics.render().decode()
-    assert f'moeserve_prefill_tokens_total{{path="graph"}} {graph.executor.prefill_tokens["graph"]}.0' in text
-    assert 'moeserve_prefill_tokens_total{path="eager"} 10.0' in text
+    assert f'moeserve_prefill_tokens_total{{path="graph"}} {alone + len(prompts[0]) + 50}.0' in text
+    assert f'moeserve_prefill_tokens_total{{path="eager"}} {together + 10}.0' in text
 
 
 @pytest.mark.cuda

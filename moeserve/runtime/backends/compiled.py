@@ -351,7 +351,9 @@ class CompiledPrefill:
 class CompiledBackend(EagerBackend):
     """The torch backend on plain weights whose decode step is one compiled graph per batch bucket (CompiledDecode),
     over a cache kept from one call to the next so that the graphs are built once, and whose prompt chunks run on
-    one too where the model's experts compile for many tokens (CompiledPrefill: `graph_prefill`). `fallback`: if
+    one too where the model's experts compile for many tokens (CompiledPrefill: `graph_prefill`; the prompts of
+    several sequences in one call stay one eager call, which reads the experts' weights once, where a graph each
+    would read them once a prompt: a big model's prompts arriving together would wait for that). `fallback`: if
     building or running a graph fails, say so and run that call eagerly for good (`graph_decode` or
     `graph_prefill` turns False)."""
 
@@ -413,17 +415,6 @@ class CompiledBackend(EagerBackend):
         if out is not None:
             return ModelOutput(*out, graph=True)
         return super().prefill(cache, slot, ids_S, start, all_logits)
-
-    def step_rows(self, cache: KVCache, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
-        """Prompt chunks of several sequences (a compiled runner's decode rows never ride along): a graph call each,
-        where a graph takes every one; on a GPU the replays cost less than the one eager call's launches, though
-        each reads the experts' weights again."""
-        chunk = self._chunk_graph(cache)
-        if chunk is None or not self.graph_decode or any(chunk.fits(len(t), a) is None for t, a in zip(ids, starts)):
-            return super().step_rows(cache, slots, ids, starts)
-        outs = [self.prefill(cache, s, to_device(t, self.device), a) for s, t, a in zip(slots, ids, starts)]
-        aux = [MoEAux(torch.stack([o.aux[i].counts for o in outs]).sum(0), None) for i in range(len(outs[0].aux))]
-        return ModelOutput(torch.cat([o.logits for o in outs]), aux, graph=all(o.graph for o in outs))
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
         if self.graph_decode and self._decode is not None and cache is self._decode.cache:
