@@ -52,7 +52,8 @@ def main() -> None:
     t0 = time.perf_counter()
     runner.warm_up(2)
     print(f"{engine.name}: warm-up (decode buckets and chunk graphs) {time.perf_counter() - t0:.1f} s; "
-          f"chunk sizes {runner._prefill.sizes}, spans {runner._prefill.spans}")
+          f"chunk sizes {runner._prefill.sizes}, spans {runner._prefill.spans}; prompts of one call on a graph "
+          f"each: up to {runner.rows_on_graphs}")
     cache = runner.new_cache(2, engine.cfg.max_seq_len)
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
 

@@ -72,7 +72,8 @@ def test_which_models_compile_a_prompt_chunk():
 def test_a_compiled_prompt_chunk_writes_and_counts_as_eager(device):
     """Chunks of 5, 40 and 20 tokens (sizes 16, 64, 32; the last from position 5 of a slot that holds 5) and one whose
     padding would pass the cache's end (eager): keys and values where eager writes them, the last token's logits and
-    the real tokens' expert counts, one compile in all. Several prompts in one call (step_rows) stay eager."""
+    the real tokens' expert counts, one compile in all. Several prompts in one call (step_rows) run eager, or a graph
+    each where rows_on_graphs allows."""
     why = compiled_mod.compile_unavailable(torch.device(device))
     if why is not None:
         pytest.skip(why)
@@ -98,10 +99,32 @@ def test_a_compiled_prompt_chunk_writes_and_counts_as_eager(device):
                     assert_within_bf16(a, b)
         assert counters["stats"]["unique_graphs"] - compiles == 1
         assert graph.runner._prefill.steps == {(16, 64): 1, (64, 64): 1, (32, 64): 1}
-        # several prompts in one call: one eager call, reading the experts once rather than once a prompt
-        out = graph.runner.step_rows(caches[0], [0, 1, 2], [[7, 8, 9], list(range(40, 70)), [5] * 17], [0, 0, 0])
-    assert not out.graph and out.logits.shape == (3, 1, graph.cfg.vocab_size)
-    assert sum(graph.runner._prefill.steps.values()) == 3
+        # several prompts in one call: one eager call (it reads the experts once), unless as many replays take less
+        # time than it (rows_on_graphs, timed at warm-up), then a graph each, in the rows' order
+        rows = [[7, 8, 9], list(range(40, 70)), [5] * 17]
+        assert graph.runner.rows_on_graphs == 1  # before a warm-up has timed both
+        assert not graph.runner.step_rows(caches[0], [0, 1, 2], rows, [0, 0, 0]).graph
+        graph.runner.rows_on_graphs = 3
+        got, want = (e.runner.step_rows(c, [0, 1, 2], rows, [0, 0, 0]) for e, c in zip((graph, eager), caches))
+    assert got.graph and not want.graph and got.logits.shape == want.logits.shape == (3, 1, graph.cfg.vocab_size)
+    assert_within_bf16(got.logits.float().cpu(), want.logits.float().cpu())
+    assert [a.counts.tolist() for a in got.aux] == [a.counts.tolist() for a in want.aux]
+    assert graph.runner._prefill.steps == {(16, 64): 2, (64, 64): 1, (32, 64): 3}  # sizes 16, 32, 32
+    with torch.inference_mode():  # the warm-up's timing, both calls on the scratch slot: no sequence's keys touched
+        before = [c.k[0][:3].clone() for c in caches]
+        assert graph.runner._replays_per_eager_call() >= 1
+        assert all(torch.equal(c.k[0][:3], b) for c, b in zip(caches, before))
+
+
+def test_prompts_share_an_eager_call_unless_their_replays_take_less_time(monkeypatch):
+    """rows_on_graphs: how many replays of the smallest chunk's graph fit in one eager call of it, from the two
+    timings (3.5 ms against 1 ms: 3 prompts; a replay slower than eager: still 1)."""
+    runner = type("Runner", (), {"_decode": type("D", (), {"cache": None, "scratch": 0}), "_prefill": None,
+                                 "device": torch.device("cpu")})()
+    for graph_s, eager_s, rows in ((1e-3, 3.5e-3, 3), (2e-3, 1e-3, 1)):
+        times = iter([graph_s, eager_s])
+        monkeypatch.setattr(compiled_mod, "_median_s", lambda fn, device: next(times))
+        assert compiled_mod.CompiledBackend._replays_per_eager_call(runner) == rows
 
 
 @pytest.mark.slow

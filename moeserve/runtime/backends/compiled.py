@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import statistics
+import time
 from collections import Counter
 
 import torch
@@ -311,18 +313,21 @@ class CompiledPrefill:
     def __call__(self, slot: int, ids_T: Tensor, start: int) -> tuple[Tensor, list[MoEAux]] | None:
         """(logits [1, 1, V] of the chunk's last token, per-layer aux with its tokens' expert counts), or None where
         no graph takes the chunk. Its keys go to slot `slot` from position `start`."""
-        T = ids_T.shape[0]
-        fit = self.fits(T, start)
+        fit = self.fits(ids_T.shape[0], start)
         if fit is None or not 0 <= slot < self.scratch:
             return None
-        size, span = fit
         self.cache.touch([slot])
-        device = ids_T.device
-        out = self._run(torch.cat([ids_T, ids_T.new_zeros(size - T)])[None], to_device([slot], device),
-                        torch.arange(start, start + size, device=device)[None], span,
-                        to_device([T - 1], device))
-        self.steps[(size, span)] += 1
-        return out[0], [MoEAux(c, None) for c in out[1].unbind(0)]
+        self.steps[fit] += 1
+        return self.replay(slot, ids_T, start)
+
+    def replay(self, slot: int, ids_T: Tensor, start: int) -> tuple[Tensor, list[MoEAux]]:
+        """__call__'s graph call, on any slot (the scratch too), of a chunk that `fits`."""
+        T, device = ids_T.shape[0], ids_T.device
+        size, span = self.fits(T, start)
+        logits, counts = self._run(torch.cat([ids_T, ids_T.new_zeros(size - T)])[None], to_device([slot], device),
+                                   torch.arange(start, start + size, device=device)[None], span,
+                                   to_device([T - 1], device))
+        return logits, [MoEAux(c, None) for c in counts.unbind(0)]
 
     def _run(self, ids_1P: Tensor, slot_1: Tensor, positions_1P: Tensor, span: int,
              last_1: Tensor) -> tuple[Tensor, Tensor]:
@@ -348,12 +353,28 @@ class CompiledPrefill:
                               torch.tensor([size - 1], device=device))
 
 
+def _median_s(fn, device: torch.device, n: int = 3) -> float:
+    """fn()'s seconds, the median of n calls, each waited for on `device`."""
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 class CompiledBackend(EagerBackend):
     """The torch backend on plain weights whose decode step is one compiled graph per batch bucket (CompiledDecode),
     over a cache kept from one call to the next so that the graphs are built once, and whose prompt chunks run on
-    one too where the model's experts compile for many tokens (CompiledPrefill: `graph_prefill`; the prompts of
-    several sequences in one call stay one eager call, which reads the experts' weights once, where a graph each
-    would read them once a prompt: a big model's prompts arriving together would wait for that). `fallback`: if
+    one too where the model's experts compile for many tokens (CompiledPrefill: `graph_prefill`). The prompts of
+    several sequences in one call run a graph each only where that many replays take less time than one eager call
+    (`rows_on_graphs`, timed at warm-up): eager, the call reads the experts' weights once for all of them, a graph
+    each reads them once a prompt, which for a big model's prompts arriving together costs more than the launches
+    it saves. `fallback`: if
     building or running a graph fails, say so and run that call eagerly for good (`graph_decode` or
     `graph_prefill` turns False)."""
 
@@ -369,6 +390,7 @@ class CompiledBackend(EagerBackend):
         self.graph_prefill = prefill_uncompilable(model) is None
         self._decode: CompiledDecode | None = None
         self._prefill: CompiledPrefill | None = None
+        self.rows_on_graphs = 1  # at most this many prompts of one call run a graph each (warm_up times it)
 
     def experts(self, plan: DispatchPlan) -> dict:
         return dict(pack=False, grouped_mm=plan.grouped_mm, gather_max=plan.gather_max,
@@ -403,6 +425,18 @@ class CompiledBackend(EagerBackend):
             self._guarded(self._decode.warm_up)
             if self._prefill is not None:
                 self._guarded(self._prefill.warm_up, prefill=True)
+                if self.graph_prefill:
+                    self.rows_on_graphs = self._guarded(self._replays_per_eager_call, prefill=True) or 1
+
+    def _replays_per_eager_call(self) -> int:
+        """How many replays of the smallest chunk's graph take the time of one eager call of that chunk, each timed
+        here on the scratch slot (the median of 3; a replay mostly reads the weights, an eager call also launches
+        each of its operators)."""
+        cache, scratch = self._decode.cache, self._decode.scratch
+        ids = torch.zeros(PREFILL_LEAST, dtype=torch.long, device=self.device)
+        graph = _median_s(lambda: self._prefill.replay(scratch, ids, 0), self.device)
+        eager = _median_s(lambda: super(CompiledBackend, self).prefill(cache, scratch, ids, 0), self.device)
+        return max(1, int(eager / graph))
 
     def _chunk_graph(self, cache: KVCache) -> CompiledPrefill | None:
         """The compiled prompt chunk over `cache`, where there is one and its graphs have not failed."""
@@ -415,6 +449,17 @@ class CompiledBackend(EagerBackend):
         if out is not None:
             return ModelOutput(*out, graph=True)
         return super().prefill(cache, slot, ids_S, start, all_logits)
+
+    def step_rows(self, cache: KVCache, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
+        """Prompt chunks of several sequences (a compiled runner's decode rows never ride along): a graph each where
+        there are at most `rows_on_graphs` of them and a graph takes each, else one eager call."""
+        chunk = self._chunk_graph(cache)
+        if (chunk is None or not self.graph_decode or len(ids) > self.rows_on_graphs
+                or any(chunk.fits(len(t), a) is None for t, a in zip(ids, starts))):
+            return super().step_rows(cache, slots, ids, starts)
+        outs = [self.prefill(cache, s, to_device(t, self.device), a) for s, t, a in zip(slots, ids, starts)]
+        aux = [MoEAux(torch.stack([o.aux[i].counts for o in outs]).sum(0), None) for i in range(len(outs[0].aux))]
+        return ModelOutput(torch.cat([o.logits for o in outs]), aux, graph=all(o.graph for o in outs))
 
     def decode(self, cache: KVCache, slots: list[int], ids_B: Tensor, positions: list[int]) -> ModelOutput:
         if self.graph_decode and self._decode is not None and cache is self._decode.cache:
