@@ -374,9 +374,8 @@ class CompiledBackend(EagerBackend):
     several sequences in one call run a graph each only where that many replays take less time than one eager call
     (`rows_on_graphs`, timed at warm-up): eager, the call reads the experts' weights once for all of them, a graph
     each reads them once a prompt, which for a big model's prompts arriving together costs more than the launches
-    it saves. `fallback`: if
-    building or running a graph fails, say so and run that call eagerly for good (`graph_decode` or
-    `graph_prefill` turns False)."""
+    it saves. `fallback`: if building or running a graph fails, say so and run that call eagerly for good
+    (`graph_decode` or `graph_prefill` turns False)."""
 
     name = "compiled"
 
