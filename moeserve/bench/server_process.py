@@ -75,7 +75,8 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 @contextlib.contextmanager
 def running_server(checkpoint: Path, dtype: str, extra: list[str], log: ServerLog,
-                   prefix: list[str] = (), cwd: Path | None = None) -> Iterator[str]:
+                   prefix: list[str] = (), cwd: Path | None = None,
+                   ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[str]:
     """A `moeserve serve` subprocess on a free port, ready; yields its base URL. It is stopped on the way
     out, whatever happens (an exception, Ctrl-C); `log` gets what it wrote and its exit status. `prefix` runs
     the command under another (`taskset -c 0,1`: the server on two cores). `cwd` is where it runs, which decides
@@ -87,7 +88,7 @@ def running_server(checkpoint: Path, dtype: str, extra: list[str], log: ServerLo
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_ready(proc, url)
+            wait_ready(proc, url, ready_timeout_s)
             yield url
         finally:
             log.exit_code = stop_server(proc)

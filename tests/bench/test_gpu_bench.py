@@ -176,6 +176,7 @@ def test_served_runs_both_servers_and_gives_their_ratio(tmp_path):
     assert gpu_side["errors"] == cpu_side["errors"] == {} and gpu_side["requests_per_s"] > 0
     assert got["ratio"] == round(gpu_side["requests_per_s"] / cpu_side["requests_per_s"], 2)
     assert got["goal"] == 10.0
+    assert all(0 < side["ready_s"] < 420 for side in (gpu_side, cpu_side))
     for side in (gpu_side, cpu_side):  # each server's /metrics, read before it stopped: no graph on a CPU by default
         paths = side["tokens_by_path"]
         assert paths["decode"]["graph"] == paths["prefill"]["graph"] == 0, paths
