@@ -127,6 +127,22 @@ def test_prompts_share_an_eager_call_unless_their_replays_take_less_time(monkeyp
         assert compiled_mod.CompiledBackend._replays_per_eager_call(runner) == rows
 
 
+def test_a_failing_prompt_graph_runs_prompts_eager_and_says_so(monkeypatch, caplog):
+    """--compile on asks for the decode step's graph: a prompt chunk's graph that fails (here before compiling) is
+    logged, and that prompt and every later one run eager, with eager's numbers."""
+    if compiled_mod.compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("no C++ compiler: compile='on' is refused here")
+    graph, eager = engines("cpu")
+    monkeypatch.setattr(compiled_mod.CompiledPrefill, "_run", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    caches = [e.runner.new_cache(2, 64) for e in (graph, eager)]
+    ids = torch.arange(3, 12)
+    with torch.inference_mode(), caplog.at_level("WARNING", logger="moeserve.runtime"):
+        got, want = (e.runner.prefill(c, 0, ids, 0) for e, c in zip((graph, eager), caches))
+    assert not got.graph and not graph.runner.graph_prefill and graph.runner.graph_decode
+    assert torch.equal(got.logits, want.logits)
+    assert "the compiled prompt chunk failed (RuntimeError: boom); running eager" in caplog.text
+
+
 @pytest.mark.slow
 def test_prompts_arriving_while_others_decode_take_the_graph():
     """Prompts join a step engine while a sequence decodes, one at a time and two together: a prompt alone in its call

@@ -374,8 +374,8 @@ class CompiledBackend(EagerBackend):
     several sequences in one call run a graph each only where that many replays take less time than one eager call
     (`rows_on_graphs`, timed at warm-up): eager, the call reads the experts' weights once for all of them, a graph
     each reads them once a prompt, which for a big model's prompts arriving together costs more than the launches
-    it saves. `fallback`: if building or running a graph fails, say so and run that call eagerly for good
-    (`graph_decode` or `graph_prefill` turns False)."""
+    it saves. If a prompt chunk's graph fails, it says so and runs prompts eagerly for good (`graph_prefill` turns
+    False); `fallback`: the same for the decode step's (`graph_decode`), else its failure is raised."""
 
     name = "compiled"
 
@@ -468,12 +468,13 @@ class CompiledBackend(EagerBackend):
         return super().decode(cache, slots, ids_B, positions)
 
     def _guarded(self, fn, *args, prefill: bool = False):
-        """fn(*args); if it fails and the compiled step was only asked for where it may help ('auto'), log why, run
-        that call (the decode step, or a prompt chunk) eager for good, and return None."""
+        """fn(*args); if it fails, log why, run that call eagerly for good and return None: a prompt chunk's graph
+        always (`--compile on` asks for the decode step's), the decode step's where the compiled step was only asked
+        for where it may help ('auto')."""
         try:
             return fn(*args)
         except Exception as e:
-            if not self.fallback:
+            if not (self.fallback or prefill):
                 raise
             what = "prompt chunk" if prefill else "decode step"
             log.warning("moeserve: the compiled %s failed (%s: %s); running eager", what, type(e).__name__, e)
