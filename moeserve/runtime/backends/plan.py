@@ -37,7 +37,7 @@ class DispatchPlan:
     kernel_norms: bool = False  # RMSNorm and decode attention on the C kernel, whatever the GEMMs' layout
     decode_grouped: bool = False  # a compiled decode step's experts: one grouped_mm call, not indexed per token
     # a compiled decode step of at most this many rows: its experts as GEMVs on the indexed weights (moe_reduced;
-    # 0: never). Not yet measured on a GPU, where it is meant for batch 1 (`bench engine --compile` times it there)
+    # 0: never). Measured on a GPU where the step's experts are grouped_mm (decode_calibration.py); 0 elsewhere
     decode_reduce_max: int = 0
     # more tokens than this in one call: the C kernel's experts (dense layers) run torch's GEMMs on the same plain
     # weights, faster there (None: the kernel at every count)
