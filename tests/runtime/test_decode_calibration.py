@@ -44,6 +44,19 @@ def test_a_bf16_gpu_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
     assert (off.source, off.decode_reduce_max) == ("default", 0) and len(calls) == 3
 
 
+def test_a_measurement_that_cannot_run_leaves_the_defaults(tmp_path, monkeypatch, caplog):
+    def fail(*a):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(dc, "time_decode_paths", fail)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A GPU")
+    with caplog.at_level("WARNING", logger="moeserve.runtime"):
+        plan = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
+    assert (plan.source, plan.decode_grouped, plan.decode_reduce_max) == ("default", True, 0)
+    assert "timing the decode experts failed (RuntimeError: capture refused)" in plan.reason
+    assert "GEMVs off" in caplog.text and not (tmp_path / "calibration").exists()  # tried again at the next load
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_each_path_is_compiled_and_timed_at_each_count(device):

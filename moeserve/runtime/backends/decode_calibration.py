@@ -112,7 +112,11 @@ def gpu_decode_plan(shape: ExpertShape | None, device: torch.device | str, dtype
     if mode == "auto" and (cached := _read(path, key)) is not None:
         return cached
     t0 = time.perf_counter()
-    timings = time_decode_paths(shape, device, dtype)
+    try:
+        timings = time_decode_paths(shape, device, dtype)
+    except Exception as e:  # noqa: BLE001 - a measurement that cannot run leaves the defaults, not a failed load
+        log.warning("could not time the compiled decode experts on this GPU (%s: %s); GEMVs off", type(e).__name__, e)
+        return replace(plan, reason=f"GPU defaults: timing the decode experts failed ({type(e).__name__}: {e})"[:300])
     most = reduce_max_of(timings)
     text = ", ".join(f"{T} row{'s' * (T > 1)}: {timings['decode/reduced'][T]} against {timings['decode/grouped'][T]}"
                      for T in sorted(timings["decode/reduced"]))
