@@ -31,7 +31,7 @@ def test_a_bf16_gpu_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(dc, "time_decode_paths", lambda *a: calls.append(a) or measured)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A GPU")
     first = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
-    assert (first.source, first.decode_grouped, first.decode_reduce_max, first.grouped_mm) == ("measured", True, 2, True)
+    assert (first.source, first.decode_grouped, first.decode_reduce_max) == ("measured", True, 2)
     assert "1 row: 0.05 against 0.2, 2 rows: 0.09 against 0.2, 4 rows: 0.3 against 0.2" in first.reason
     assert "GEMVs up to 2 rows (measured)" in first.describe()
     second = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
