@@ -17,6 +17,7 @@ from torch import Tensor
 from moeserve.config import MoEConfig
 from moeserve.runtime.backends import ModelRunner, backend_for
 from moeserve.runtime.backends.calibration import ExpertShape, plan_for
+from moeserve.runtime.backends.decode_calibration import gpu_decode_plan
 from moeserve.runtime.backends.plan import DispatchPlan, quantized_plan
 from moeserve.runtime.backends.compiled import CompileError, model_uncompilable, resolve_compile
 from moeserve.runtime.model import ModelOutput, Transformer
@@ -74,8 +75,9 @@ class Executor:
             w = model.tok_embeddings.weight
             if plan is None and is_quantized(model):
                 plan = quantized_plan(model.cfg, w.device, w.dtype)
-            elif plan is None:
-                plan = plan_for(ExpertShape.of(model.cfg) if model.moe_layers else None, w.device, w.dtype, calibration)
+            elif plan is None:  # measured here (CPU: the layouts and paths; GPU: the decode step's GEMV rows)
+                measured = gpu_decode_plan if w.device.type == "cuda" else plan_for
+                plan = measured(ExpertShape.of(model.cfg) if model.moe_layers else None, w.device, w.dtype, calibration)
             model = backend_for(self.model, plan, self._compiled(compile), self._fallback)
             self.plan = model.plan
         self.runner: ModelRunner = model

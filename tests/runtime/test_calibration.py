@@ -299,9 +299,9 @@ def test_an_unwritable_cache_costs_a_warning_not_the_load(tmp_path, caplog):
 
 def test_where_calibration_does_not_apply_the_defaults_stand(tmp_path):
     assert plan_for(None, "cpu", torch.float32, "auto", root=tmp_path).reason == "no MoE layer to calibrate"
-    cuda = plan_for(SHAPE, "cuda", torch.float32, "auto", root=tmp_path)  # no grouped_mm decode step: no GEMV timing
-    assert cuda.source == "default" and cuda.grouped_mm and not cuda.pack_experts and not cuda.decode_grouped
-    assert cache_files(tmp_path) == []  # a bf16 GPU's decode paths: test_decode_calibration.py
+    cuda = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
+    assert cuda.source == "default" and cuda.grouped_mm and not cuda.pack_experts
+    assert cache_files(tmp_path) == []  # a GPU's decode GEMV rows: decode_calibration.py (test_decode_calibration.py)
 
 
 # ---- an Engine laid out by its plan -------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeserve.runtime.backends import decode_calibration as dc
-from moeserve.runtime.backends.calibration import ExpertShape, plan_for
+from moeserve.runtime.backends.calibration import ExpertShape
 from moeserve.runtime.backends.compiled import compile_unavailable
 
 SHAPE = ExpertShape(d_model=64, d_ff=128, n_experts=4, top_k=2, act="swiglu")
@@ -30,18 +30,20 @@ def test_a_bf16_gpu_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
     measured = rows([0.05, 0.09, 0.3], [0.2, 0.2, 0.2])
     monkeypatch.setattr(dc, "time_decode_paths", lambda *a: calls.append(a) or measured)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A GPU")
-    first = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
+    first = dc.gpu_decode_plan(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
     assert (first.source, first.decode_grouped, first.decode_reduce_max) == ("measured", True, 2)
     assert "1 row: 0.05 against 0.2, 2 rows: 0.09 against 0.2, 4 rows: 0.3 against 0.2" in first.reason
     assert "GEMVs up to 2 rows (measured)" in first.describe()
-    second = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
+    second = dc.gpu_decode_plan(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
     assert (second.source, second.decode_reduce_max, second.timings) == ("cached", 2, first.timings)
     assert len(calls) == 1
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Another GPU")  # another GPU: measured
-    assert plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path).source == "measured" and len(calls) == 2
-    assert plan_for(SHAPE, "cuda", torch.bfloat16, "redo", root=tmp_path).source == "measured" and len(calls) == 3
-    off = plan_for(SHAPE, "cuda", torch.bfloat16, "off", root=tmp_path)
-    assert (off.source, off.decode_reduce_max) == ("default", 0) and len(calls) == 3
+    for mode, source, measured_so_far in (("auto", "measured", 2), ("redo", "measured", 3), ("off", "default", 3)):
+        plan = dc.gpu_decode_plan(SHAPE, "cuda", torch.bfloat16, mode, root=tmp_path)
+        assert (plan.source, len(calls)) == (source, measured_so_far)
+    assert plan.decode_reduce_max == 0 and plan.reason == "calibration off"
+    fp32 = dc.gpu_decode_plan(SHAPE, "cuda", torch.float32, "auto", root=tmp_path)  # no grouped_mm step to time
+    assert (fp32.source, fp32.decode_grouped, fp32.decode_reduce_max, len(calls)) == ("default", False, 0, 3)
 
 
 def test_a_measurement_that_cannot_run_leaves_the_defaults(tmp_path, monkeypatch, caplog):
@@ -51,7 +53,7 @@ def test_a_measurement_that_cannot_run_leaves_the_defaults(tmp_path, monkeypatch
     monkeypatch.setattr(dc, "time_decode_paths", fail)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A GPU")
     with caplog.at_level("WARNING", logger="moeserve.runtime"):
-        plan = plan_for(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
+        plan = dc.gpu_decode_plan(SHAPE, "cuda", torch.bfloat16, "auto", root=tmp_path)
     assert (plan.source, plan.decode_grouped, plan.decode_reduce_max) == ("default", True, 0)
     assert "timing the decode experts failed (RuntimeError: capture refused)" in plan.reason
     assert "GEMVs off" in caplog.text and not (tmp_path / "calibration").exists()  # tried again at the next load
@@ -67,3 +69,13 @@ def test_each_path_is_compiled_and_timed_at_each_count(device):
     got = dc.time_decode_paths(SHAPE, device, torch.bfloat16)
     assert set(got) == {"decode/reduced", "decode/grouped"}
     assert all(set(t) == {1, 2, 4} and all(0 < ms < 1000 for ms in t.values()) for t in got.values())
+
+
+@pytest.mark.cuda
+def test_a_gpu_measures_its_plan(tmp_path):
+    why = compile_unavailable(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    plan = dc.gpu_decode_plan(SHAPE, "cuda", torch.bfloat16, "redo", root=tmp_path)
+    assert plan.source == "measured" and plan.decode_grouped and plan.decode_reduce_max in (0, 1, 2, 4)
+    assert plan.decode_reduce_max == dc.reduce_max_of(plan.timings)

@@ -18,7 +18,7 @@ and caches the plan as JSON under the cache directory, keyed by the CPU, torch's
 dtype and the shape: seconds, once. MOESERVE_CALIBRATION=off (or mode "off") uses `default_plan` without
 measuring; "redo" measures again. On CUDA the defaults stand (grouped_mm for many tokens, and for a compiled bf16
 decode step), but for the rows up to which that step's experts run as GEMVs instead, which decode_calibration.py
-measures on the GPU.
+measures on the GPU (`gpu_decode_plan`, which the executor asks for a CUDA model instead of `plan_for`).
 
 How a plan is chosen: each candidate configuration (plain weights with a loop, plain with grouped_mm,
 packed with a loop, packed for the gather path with grouped_mm beyond) is timed at token counts 1, 2, 4,
@@ -138,12 +138,8 @@ def plan_for(shape: ExpertShape | None, device: torch.device | str, dtype: torch
     mode = resolve_mode(mode)
     if mode == "off":
         return default_plan(device, dtype, "calibration off")
-    if torch.device(device).type == "cuda":  # the compiled decode step's experts at its smallest buckets
-        from moeserve.runtime.backends.decode_calibration import gpu_decode_plan  # which imports this module
-
-        return gpu_decode_plan(shape, device, dtype, mode, root)
-    if torch.device(device).type != "cpu":
-        return default_plan(device, dtype, f"{torch.device(device).type}: defaults (not calibrated there)")
+    if torch.device(device).type != "cpu":  # a GPU's: decode_calibration.gpu_decode_plan
+        return default_plan(device, dtype, f"{torch.device(device).type}: defaults (no CPU calibration there)")
     if shape is None:
         return default_plan(device, dtype, "no MoE layer to calibrate")
     key = calibration_key(shape, dtype)

@@ -23,7 +23,7 @@ import torch
 
 from moeserve.cache import cache_root
 from moeserve.runtime.backends.calibration import (VERSION, ExpertShape, _name, _read, _routing, _shape_text,
-                                                   _write, log)
+                                                   _write, log, resolve_mode)
 from moeserve.runtime.backends.experts import fuse_expert_weights, moe_grouped, moe_reduced
 from moeserve.runtime.backends.plan import DispatchPlan, default_plan
 
@@ -98,12 +98,14 @@ def reduce_max_of(timings: dict[str, dict[int, float]]) -> int:
     return most
 
 
-def gpu_decode_plan(shape: ExpertShape | None, device: torch.device | str, dtype: torch.dtype, mode: str,
+def gpu_decode_plan(shape: ExpertShape | None, device: torch.device | str, dtype: torch.dtype, mode: str | None = None,
                     root: Path | None = None) -> DispatchPlan:
     """A GPU's plan: the defaults, with `decode_reduce_max` measured here where the compiled step's experts are
-    grouped_mm (bf16); cached per GPU, torch, dtype and shape ('redo' measures again)."""
-    plan = default_plan(device, dtype, "GPU defaults")
-    if shape is None or not plan.decode_grouped:
+    grouped_mm (bf16); cached per GPU, torch, dtype and shape. `mode` as calibration.plan_for's ('off': the defaults,
+    'redo': measured again; None: $MOESERVE_CALIBRATION, else auto)."""
+    mode = resolve_mode(mode)
+    plan = default_plan(device, dtype, "GPU defaults" if mode != "off" else "calibration off")
+    if shape is None or not plan.decode_grouped or mode == "off":
         return plan
     key = {"version": VERSION, "gpu": torch.cuda.get_device_name(torch.device(device)), "torch": torch.__version__,
            "dtype": _name(dtype), "shape": asdict(shape), "what": "compiled decode experts"}
