@@ -132,8 +132,13 @@ def test_a_rank_killed_under_load_with_two_groups(url, ckpt):
         t.start()
     try:
         time.sleep(3.0)  # every client streaming
-        info = ingress().ranks.remote().result()
-        busy = max((0, 1), key=lambda g: sum(r["running"] for r in info if r["group"] == g))
+        deadline = time.monotonic() + 15  # one look can fall between two requests of every client: look again
+        while True:
+            info = ingress().ranks.remote().result()
+            busy = max((0, 1), key=lambda g: sum(r["running"] for r in info if r["group"] == g))
+            if sum(r["running"] for r in info if r["group"] == busy) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert sum(r["running"] for r in info if r["group"] == busy) > 0, info
         killed_at = time.monotonic()
         kill_rank(busy, 1)
