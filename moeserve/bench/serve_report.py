@@ -18,8 +18,10 @@ def level_name(level: dict) -> str:
 
 
 def markdown(report: dict) -> str:
+    procs = report["config"].get("client_procs", 1)  # older reports: one
+    client = f"client ({procs} processes)" if procs > 1 else "client"
     lines = [f"{report['server']['url']} ({report['model']}), {report['config']['endpoint']}, ignore_eos "
-             f"{'on' if report['ignore_eos'] else 'off'}; client on {report['machine']['cpu']}, "
+             f"{'on' if report['ignore_eos'] else 'off'}; {client} on {report['machine']['cpu']}, "
              f"{report['machine']['cores']} cores", "",
              "| level | ok / sent | errors | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              "E2E p50 / p99 ms | goodput |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

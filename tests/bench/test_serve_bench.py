@@ -170,6 +170,9 @@ def test_a_level_split_over_client_processes_sends_what_one_would(tiny_ckpt, tmp
         rc2, two = bench(s.url, tmp_path, *args, "--client-procs", "2")
         after = s.client.get("/metrics").text
     assert rc == rc2 == 0 and two["config"]["client_procs"] == 2
+    from moeserve.bench.serve_report import markdown
+
+    assert "; client (2 processes) on " in markdown(two) and "; client on " in markdown(one)
     for a, b in zip(one["levels"], two["levels"]):
         assert (b["requests"], b["ok"], b["errors"], b["output_tokens_mean"]) == (7, 7, {}, 12)
         assert b["prompt_tokens_mean"] == a["prompt_tokens_mean"]
