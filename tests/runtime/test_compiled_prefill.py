@@ -35,11 +35,11 @@ def grouped_plan(device: str):
                                pack_dense=False, pack_experts=False)
 
 
-def engines(device: str) -> tuple[Engine, Engine]:
-    """The tiny softmax model in bf16 with a compiled step on the grouped plan, twice on the same weights: the
-    second's prompt chunks eager (graph_prefill off), its decode step compiled like the first's."""
+def engines(device: str, **config) -> tuple[Engine, Engine]:
+    """The tiny softmax model (or `config`'s) in bf16 with a compiled step on the grouped plan, twice on the same
+    weights: the second's prompt chunks eager (graph_prefill off), its decode step compiled like the first's."""
     torch.manual_seed(0)
-    model = Transformer(preset("tiny", router="softmax"))
+    model = Transformer(preset("tiny", **({"router": "softmax"} | config)))
     out = []
     for _ in range(2):
         e = Engine.from_model(Transformer(model.cfg), ByteTokenizer(), dtype="bfloat16", device=device,
@@ -114,6 +114,28 @@ def test_a_compiled_prompt_chunk_writes_and_counts_as_eager(device):
         before = [c.k[0][:3].clone() for c in caches]
         assert graph.runner._replays_per_eager_call() >= 1
         assert all(torch.equal(c.k[0][:3], b) for c, b in zip(caches, before))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [dict(router="vq", vq_mode="discrete"), dict(sliding_window=8)],
+                         ids=["vq-codes", "sliding-window"])
+def test_a_compiled_prompt_chunk_of_other_models(config):
+    """A VQ router's codes (counted from `codes`, one expert a token) and a sliding window of 8 (the padding's keys
+    past every real query's window): a 37-token chunk (size 64) from position 0, and a 9-token one after it (size
+    16), logits within bf16's rounding of eager and the same expert counts."""
+    if compiled_mod.compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("no C++ compiler: inductor cannot build a CPU graph here")
+    graph, eager = engines("cpu", **config)
+    assert graph.runner.graph_prefill
+    caches = [e.runner.new_cache(2, 64) for e in (graph, eager)]
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for n, start in ((37, 0), (9, 37)):
+            ids = torch.randint(3, 250, (n,), generator=g)
+            got, want = (e.runner.prefill(c, 0, ids, start) for e, c in zip((graph, eager), caches))
+            assert got.graph and not want.graph
+            assert_within_bf16(got.logits.float(), want.logits.float())
+            assert [a.counts.tolist() for a in got.aux] == [a.counts.tolist() for a in want.aux]
 
 
 def test_prompts_share_an_eager_call_unless_their_replays_take_less_time(monkeypatch):
