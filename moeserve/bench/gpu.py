@@ -324,10 +324,27 @@ def markdown(report: dict) -> str:
         if "pct_of_read_bandwidth" in g:
             lines.append(f"| {name}: % of read bandwidth | {g['pct_of_read_bandwidth']}% | "
                          f"{g['pct_of_read_bandwidth_goal']}% |")
+    lines += served_lines(report.get("served"))
     lines += [""] + [f"skipped {k}: {why}" for k, why in report["skipped"].items()]
     lines += [f"error in {k}: {why}" for k, why in report.get("errors", {}).items()]
     lines += [f"seconds: {report['seconds']}"]
     return "\n".join(lines)
+
+
+def served_lines(served: dict | None) -> list[str]:
+    """Each server of the served part: req/s, ITL, time to ready, and its calls by path (graph / eager)."""
+    if not served:
+        return []
+    out = ["", f"Served, {served.get('clients', '-')} clients ({served.get('client_procs', 1)} load-generating "
+               f"processes), {served.get('input_len', '-')}-token prompts, {served.get('output_len', '-')} out:"]
+    for name, side in served.items():
+        if not isinstance(side, dict):
+            continue
+        paths = "; ".join(f"{kind} tokens {', '.join(f'{p} {n}' for p, n in by.items())}"
+                          for kind, by in side.get("tokens_by_path", {}).items())
+        out.append(f"- {name}: {side['requests_per_s']} req/s, ITL p50 {side['itl_ms_p50']} ms, ready in "
+                   f"{side.get('ready_s', '-')} s{'; ' + paths if paths else ''}")
+    return out
 
 
 def plot(report: dict, path: Path) -> None:

@@ -91,6 +91,15 @@ def test_goals_take_the_fastest_of_each_side_and_the_page_shows_them():
     assert "| batch_1: % of read bandwidth | 30.0% | 50.0% |" in page
     assert "2048-token context 1.5 ms a step, 32768-token context 1.515 ms a step (ratio 1.01)" in page
     assert "skipped served: not part of this run" in page
+    report["served"] = {"clients": 32, "input_len": 128, "output_len": 64, "client_procs": 4, "ratio": 5.0,
+                        "cuda": {"requests_per_s": 90.0, "itl_ms_p50": 3.1, "ready_s": 70.2, "tokens_by_path": {
+                            "decode": {"graph": 900, "eager": 0}, "prefill": {"graph": 1200, "eager": 128}}},
+                        "2 CPU cores": {"requests_per_s": 18.0, "itl_ms_p50": 20.0, "ready_s": 5.0}}
+    page = markdown(report)
+    assert "Served, 32 clients (4 load-generating processes), 128-token prompts, 64 out:" in page
+    assert ("- cuda: 90.0 req/s, ITL p50 3.1 ms, ready in 70.2 s; decode tokens graph 900, eager 0; prefill tokens "
+            "graph 1200, eager 128") in page
+    assert "- 2 CPU cores: 18.0 req/s, ITL p50 20.0 ms, ready in 5.0 s" in page
 
 
 def test_with_context_rewrites_the_config_and_links_the_weights(tmp_path):
