@@ -143,9 +143,9 @@ def test_prompts_share_an_eager_call_unless_their_replays_take_less_time(monkeyp
     timings (3.5 ms against 1 ms: 3 prompts; a replay slower than eager: still 1)."""
     runner = type("Runner", (), {"_decode": type("D", (), {"cache": None, "scratch": 0}), "_prefill": None,
                                  "device": torch.device("cpu")})()
-    for graph_s, eager_s, rows in ((1e-3, 3.5e-3, 3), (2e-3, 1e-3, 1)):
-        times = iter([graph_s, eager_s])
-        monkeypatch.setattr(compiled_mod, "_median_s", lambda fn, device: next(times))
+    for graph_ms, eager_ms, rows in ((1.0, 3.5, 3), (2.0, 1.0, 1)):
+        timed = {"graph": [graph_ms] * 3, "eager": [eager_ms] * 3}
+        monkeypatch.setattr(compiled_mod, "interleaved_ms", lambda fns, *a, timed=timed, **k: timed)
         assert compiled_mod.CompiledBackend._replays_per_eager_call(runner) == rows
 
 

@@ -36,7 +36,6 @@ import dataclasses
 import logging
 import shutil
 import statistics
-import time
 from collections import Counter
 
 import torch
@@ -45,6 +44,7 @@ from torch import Tensor, nn
 
 from moeserve.errors import MoeServeError
 from moeserve.runtime import COMPILE_MODES
+from moeserve.runtime.backends.calibration import interleaved_ms
 from moeserve.runtime.backends.plan import DispatchPlan
 from moeserve.runtime.backends.eager import EagerBackend
 from moeserve.runtime.backends.experts import GraphBiasedExperts, GraphExperts
@@ -318,12 +318,13 @@ class CompiledPrefill:
             return None
         self.cache.touch([slot])
         self.steps[fit] += 1
-        return self.replay(slot, ids_T, start)
+        return self.replay(slot, ids_T, start, fit)
 
-    def replay(self, slot: int, ids_T: Tensor, start: int) -> tuple[Tensor, list[MoEAux]]:
-        """__call__'s graph call, on any slot (the scratch too), of a chunk that `fits`."""
+    def replay(self, slot: int, ids_T: Tensor, start: int,
+               fit: tuple[int, int] | None = None) -> tuple[Tensor, list[MoEAux]]:
+        """__call__'s graph call, on any slot (the scratch too), of a chunk that `fits` (its (size, span) if known)."""
         T, device = ids_T.shape[0], ids_T.device
-        size, span = self.fits(T, start)
+        size, span = fit or self.fits(T, start)
         logits, counts = self._run(torch.cat([ids_T, ids_T.new_zeros(size - T)])[None], to_device([slot], device),
                                    torch.arange(start, start + size, device=device)[None], span,
                                    to_device([T - 1], device))
@@ -351,20 +352,6 @@ class CompiledPrefill:
                     self._run(torch.zeros(1, size, dtype=torch.long, device=device), scratch,
                               torch.arange(size, device=device)[None], span,
                               torch.tensor([size - 1], device=device))
-
-
-def _median_s(fn, device: torch.device, n: int = 3) -> float:
-    """fn()'s seconds, the median of n calls, each waited for on `device`."""
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 class CompiledBackend(EagerBackend):
@@ -433,9 +420,14 @@ class CompiledBackend(EagerBackend):
         each of its operators)."""
         cache, scratch = self._decode.cache, self._decode.scratch
         ids = torch.zeros(PREFILL_LEAST, dtype=torch.long, device=self.device)
-        graph = _median_s(lambda: self._prefill.replay(scratch, ids, 0), self.device)
-        eager = _median_s(lambda: super(CompiledBackend, self).prefill(cache, scratch, ids, 0), self.device)
-        return max(1, int(eager / graph))
+
+        def waited(fn):  # the call, and the device's work it queued
+            return lambda: (fn(), torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None)
+
+        ms = interleaved_ms({"graph": waited(lambda: self._prefill.replay(scratch, ids, 0)),
+                             "eager": waited(lambda: super(CompiledBackend, self).prefill(cache, scratch, ids, 0))},
+                            0.0, min_rounds=3, max_rounds=3)
+        return max(1, int(statistics.median(ms["eager"]) / statistics.median(ms["graph"])))
 
     def _chunk_graph(self, cache: KVCache) -> CompiledPrefill | None:
         """The compiled prompt chunk over `cache`, where there is one and its graphs have not failed."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 
 from moeserve.cache import cache_root
 from moeserve.runtime.backends.calibration import (VERSION, ExpertShape, _name, _read, _routing, _shape_text,
-                                                   _write, log, resolve_mode)
+                                                   _write, interleaved_ms, log, resolve_mode)
 from moeserve.runtime.backends.experts import fuse_expert_weights, moe_grouped, moe_reduced
 from moeserve.runtime.backends.plan import DispatchPlan, default_plan
 
@@ -61,12 +62,7 @@ def _replay_ms(fn, device: torch.device) -> float:
     nothing), the median of 3 such rounds; on a CPU the median of REPLAYS calls."""
     fn()  # compile
     if device.type != "cuda":
-        times = []
-        for _ in range(REPLAYS):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return 1e3 * sorted(times)[len(times) // 2]
+        return statistics.median(interleaved_ms({"": fn}, 0.0, REPLAYS, REPLAYS, warmup=0)[""])
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
