@@ -1,16 +1,20 @@
 """The benches' HTTP client side: what one request looked like to the client (`Outcome`), completions over
-httpx (one client and connection per simulated user), and a plain-socket response reader for when the
-client's own work must stay out of the measurement (bench http's overload burst)."""
+httpx (one client and connection per simulated user), a plain-socket response reader for when the
+client's own work must stay out of the measurement (bench http's overload burst), and a load split over
+processes (`Part`, `run_parts`: one process streams ~10k tokens/s at most)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import importlib
+import multiprocessing
 import ssl
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from moeserve.bench.server_process import MODEL_NAME
 
@@ -94,3 +98,59 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
         headers[name.strip().lower()] = value.strip()
     await reader.readexactly(int(headers.get("content-length", 0)))
     return status, headers
+
+
+# ---- a load split over processes -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """The share of a level that one client process runs: part k of n, begun at t0 (time.perf_counter's clock, which
+    the processes of a machine share; None: at once). Part k sends the level's requests k, k + n, k + 2n, ..., so n
+    parts send what one process would."""
+
+    k: int = 0
+    n: int = 1
+    t0: float | None = None
+
+    def share(self, total: int) -> int:
+        return total // self.n + (self.k < total % self.n)
+
+    async def start(self) -> float:
+        if self.t0 is None:
+            return time.perf_counter()
+        await asyncio.sleep(max(0.0, self.t0 - time.perf_counter()))
+        return self.t0
+
+
+PART_START_S = 1.0  # a level split over processes begins this long after its parts are handed out
+
+
+def run_part(level, *args):
+    """A client process's part of a level (run_parts)."""
+    return asyncio.run(level(*args))
+
+
+def run_parts(pool: ProcessPoolExecutor, n: int, level, *args) -> list:
+    """`level(*args, Part(k, n, t0))` for k < n, each in one of `pool`'s processes, begun together PART_START_S from
+    now: their results, in k's order."""
+    t0 = time.perf_counter() + PART_START_S
+    return [f.result() for f in [pool.submit(run_part, level, *args, Part(k, n, t0)) for k in range(n)]]
+
+
+@contextlib.contextmanager
+def client_processes(n: int, modules: tuple[str, ...] = ()) -> Iterator[ProcessPoolExecutor | None]:
+    """n load-generating processes, each started with `modules` imported (what its parts run: importing the serve
+    bench takes ~2 s, longer than PART_START_S) before any level is timed; None for one."""
+    if n < 2:
+        yield None
+        return
+    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_import, initargs=(modules,)) as pool:
+        # n tasks at once start n workers; each takes one after its imports, and holds it long enough that no worker
+        # takes a second while another is still starting
+        list(pool.map(time.sleep, [1.0] * n))
+        yield pool
+
+
+def _import(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        importlib.import_module(name)

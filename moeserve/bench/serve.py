@@ -24,18 +24,15 @@ not sent twice within 4096 requests, so that a server's prompt cache answers non
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
-import multiprocessing
 import random
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
+from moeserve.bench.client import Part, client_processes, clients, run_parts
 from moeserve.bench.plots import PlotUnavailable
 from moeserve.bench.report import BenchError, check_plot, finish
 from moeserve.bench.serve_report import compare, markdown
@@ -300,32 +297,10 @@ def arrival_times(rate: float, n: int, seed: int) -> list[float]:
     return times
 
 
-@dataclass(frozen=True)
-class Part:
-    """The share of a level that one client process runs: part k of n, begun at t0 (time.perf_counter's clock, which
-    the processes of a machine share; None: at once). Part k sends the level's requests k, k + n, k + 2n, ..., so n
-    parts send what one process would."""
-
-    k: int = 0
-    n: int = 1
-    t0: float | None = None
-
-    def share(self, total: int) -> int:
-        return total // self.n + (self.k < total % self.n)
-
-    async def start(self) -> float:
-        if self.t0 is None:
-            return time.perf_counter()
-        await asyncio.sleep(max(0.0, self.t0 - time.perf_counter()))
-        return self.t0
-
-
 async def closed_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], users: int,
                        ignore_eos: bool, part: Part = Part()) -> tuple[list[Record], float]:
     """`users` closed-loop users (this part's share of them) until the duration or --requests ends the level; the
     clients are made before its clock starts."""
-    from moeserve.bench.client import clients
-
     records: list[Record] = []
     limit = part.share(cfg.requests) if cfg.requests else math.inf  # else the duration ends it
     sent = 0
@@ -347,8 +322,6 @@ async def closed_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, 
 async def open_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], rate: float,
                      ignore_eos: bool, part: Part = Part()) -> tuple[list[Record], float]:
     """The level's Poisson arrivals (this part's share of them), each sent at its time whatever the answers do."""
-    from moeserve.bench.client import clients
-
     times = arrival_times(rate, level_requests(cfg, rate), cfg.seed)
     mine = range(part.k, len(times), part.n)
     async with clients(cfg.url, min(len(mine), 64), headers=headers(cfg), timeout_s=cfg.timeout_s,
@@ -364,9 +337,6 @@ async def open_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, in
     return records, time.perf_counter() - t0
 
 
-PART_START_S = 1.0  # a level split over processes begins this long after its parts are handed out
-
-
 def run_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], kind: str, value: float,
               ignore_eos: bool, pool=None) -> tuple[list[Record], float]:
     """One level's records and wall time: in this process, or split over `pool`'s processes (cfg.client_procs, at
@@ -375,26 +345,8 @@ def run_level(cfg: ServeBenchConfig, model: str, work: list[tuple[str, int]], ki
     n = min(cfg.client_procs, int(value) if kind == "concurrency" else level_requests(cfg, value))
     if pool is None or n < 2:
         return asyncio.run(level(cfg, model, work, arg, ignore_eos))
-    t0 = time.perf_counter() + PART_START_S
-    parts = [f.result() for f in [pool.submit(run_part, level, cfg, model, work, arg, ignore_eos, Part(k, n, t0))
-                                  for k in range(n)]]
+    parts = run_parts(pool, n, level, cfg, model, work, arg, ignore_eos)
     return sorted((r for records, _ in parts for r in records), key=lambda r: r.start), max(w for _, w in parts)
-
-
-def run_part(level, *args) -> tuple[list[Record], float]:
-    """A client process's part of a level (run_level)."""
-    return asyncio.run(level(*args))
-
-
-@contextlib.contextmanager
-def client_processes(n: int) -> Iterator[ProcessPoolExecutor | None]:
-    """n load-generating processes, started (and their imports done) before any level is timed; None for one."""
-    if n < 2:
-        yield None
-        return
-    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(time.sleep, [0.2] * n))  # each worker up and importing this module before the first level
-        yield pool
 
 
 def distinct_prompts(cfg: ServeBenchConfig) -> int:
@@ -467,7 +419,7 @@ def bench_serve(cfg: ServeBenchConfig, log=lambda msg: None, report: dict | None
     context = card.get("max_model_len") if isinstance(card.get("max_model_len"), int) else None
     work = workload(cfg, model, distinct_prompts(cfg), context)
     levels = [("concurrency", float(c)) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
-    with client_processes(cfg.client_procs) as pool:
+    with client_processes(cfg.client_procs, (__name__,)) as pool:
         for kind, value in levels:
             log(f"{kind} {value:g}: up to {cfg.duration_s:g} s" + (f" or {cfg.requests} requests" if cfg.requests
                                                                    else ""))

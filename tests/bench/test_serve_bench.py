@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.bench.serve import SCHEMA_FILE, Part, ServeBenchConfig, arrival_times, distinct_prompts
+from moeserve.bench.client import Part
+from moeserve.bench.serve import SCHEMA_FILE, ServeBenchConfig, arrival_times, distinct_prompts
 from moeserve.bench.stats import percentile
 from moeserve.cli import main
 from moeserve.runtime.engine import Engine
@@ -184,6 +185,20 @@ def test_a_level_split_over_client_processes_sends_what_one_would(tiny_ckpt, tmp
     assert counted[1] - counted[0] == 2 * 7 + 1  # the levels' requests and the prompt-sizing one
     assert bench(s.url, tmp_path, "--quick", "--client-procs", "0")[0] == 2
     assert "--client-procs 0: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_client_processes_start_with_what_their_parts_run_imported():
+    """Importing the serve bench takes ~2 s in a fresh process, longer than a split level's head start: each worker
+    has it imported before the first level, and n of them are up."""
+    from moeserve.bench.client import client_processes
+
+    probe = "(__import__('os').getpid(), 'moeserve.bench.serve' in __import__('sys').modules)"
+    with client_processes(2, ("moeserve.bench.serve",)) as pool:
+        seen = [pool.submit(eval, probe) for _ in range(2)]
+        pids = {f.result()[0] for f in seen} | {pid for pid in pool._processes}
+        assert all(f.result()[1] for f in seen) and len(pids) == 2
+    with client_processes(1) as pool:
+        assert pool is None
 
 
 def test_parts_share_users_and_requests():
