@@ -36,13 +36,14 @@ from moeserve.serve.ep_app import build_ep_app  # noqa: E402  (needs ray)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest.py)
 DEADLINE_S = 30.0  # the server's request timeout: no request may take longer
-STREAM = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+MAX_TOKENS = 150  # long streams (a few seconds each), so the kill can wait for one far from its end
+STREAM = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     torch.manual_seed(0)
-    model = Transformer(preset("tiny", router="softmax"))
+    model = Transformer(preset("tiny", router="softmax", max_seq_len=256))
     return save_checkpoint(tmp_path_factory.mktemp("epf") / "tiny", model.cfg, model.state_dict())
 
 
@@ -83,12 +84,15 @@ def restarts_metric(url: str) -> dict[str, float]:
 
 
 class Stream:
-    """One streaming request as its client sees it: when it was sent, its first token, its end, and how it ended."""
+    """One streaming request as its client sees it: when it was sent, its first token, the tokens so far, its end,
+    and how it ended. `into` gets it before it is sent, so that the test sees the streams still going."""
 
-    def __init__(self, url: str, prompt: str):
+    def __init__(self, url: str, prompt: str, into: list | None = None):
         self.sent = time.monotonic()
         self.first: float | None = None
-        self.status, self.ended, self.text, self.error = None, None, "", None
+        self.status, self.ended, self.text, self.error, self.tokens = None, None, "", None, 0
+        if into is not None:
+            into.append(self)
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json={**STREAM, "prompt": prompt},
                               timeout=DEADLINE_S + 10) as r:
@@ -107,6 +111,7 @@ class Stream:
                     if data["choices"] and data["choices"][0]["text"]:
                         self.first = self.first or time.monotonic()
                         self.text += data["choices"][0]["text"]
+                        self.tokens += 1
         except httpx.HTTPError as e:
             self.error = f"client: {type(e).__name__}: {e}"
         finally:
@@ -125,21 +130,29 @@ def test_a_rank_killed_under_load_with_two_groups(url, ckpt):
 
     def client(i: int) -> None:
         while not stop.is_set():
-            streams.append(Stream(url, "def f(x):"))
+            Stream(url, "def f(x):", into=streams)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     try:
         time.sleep(3.0)  # every client streaming
-        deadline = time.monotonic() + 15  # one look can fall between two requests of every client: look again
+        # The kill must find the busy group mid-stream. A group's sequences run in step and end together, so a look
+        # that finds them running could be their last step's, and their clients' next requests, sent while the look
+        # came back, are not streaming yet (a group's death moves those). So kill only when the streams going are
+        # the same before and after the look (none ended meanwhile) and each has streamed, but not past two thirds
+        # of its tokens: the busy group's sequences then have at least 50 token times left, not one look's few ms.
+        deadline = time.monotonic() + 30
         while True:
+            before = [s for s in streams if s.ended is None]
             info = ingress().ranks.remote().result()
             busy = max((0, 1), key=lambda g: sum(r["running"] for r in info if r["group"] == g))
-            if sum(r["running"] for r in info if r["group"] == busy) > 0 or time.monotonic() > deadline:
+            going = [s for s in streams if s.ended is None]
+            far = going == before and all(0 < s.tokens < MAX_TOKENS * 2 // 3 for s in going)
+            if sum(r["running"] for r in info if r["group"] == busy) > 0 and far or time.monotonic() > deadline:
                 break
-            time.sleep(0.1)
-        assert sum(r["running"] for r in info if r["group"] == busy) > 0, info
+            time.sleep(0.05)
+        assert sum(r["running"] for r in info if r["group"] == busy) > 0 and far, (info, [s.tokens for s in going])
         killed_at = time.monotonic()
         kill_rank(busy, 1)
         back_s = wait_ready(url, 60)
@@ -157,7 +170,7 @@ def test_a_rank_killed_under_load_with_two_groups(url, ckpt):
           f"event; group back in {back_s:.1f} s; longest request {max(s.ended - s.sent for s in streams):.1f} s")
     assert all(s.ok and s.text == want for s in later), [(s.status, s.error) for s in later if not s.ok]
     assert errors and all(s in mid and s.status == 200 and "unavailable" in json.dumps(s.error) for s in errors), \
-        [(s.status, s.error) for s in errors]
+        ([(s.status, s.error) for s in errors], [(s.tokens, s.first - killed_at, s.ended - killed_at) for s in mid])
     assert all(s.ended - s.sent < DEADLINE_S for s in streams)
     groups = ingress().groups.remote().result()
     assert [(g["state"], g["restarts"]) for g in groups] == [("serving", 1 if g["group"] == busy else 0)
