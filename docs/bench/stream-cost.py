@@ -3,14 +3,14 @@ fast (a GPU's, where the served built-in model reached 4.9x two CPU cores, not i
 on CUDA graphs). The server is started per tree (NAME=PATH: that tree's moeserve, e.g. a `git archive` of the
 commit before a change), loaded with `moeserve bench serve`'s closed loop (32-token prompts, exactly --tokens
 streamed tokens), and its threads' CPU time over the level is read from /proc: the event loop's (the main thread:
-HTTP, SSE, the relay's wake-ups) and the rest's (the model thread, which steps, samples and detokenizes, and
-torch's intra-op workers; Python does not name its threads for the OS, so /proc cannot tell these apart).
+HTTP, SSE, the relay's wake-ups), the model thread's (it steps, samples and detokenizes; the server names it for
+the OS) and the rest's (torch's intra-op workers).
 
     PYTHONPATH=. python docs/bench/stream-cost.py [--trees base=/tmp/base new=.] [--clients 32] [--duration 10]
         [--rounds 2] [--tokens 64] [--args "--kv-slots 32"] [--null-model]
 
 Prints one line per tree, round and level: req/s, ITL p50, and CPU microseconds per streamed token of the event
-loop and of the other threads.
+loop, the model thread and the other threads.
 """
 
 from __future__ import annotations
@@ -22,19 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 checkpoint = __import__("ep-serve").checkpoint  # ep-serve.py's random `small` checkpoint (fp32), written once
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of `pid`'s threads: loop (the main thread's) and rest (every other's)."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {"loop": 0.0, "rest": 0.0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out["loop" if int(tid) == pid else "rest"] += (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def null_runner(runner, rows: int = 64) -> None:
@@ -81,7 +68,7 @@ def run(tree: str, ckpt: Path, extra: list[str], clients: list[int], duration: f
     import subprocess
 
     from moeserve.bench.serve import ServeBenchConfig, bench_serve
-    from moeserve.bench.server_process import free_port, server_command, stop_server, wait_ready
+    from moeserve.bench.server_process import free_port, server_command, stop_server, thread_cpu, wait_ready
 
     port = free_port()
     command = server_command(ckpt, port, "float32", extra)
@@ -101,9 +88,11 @@ def run(tree: str, ckpt: Path, extra: list[str], clients: list[int], duration: f
             lv = bench_serve(cfg)["levels"][0]
             after = thread_cpu(proc.pid)
             streamed = lv["output_tokens_per_s"] * lv["wall_s"]
-            us = {k: 1e6 * (after[k] - before[k]) / max(streamed, 1) for k in after}
+            used = {k: after[k] - before.get(k, 0.0) for k in after}
+            us = {"loop": used.pop("main", 0.0), "model": used.pop("moeserve-model", 0.0), "rest": sum(used.values())}
+            us = {k: 1e6 * v / max(streamed, 1) for k, v in us.items()}
             lines.append(f"C={c:3d} {lv['requests_per_s']:6.2f} req/s  itl p50 {lv['itl_ms']['p50']:5.1f} ms  "
-                         f"CPU us a token: loop {us['loop']:6.1f}  rest {us['rest']:7.1f}")
+                         f"CPU us a token: loop {us['loop']:6.1f}  model {us['model']:6.1f}  rest {us['rest']:6.1f}")
     finally:
         stop_server(proc)
     return lines

@@ -10,7 +10,8 @@ It runs, on the first CUDA device:
 3. decode at ~100 tokens of context for the same weights declared with a 2k and a 32k context: a step reads the
    keys its rows can see, not the whole cache, so the two should match;
 4. the built-in model served (`moeserve serve`, `bench serve`'s closed loop of 32 clients) on the GPU and on two of
-   this machine's CPU cores, where it is cached here (`served`).
+   this machine's CPU cores, where it is cached here (`served`), with each server's threads' CPU over the load:
+   a GPU server's model thread near one core busy is bound by its host work, not by the GPU.
 
 The issue's goals are computed from those numbers (`goals`), each with the value it asks for. What could not run
 here is in `skipped`, with why.
@@ -39,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from moeserve.bench.engine import _sync, bench_engine, write_mixtral
 from moeserve.bench.report import BenchError, run_bench
 from moeserve.bench.serve import ServeBenchConfig, bench_serve
-from moeserve.bench.server_process import ServerLog, running_server
+from moeserve.bench.server_process import ServerLog, cores_busy, running_server, thread_cpu
 from moeserve.runtime import GPU_QUANT_FORMATS, QUANT_FORMATS
 from moeserve.runtime.engine import Engine, SamplingParams
 from moeserve.training.default_model import default_model_dir
@@ -179,11 +180,14 @@ def served(checkpoint: Path, device: str = "cuda", clients: int = SERVED_CLIENTS
                                    input_len=(input_len, input_len), output_len=(output_len, output_len),
                                    timeout_s=120, client_procs=procs)
             with pinned(rest):
+                before = thread_cpu(log.pid)
                 level = bench_serve(cfg)["levels"][0]
+                after = thread_cpu(log.pid)
             paths = call_paths(url)
         out[name] = {"command": " ".join([*pin, "moeserve serve", *extra]), "requests_per_s":
                      round(level["requests_per_s"], 2), "itl_ms_p50": level["itl_ms"]["p50"],
-                     "errors": level["errors"], "tokens_by_path": paths, "ready_s": round(ready_s, 1)}
+                     "errors": level["errors"], "tokens_by_path": paths, "ready_s": round(ready_s, 1),
+                     "server_cores_busy": cores_busy(before, after, level["wall_s"])}
     out["ratio"] = round(out[device]["requests_per_s"] / max(out[f"{cores} CPU cores"]["requests_per_s"], 1e-9), 2)
     out["goal"] = SERVED_GOAL
     return out
@@ -342,8 +346,10 @@ def served_lines(served: dict | None) -> list[str]:
             continue
         paths = "; ".join(f"{kind} tokens {', '.join(f'{p} {n}' for p, n in by.items())}"
                           for kind, by in side.get("tokens_by_path", {}).items())
+        busy = ", ".join(f"{thread} {cores}" for thread, cores in side.get("server_cores_busy", {}).items())
         out.append(f"- {name}: {side['requests_per_s']} req/s, ITL p50 {side['itl_ms_p50']} ms, ready in "
-                   f"{side.get('ready_s', '-')} s{'; ' + paths if paths else ''}")
+                   f"{side.get('ready_s', '-')} s{'; ' + paths if paths else ''}"
+                   f"{'; server threads, cores busy: ' + busy if busy else ''}")
     return out
 
 

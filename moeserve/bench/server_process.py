@@ -5,6 +5,7 @@ what it wrote and how it exited kept for the report."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ class ServerLog:
     """What a server subprocess wrote, read when it has stopped."""
     text: str = ""
     exit_code: int | None = None
+    pid: int | None = None  # while it runs
 
     def summary(self) -> dict:
         lines = self.text.splitlines()
@@ -73,6 +75,30 @@ def stop_server(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of process `pid`'s threads, summed by the name the OS knows them by, the main thread's as
+    "main" (a server's event loop). The server names its model's thread ("moeserve-model", serve/state.py); torch's
+    intra-op workers keep the interpreter's name. Empty where /proc cannot be read (not Linux, or the process ended)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    head, fields = f.read().rsplit(")", 1)
+            except OSError:  # the thread ended meanwhile
+                continue
+            name = "main" if int(tid) == pid else head.split("(", 1)[1]
+            utime, stime = fields.split()[11:13]
+            out[name] = out.get(name, 0.0) + (int(utime) + int(stime)) / tick
+    return out
+
+
+def cores_busy(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """What each thread name used between two thread_cpu readings, in cores (CPU seconds a second of `wall_s`)."""
+    return {name: round((after[name] - before.get(name, 0.0)) / wall_s, 2) for name in sorted(after)
+            if after[name] > before.get(name, 0.0)}
+
+
 @contextlib.contextmanager
 def running_server(checkpoint: Path, dtype: str, extra: list[str], log: ServerLog,
                    prefix: list[str] = (), cwd: Path | None = None,
@@ -86,6 +112,7 @@ def running_server(checkpoint: Path, dtype: str, extra: list[str], log: ServerLo
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([*prefix, *server_command(checkpoint, port, dtype, extra)], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        log.pid = proc.pid  # the server's own: a prefix such as taskset execs it
         try:
             url = f"http://127.0.0.1:{port}"
             wait_ready(proc, url, ready_timeout_s)

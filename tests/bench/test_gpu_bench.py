@@ -8,15 +8,21 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from moeserve.bench.gpu import goals, markdown, on_cores, run_tests, served, with_context
+from moeserve.bench.gpu import goals, markdown, on_cores, run_tests, served, served_lines, with_context
+from moeserve.bench.server_process import cores_busy, thread_cpu
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.model import Transformer
+from moeserve.serve.state import MODEL_THREAD, name_os_thread
+
+LINUX_PROC = pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task").is_dir(), reason="no /proc/PID/task (not Linux)")
 
 
 def test_run_tests_counts_failures_and_skip_reasons(tmp_path):
@@ -186,7 +192,45 @@ def test_served_runs_both_servers_and_gives_their_ratio(tmp_path):
     assert got["ratio"] == round(gpu_side["requests_per_s"] / cpu_side["requests_per_s"], 2)
     assert got["goal"] == 10.0
     assert all(0 < side["ready_s"] < 420 for side in (gpu_side, cpu_side))
+    if Path(f"/proc/{os.getpid()}/task").is_dir():  # each server's event loop and model thread worked
+        for side in (gpu_side, cpu_side):
+            assert side["server_cores_busy"]["main"] > 0 and side["server_cores_busy"][MODEL_THREAD] > 0, side
+            assert "server threads, cores busy: " in "\n".join(served_lines(got))
     for side in (gpu_side, cpu_side):  # each server's /metrics, read before it stopped: no graph on a CPU by default
         paths = side["tokens_by_path"]
         assert paths["decode"]["graph"] == paths["prefill"]["graph"] == 0, paths
         assert paths["decode"]["eager"] > 0 and paths["prefill"]["eager"] >= 8, paths
+
+
+@LINUX_PROC
+def test_thread_cpu_sums_by_the_name_the_os_knows():
+    """A thread that names itself for the OS is counted apart from the main thread and the unnamed ones; what it
+    burns between two readings shows as cores busy under its name; a process that is gone reads as nothing."""
+    spun = threading.Event()
+
+    def spin(name: str | None) -> None:
+        if name:
+            name_os_thread(name)
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.wait()
+
+    before = thread_cpu(os.getpid())
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=spin, args=(n,)) for n in (MODEL_THREAD, None)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while thread_cpu(os.getpid()).get(MODEL_THREAD, 0.0) < 0.29 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = thread_cpu(os.getpid())
+    spun.set()
+    for t in threads:
+        t.join()
+    assert "main" in before and after["main"] >= before["main"]
+    # the named thread's 0.3 s under its name, the unnamed one's not with it
+    assert MODEL_THREAD not in before and 0.29 <= after[MODEL_THREAD] < 0.55, after
+    busy = cores_busy(before, after, time.perf_counter() - t0)
+    assert busy[MODEL_THREAD] > 0 and all(v > 0 for v in busy.values()), busy
+    assert thread_cpu(2**22 + 12345) == {}  # above the kernel's pid_max: no such process

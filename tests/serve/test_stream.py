@@ -74,6 +74,15 @@ def test_the_token_budget_and_the_end_of_sequence_token_end_it():
     assert eos.token_ids == [97]  # the end-of-sequence token is not part of the answer
 
 
+def test_byte_decode_drops_special_ids_and_replaces_a_cut_character():
+    """Ids that are all bytes, and ids with the special ones (which carry no text) among them."""
+    euro = TOK.encode("\u20ac")
+    assert TOK.decode(euro) == "\u20ac" and TOK.decode([]) == ""
+    assert TOK.decode([TOK.bos_id, *euro, TOK.eos_id, TOK.pad_id]) == "\u20ac"
+    assert TOK.decode([*euro[:2], TOK.eos_id]) == TOK.decode(euro[:2]) == "\ufffd"
+    assert TOK.decode([-1, 104, 10**6, 105]) == "hi"  # out of the vocabulary: no text either
+
+
 def test_incremental_decoder_deltas_add_up_to_decode():
     text = "a\u00e9\u20ac\U0001f600 b\u00df\u4e2d\U00010348!"  # ASCII, 2-, 3- and 4-byte characters
     ids = TOK.encode(text)
