@@ -124,10 +124,20 @@ def build_ep_app(checkpoint: str | Path, serve_cfg: ServeConfig, options: Expert
     groups of its own, so a second would hold a second copy of every group rather than share them."""
     checkpoint = str(Path(checkpoint).absolute())
     options = options.fitted(math.inf)  # unset: one CPU per rank (run_ep fits them to the cluster first)
-    ingress = serve.deployment(EPIngress, name="ingress", num_replicas=1,
-                               max_ongoing_requests=ingress_max_ongoing(serve_cfg, options),
-                               ray_actor_options={"num_cpus": options.ingress_cpus})
+    ingress = serve.deployment(EPIngress, name="ingress", **ingress_options(serve_cfg, options))
     return ingress.bind(checkpoint, serve_cfg, options, dtype)
+
+
+def ingress_options(serve_cfg: ServeConfig, options: ExpertParallelOptions) -> dict:
+    """The ingress deployment's Serve options, in code and in the file `--print-config` writes."""
+    return {"num_replicas": 1, "max_ongoing_requests": ingress_max_ongoing(serve_cfg, options),
+            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S, "ray_actor_options": {"num_cpus": options.ingress_cpus}}
+
+
+# How often a stopping ingress looks for requests still going. Serve sleeps one such period before its first look,
+# so its default (2 s) was the whole stop of an idle application (`serve.delete`, SIGTERM of `moeserve serve --ray`);
+# requests in flight are waited for either way, up to graceful_shutdown_timeout_s.
+SHUTDOWN_POLL_S = 0.25
 
 
 def ingress_max_ongoing(serve_cfg: ServeConfig, options: ExpertParallelOptions) -> int:
@@ -166,8 +176,7 @@ def deploy_config(checkpoint: str | Path, serve_cfg: ServeConfig, options: Exper
     served.update(api_key=None, chat_template=str(serve_cfg.chat_template) if serve_cfg.chat_template else None)
     written = dataclasses.asdict(options)
     del written["gpus"]  # from `device`, on the cluster
-    ingress = {"name": "ingress", "num_replicas": 1, "max_ongoing_requests": ingress_max_ongoing(serve_cfg, options),
-               "ray_actor_options": {"num_cpus": options.ingress_cpus}}
+    ingress = {"name": "ingress", **ingress_options(serve_cfg, options)}
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": serve_cfg.host, "port": serve_cfg.port},

@@ -3,14 +3,14 @@
 - `--print-config` writes a file that `serve deploy` accepts, whose builder (ep_app.app_builder), given the file's
   args as Serve gives them, serves: here `--ray --data-parallel-groups 2` without --expert-parallel, so two groups of
   one rank each holding every expert (a gloo group of world size 1), answering as one process does;
-- a Hugging Face Mixtral directory as transformers wrote it, over --expert-parallel 2: each rank reads its experts'
-  tensors from the directory, and the answers are the single process's;
 - the CLI, `moeserve serve CKPT --ray --expert-parallel 2`, joins the cluster at $RAY_ADDRESS (this module's), says
   when it is ready, serves, and at SIGTERM deletes its application and exits 0, leaving the cluster running;
 - the retired shard exchange's flags are named errors with exit status 2, and the groups' CPU bundles fit a small
   cluster or are refused by name.
 
-The answers, requests over both ranks and the bad-input matrix are test_ep_serve.py's; faults test_ep_faults.py's."""
+The answers, requests over both ranks and the bad-input matrix are test_ep_serve.py's; faults test_ep_faults.py's;
+a Hugging Face directory over two ranks (each reading its experts' tensors from it) is
+tests/runtime/test_expert_parallel.py's."""
 
 from __future__ import annotations
 
@@ -35,13 +35,10 @@ from moeserve.config import preset
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.model import Transformer
 from moeserve.serve.config import ExpertParallelOptions
-from moeserve.serve.state import ServeConfig
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 serve = pytest.importorskip("ray.serve")
 yaml = pytest.importorskip("yaml")
-
-from moeserve.serve.ep_app import build_ep_app  # noqa: E402  (needs ray)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest.py)
 PROMPTS = ["def f(x):", "import os\n", "class A:", "x = [i for i"]
@@ -110,6 +107,7 @@ def test_printed_config_is_a_serve_deploy_file_whose_builder_serves(url, ckpt):
     # Serve lets in all that the app can hold: its queue, every rank's cache slots (or a batch's rows), and probes
     assert app["deployments"][0]["max_ongoing_requests"] == 256 + max(4 * 2, 32) + 32
     assert app["deployments"][0]["num_replicas"] == 1
+    assert app["deployments"][0]["graceful_shutdown_wait_loop_s"] == 0.25  # an idle ingress stops in ~0.25 s, not 2
 
     module, name = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), name)
@@ -128,43 +126,6 @@ def test_printed_config_is_a_serve_deploy_file_whose_builder_serves(url, ckpt):
     while "POST /v1/completions" not in replica_log():
         assert time.monotonic() < deadline, replica_log()[-2000:]
         time.sleep(0.5)
-
-
-def hf_mixtral_dir(root: Path) -> Path:
-    """A tiny random Mixtral as transformers writes it (per-expert tensors), with a word-level tokenizer.json."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(root / "hf")
-    words = ["<unk>", "<bos>", "<eos>", *[f"w{i}" for i in range(61)]]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<bos>", "<eos>"])
-    tok.save(str(root / "hf" / "tokenizer.json"))
-    return root / "hf"
-
-
-def test_a_hugging_face_mixtral_directory_over_two_ranks(url, tmp_path):
-    """No conversion step: each rank reads its experts' tensors from the directory (safetensors slices), and the
-    answers are the single process's."""
-    path = hf_mixtral_dir(tmp_path)
-    serve.delete("moeserve")
-    options = ExpertParallelOptions(ranks=2, cpus_per_rank=0.5, ingress_cpus=0.1, ready_timeout_s=120)
-    serve.run(build_ep_app(path, ServeConfig(model_name="tiny", kv_slots=4), options), name="moeserve",
-              route_prefix="/", blocking=False)
-    assert wait_ready(url, 120) is not None, "the Mixtral over two ranks did not become ready"
-    ref = Engine.load(path, dtype="float32", device="cpu")
-    prompts = ["w1 w2 w3", "w40 w7", "w5", "w60 w61 w3 w3"]
-    assert complete_all(url, prompts) == ref.generate(prompts, max_new_tokens=8)
-    info = ranks()
-    assert [r["experts"] for r in info] == [[[0, 1]] * 2, [[2, 3]] * 2]
-    per_expert = 3 * 96 * 64  # w1, w2, w3
-    whole = sum(p.numel() for p in ref.model.parameters()) + sum(b.numel() for b in ref.model.buffers())
-    assert [r["parameters"] for r in info] == [whole - 2 * 2 * per_expert] * 2  # 2 other experts in each of 2 layers
 
 
 def test_cli_joins_the_cluster_at_ray_address_and_serves_until_sigterm(url, port, ckpt):
