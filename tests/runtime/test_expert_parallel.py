@@ -1,11 +1,12 @@
 """Expert parallelism (runtime/expert_parallel.py, runtime/ep_rank.py) in real processes: two ranks on gloo over
 127.0.0.1, each with its own requests at once, give the single-process engine's answers (fp32: tokens identical,
 greedy and seeded; log-probabilities and scores within 1e-5) for the softmax, xmoe and vq (mixed and discrete)
-routers, quantized checkpoints, a Hugging Face Qwen2-MoE (its shared expert on every rank) and a Hugging Face
-gpt-oss (each rank its experts' weights and biases, with the clamped SwiGLU); each rank holds only its experts; a
-busy rank beside an idle one neither hangs nor desynchronises; the exchange itself equals the reference loop, with
-zero rows on a rank, in one process and in two (gpt-oss's BiasedExperts too, in one). Scores, sums of
-many log-probabilities, are held to 1e-5 of their size (as tests/serve/test_ep_serve.py)."""
+routers, quantized checkpoints, a Hugging Face Mixtral (each rank reads its experts' tensors from the directory),
+a Hugging Face Qwen2-MoE (its shared expert on every rank) and a Hugging Face gpt-oss (each rank its experts'
+weights and biases, with the clamped SwiGLU); each rank holds only its experts; a busy rank beside an idle one
+neither hangs nor desynchronises; the exchange itself equals the reference loop, with zero rows on a rank, in one
+process and in two (gpt-oss's BiasedExperts too, in one). Scores, sums of many log-probabilities, are held to 1e-5
+of their size (as tests/serve/test_ep_serve.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ ROUTERS = {"softmax": dict(router="softmax"), "xmoe": dict(router="xmoe"),
            # quantized checkpoints: each rank reads its experts' integers and scales (int4 keeping wk, wv at int8, and
            # the head at int8 too: 64 wide, not a multiple of int6's 128)
            "softmax-int4": dict(router="softmax", quantize="int4"), "xmoe-int8": dict(router="xmoe", quantize="int8"),
+           # a Hugging Face Mixtral directory, no conversion step: each rank reads its experts' tensors from it
+           "mixtral": dict(family="mixtral"),
            # a Hugging Face Qwen2-MoE directory: q/k/v biases, and a gated shared expert that every rank holds whole
            "qwen2-moe": dict(family="qwen2_moe"),
            # a Hugging Face gpt-oss directory: each rank's experts with their biases and the clamped SwiGLU

@@ -37,6 +37,7 @@ from moeserve.serve.ep_app import build_ep_app  # noqa: E402  (needs ray)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (conftest.py)
 DEADLINE_S = 30.0  # the server's request timeout: no request may take longer
 MAX_TOKENS = 150  # long streams (a few seconds each), so the kill can wait for one far from its end
+SHORT = 12  # the requests that only check that a group answers
 STREAM = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
@@ -87,15 +88,15 @@ class Stream:
     """One streaming request as its client sees it: when it was sent, its first token, the tokens so far, its end,
     and how it ended. `into` gets it before it is sent, so that the test sees the streams still going."""
 
-    def __init__(self, url: str, prompt: str, into: list | None = None):
+    def __init__(self, url: str, prompt: str, into: list | None = None, max_tokens: int = MAX_TOKENS):
         self.sent = time.monotonic()
         self.first: float | None = None
         self.status, self.ended, self.text, self.error, self.tokens = None, None, "", None, 0
         if into is not None:
             into.append(self)
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json={**STREAM, "prompt": prompt},
-                              timeout=DEADLINE_S + 10) as r:
+            body = {**STREAM, "prompt": prompt, "max_tokens": max_tokens}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=DEADLINE_S + 10) as r:
                 self.status = r.status_code
                 if r.status_code != 200:
                     r.read()
@@ -124,7 +125,7 @@ class Stream:
 
 def test_a_rank_killed_under_load_with_two_groups(url, ckpt):
     deploy(url, ckpt, groups=2, cpus_per_rank=0.4)
-    want = Stream(url, "def f(x):").text
+    want, want_short = Stream(url, "def f(x):").text, Stream(url, "def f(x):", max_tokens=SHORT).text
     streams: list[Stream] = []
     stop = threading.Event()
 
@@ -179,7 +180,7 @@ def test_a_rank_killed_under_load_with_two_groups(url, ckpt):
     # the restarted group serves: one request at a time, with every rank idle, goes round robin over the four ranks
     # (ep_router's tie rule), so these reach both groups whatever the load above left on each
     for _ in range(4):
-        assert Stream(url, "def f(x):").text == want
+        assert Stream(url, "def f(x):", max_tokens=SHORT).text == want_short
     info = ingress().ranks.remote().result()
     assert sum(r["served"]["sequences"] for r in info if r["group"] == busy) > 0, info
     ingress().check_health.remote().result()
