@@ -128,16 +128,16 @@ def build_ep_app(checkpoint: str | Path, serve_cfg: ServeConfig, options: Expert
     return ingress.bind(checkpoint, serve_cfg, options, dtype)
 
 
-def ingress_options(serve_cfg: ServeConfig, options: ExpertParallelOptions) -> dict:
-    """The ingress deployment's Serve options, in code and in the file `--print-config` writes."""
-    return {"num_replicas": 1, "max_ongoing_requests": ingress_max_ongoing(serve_cfg, options),
-            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S, "ray_actor_options": {"num_cpus": options.ingress_cpus}}
-
-
 # How often a stopping ingress looks for requests still going. Serve sleeps one such period before its first look,
 # so its default (2 s) was the whole stop of an idle application (`serve.delete`, SIGTERM of `moeserve serve --ray`);
 # requests in flight are waited for either way, up to graceful_shutdown_timeout_s.
 SHUTDOWN_POLL_S = 0.25
+
+
+def ingress_options(serve_cfg: ServeConfig, options: ExpertParallelOptions) -> dict:
+    """The ingress deployment's Serve options, in code and in the file `--print-config` writes."""
+    return {"num_replicas": 1, "max_ongoing_requests": ingress_max_ongoing(serve_cfg, options),
+            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S, "ray_actor_options": {"num_cpus": options.ingress_cpus}}
 
 
 def ingress_max_ongoing(serve_cfg: ServeConfig, options: ExpertParallelOptions) -> int:

@@ -40,14 +40,10 @@ def qwen2_moe(path: Path) -> Path:
 def mixtral(path: Path) -> Path:
     """A tiny Mixtral written by transformers (context 64, 2 MoE layers of 4 experts, top-2, as tiny): each expert's
     w1, w2, w3 its own tensors in the file, which a rank reads as safetensors slices of its experts only."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from ..test_hf_mixtral import hf_mixtral
 
     vocab = byte_level_tokenizer(path)
-    torch.manual_seed(0)
-    MixtralForCausalLM(MixtralConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        bos_token_id=None, eos_token_id=0, pad_token_id=0)).save_pretrained(path)
+    hf_mixtral(path, vocab_size=vocab, max_position_embeddings=64, bos_token_id=None, eos_token_id=0, pad_token_id=0)
     return path
 
 
