@@ -93,21 +93,24 @@ def test_compiled_decode_gives_eager_tokens_and_counts(router, device):
     assert fast.runner._decode is not None and fast.runner.graph_decode  # it ran compiled, not a silent fallback
 
 
-def bucket_logits(device: str, plan, seen: list) -> tuple[torch.Tensor, Engine]:
+def bucket_logits(device: str, plan, seen: list, sizes: tuple[int, ...] = (2, 1),
+                  graph_prefill: bool = True) -> tuple[torch.Tensor, Engine]:
     """The tiny softmax model (the same weights each call) in bf16 with a compiled step on `plan`: two prompts
-    prefilled eagerly, then one token decoded at batch bucket 2 and at 1; their logits, [3, V]. `seen` (a list that
-    a patched path appends to) is emptied after the prefill, so what it holds after came from the step's graphs."""
+    prefilled (on the prompt graph unless `graph_prefill` is off), then one token decoded at each batch bucket of
+    `sizes` in turn; their logits, [sum(sizes), V]. `seen` (a list that a patched path appends to) is emptied after
+    the prefill, so what it holds after came from the step's graphs."""
     torch.manual_seed(0)
     tok = ByteTokenizer()
     rows = [tok.encode(t, bos=True) for t in ("def f(x):", "import")]
     engine = Engine.from_model(Transformer(preset("tiny", router="softmax")), tok, dtype="bfloat16", device=device,
                                compile="on", plan=plan)
     runner, cache, steps = engine.runner, engine.runner.new_cache(2, 32), []
+    runner.graph_prefill = graph_prefill and runner.graph_prefill
     with torch.inference_mode():
         for slot, r in enumerate(rows):
             runner.prefill(cache, slot, torch.tensor(r, device=device), 0)
         seen.clear()
-        for n in (2, 1):  # each bucket in turn
+        for n in sizes:
             ids = torch.tensor([7, 11][:n], device=device)
             out = runner.decode(cache, list(range(n)), ids, [len(r) + 2 - n for r in rows[:n]])
             steps.append(out.logits.float().cpu())
@@ -128,7 +131,8 @@ def assert_within_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_compiled_decode_with_grouped_experts(device, monkeypatch):
     """decode_grouped: the compiled step runs each layer's experts as one grouped_mm call over the routed rows
     (bf16, the dtype torch compiles grouped_mm for), with its counts on the device: the logits of the step that
-    indexes each token's experts out of the stack, within bf16's rounding, at batch buckets 2 and 1."""
+    indexes each token's experts out of the stack, within bf16's rounding, at batch bucket 2 (each bucket is a graph
+    of ~15 kernels, ~10 s of C++ cold; bucket 1 would prove nothing more, and the prompts are prefilled eagerly)."""
     why = compiled_mod.compile_unavailable(torch.device(device))
     if why is not None:
         pytest.skip(why)
@@ -137,7 +141,8 @@ def test_compiled_decode_with_grouped_experts(device, monkeypatch):
     plan = dataclasses.replace(default_plan(device, torch.bfloat16), grouped_mm=True)
     logits = {}
     for grouped in (False, True):  # eager prefills run grouped_mm either way
-        logits[grouped], engine = bucket_logits(device, dataclasses.replace(plan, decode_grouped=grouped), seen)
+        logits[grouped], engine = bucket_logits(device, dataclasses.replace(plan, decode_grouped=grouped), seen,
+                                                sizes=(2,), graph_prefill=False)
         assert engine.model.moe_layers[0].experts.w.decode_grouped == grouped
         assert (len(seen) > 0) == grouped  # grouped_mm only in the grouped step
     assert_within_bf16(logits[True], logits[False])
