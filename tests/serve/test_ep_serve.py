@@ -1,8 +1,8 @@
 """`moeserve serve --ray --expert-parallel N` (serve/ep_app.py, ep_ranks.py, ep_router.py) on a real local Ray: two
 rank actors in a placement group, gloo on CPU, behind the same FastAPI app as one process. Over HTTP with the openai
 client, concurrent requests land on both ranks and answer as the single-process engine does (fp32: greedy and seeded
-tokens identical, log-probabilities and scores within 1e-5, streamed text the same), for the softmax router, xmoe
-(int8, over two groups) and discrete VQ (code tables built through the exchange at load); with N = 4, one rank busy
+tokens identical, log-probabilities and scores within 1e-5, streamed text the same), for the softmax router and
+discrete VQ (code tables built through the exchange at load); with N = 4, one rank busy
 for seconds beside idle ones neither hangs nor stalls; each rank holds only its experts; bad input gets the
 single-process server's answers; bad flags are named errors with exit status 2. The softmax tests share the module's
 application; the later ones each deploy their own on the same Ray."""
@@ -226,32 +226,6 @@ def test_bad_input_gets_the_same_answers(ep_server, case):
     bad_input.assert_answer(bad_input.send(ep_server, case), case)
 
 
-def test_an_int8_checkpoint_over_two_groups(url, tmp_path):
-    """A quantized checkpoint's ranks load their experts' integers and scales (QuantExpertShard); with R = 2 groups,
-    requests go to both groups, and the answers are the single-process engine's of the same checkpoint. (It
-    replaces the module's application: the tests after it deploy their own.)"""
-    from moeserve.runtime.quant import QuantSpec, quantize_model_
-
-    torch.manual_seed(0)
-    model = Transformer(preset("tiny", router="xmoe"))
-    quantize_model_(model, QuantSpec.parse("int8"))
-    ckpt = save_checkpoint(tmp_path / "int8", model.cfg, model.state_dict())
-    serve.delete("moeserve")
-    deploy(url, ckpt, ServeConfig(model_name="tiny", kv_slots=4), groups=2, cpus_per_rank=0.4)
-    ref = Engine.load(ckpt, dtype="float32", device="cpu")
-    body = {"model": "tiny", "max_tokens": 10, "temperature": 0}
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=120),
-                            PROMPTS * 2))
-    assert [r.json()["choices"][0]["text"] for r in got] == ref.generate(PROMPTS * 2, max_new_tokens=10)
-    info = ranks()
-    assert [(r["group"], r["rank"]) for r in info] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(sum(r["served"]["sequences"] for r in info if r["group"] == g) > 0 for g in (0, 1)), info
-    whole = sum(p.numel() for p in ref.model.parameters()) + sum(b.numel() for b in ref.model.buffers())
-    experts = sum(t.numel() for k, t in ref.model.state_dict().items() if ".ffn.experts." in k)
-    assert [r["parameters"] for r in info] == [whole - experts // 2] * 4
-
-
 def served_in_parallel(url: str, ref: Engine, ranks_before: list[dict], prompts: list[str] = PROMPTS) -> None:
     """Greedy completions with log-probabilities, seeded ones and scores, all sent at once with the openai client
     (and /v1/score), answer as `ref` (fp32: tokens identical, log-probabilities and scores within 1e-5); every rank
@@ -315,8 +289,9 @@ def test_the_discrete_vq_table_is_built_through_the_exchange_then_served_without
     with no exchange at all: the calls stay at one per layer whatever is served, and the answers are the engine's,
     whose table is computed with every expert in one process. (Replaces the module's application.) The other routers
     answer over two ranks as one process in tests/runtime/test_expert_parallel.py, through the same rank loop this
-    application runs: the ingress and its requests do not depend on the router, so the softmax model's parity above
-    (and the int8 xmoe model's) stands for them here."""
+    application runs: the ingress and its requests do not depend on the router or on how the experts are stored, so
+    the softmax model's parity above stands for them here (quantized checkpoints too: int8 xmoe and int4 there, with
+    each rank's parameters counted; two groups: test_ep_faults.py and test_ep_deploy.py)."""
     from ..runtime.test_expert_parallel import checkpoint as router_checkpoint
 
     ckpt = router_checkpoint(tmp_path, "vq-discrete", router="vq", vq_mode="discrete")
