@@ -115,12 +115,15 @@ def test_unknown_router_is_an_argparse_error():
 
 
 @pytest.mark.parametrize("content, why", [(None, "cannot read"), ("{% for m in messages %}", "not valid Jinja2")])
-def test_serve_names_a_bad_chat_template_before_loading(tmp_path, content, why):
+def test_serve_names_a_bad_chat_template_before_loading(tmp_path, content, why, capsys):
+    from moeserve.cli import main
+
     template = tmp_path / "chat.jinja"
     if content is not None:
         template.write_text(content)
-    p = run("serve", tmp_path / "no-such-checkpoint", "--chat-template", template)
-    assert p.returncode == 2 and why in p.stderr and str(template) in p.stderr, p.stderr
+    assert main(["serve", str(tmp_path / "no-such-checkpoint"), "--chat-template", str(template)]) == 2
+    err = capsys.readouterr().err
+    assert why in err and str(template) in err, err
 
 
 def test_serve_flags_default_to_the_config_dataclasses():
