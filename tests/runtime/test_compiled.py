@@ -250,7 +250,9 @@ def test_grouped_decode_is_refused_where_it_cannot_compile():
 def test_decode_stays_on_the_graph_while_prompts_arrive():
     """A prompt arriving while a sequence decodes is prefilled eagerly, and the decoding row takes the compiled step
     in the same step rather than riding in the prompt's call: every decode token is a replay, counted as such in
-    moeserve_decode_tokens_total, with the tokens of the eager engine, whose rows ride in the prompt's call."""
+    moeserve_decode_tokens_total, with the tokens of the eager engine, whose rows ride in the prompt's call. Two
+    slots, as test_compiled_decode_gives_eager_tokens_and_counts has: the same graphs, which inductor's cache holds
+    for whichever of the two runs second."""
     if not HAS_CXX:
         pytest.skip("no C++ compiler: inductor cannot build a CPU graph here")
     from moeserve.runtime.steps import Sequence
@@ -263,26 +265,26 @@ def test_decode_stays_on_the_graph_while_prompts_arrive():
     fast = Engine.from_model(Transformer(model.cfg), tok, calibration="off", compile="on")
     fast.model.load_state_dict(model.state_dict())
     fast.executor.lay_out()
-    prompts = [tok.encode(t, bos=True) for t in ("def f(x):", "import os", "class A:")]
+    prompts = [tok.encode(t, bos=True) for t in ("def f(x):", "import os")]
     tokens = {}
     for name, engine in (("eager", eager), ("compiled", fast)):
-        steps = engine.step_engine(slots=3)
+        steps = engine.step_engine(slots=2)
         seqs = [Sequence(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
         with torch.inference_mode():
             steps.add(seqs[0])
-            for i in range(10):  # a prompt joins at steps 3 and 6, while the first decodes
-                if i in (3, 6):
-                    steps.add(seqs[i // 3])
+            for i in range(6):  # the second prompt joins at step 3, while the first decodes
+                if i == 3:
+                    steps.add(seqs[1])
                 steps.step()
             while not steps.idle:
                 steps.step()
         tokens[name] = [s.out for s in seqs]
     assert tokens["compiled"] == tokens["eager"]
     # each sequence's first token comes from its prefill, the other 11 from decode steps
-    assert eager.executor.decode_tokens == {"eager": 33}
-    assert fast.executor.decode_tokens == {"graph": 33}
+    assert eager.executor.decode_tokens == {"eager": 22}
+    assert fast.executor.decode_tokens == {"graph": 22}
     metrics = Metrics()
     metrics.watch_paths("decode", lambda: fast.executor.decode_tokens)
     text = metrics.render().decode()
-    assert 'moeserve_decode_tokens_total{path="graph"} 33.0' in text
+    assert 'moeserve_decode_tokens_total{path="graph"} 22.0' in text
     assert 'moeserve_decode_tokens_total{path="eager"} 0.0' in text
