@@ -81,7 +81,9 @@ def test_a_compiled_prompt_chunk_writes_and_counts_as_eager(device):
 
     graph, eager = engines(device)
     assert graph.runner.graph_prefill and prefill_uncompilable(graph.model) is None
-    caches = [e.runner.new_cache(3, 64) for e in (graph, eager)]
+    # four slots, as test_prompts_arriving_while_others_decode_take_the_graph's step engine has: the same prompt
+    # graph (its cache is part of it), which inductor's cache holds for whichever of the two runs second
+    caches = [e.runner.new_cache(4, 64) for e in (graph, eager)]
     g = torch.Generator().manual_seed(1)
     chunks = [(0, torch.randint(3, 250, (5,), generator=g), 0), (1, torch.randint(3, 250, (40,), generator=g), 0),
               (0, torch.randint(3, 250, (20,), generator=g), 5), (2, torch.randint(3, 250, (3,), generator=g), 60)]
@@ -97,7 +99,9 @@ def test_a_compiled_prompt_chunk_writes_and_counts_as_eager(device):
                 for kv in ("k", "v"):
                     a, b = (getattr(c, kv)[layer][slot, :, real].float().cpu() for c in caches)
                     assert_within_bf16(a, b)
-        assert counters["stats"]["unique_graphs"] - compiles == 1
+        # one graph for the three sizes (none where test_prompts_arriving_while_others_decode_take_the_graph built
+        # it first in this process: the same graph)
+        assert counters["stats"]["unique_graphs"] - compiles <= 1
         assert graph.runner._prefill.steps == {(16, 64): 1, (64, 64): 1, (32, 64): 1}
         # several prompts in one call: one eager call (it reads the experts once), unless as many replays take less
         # time than it (rows_on_graphs, timed at warm-up), then a graph each, in the rows' order
