@@ -3,7 +3,6 @@ report and its refusals; llama.cpp's log parsed as it prints it (the tool itself
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

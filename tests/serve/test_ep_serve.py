@@ -2,10 +2,10 @@
 rank actors in a placement group, gloo on CPU, behind the same FastAPI app as one process. Over HTTP with the openai
 client, concurrent requests land on both ranks and answer as the single-process engine does (fp32: greedy and seeded
 tokens identical, log-probabilities and scores within 1e-5, streamed text the same), for the softmax router and
-discrete VQ (code tables built through the exchange at load); with N = 4, one rank busy
-for seconds beside idle ones neither hangs nor stalls; each rank holds only its experts; bad input gets the
-single-process server's answers; bad flags are named errors with exit status 2. The softmax tests share the module's
-application; the later ones each deploy their own on the same Ray."""
+discrete VQ (code tables built through the exchange at load); with N = 4, one rank busy for seconds beside idle ones
+neither hangs nor stalls; each rank holds only its experts; bad input gets the single-process server's answers; bad
+flags are named errors with exit status 2. The softmax tests share the module's application; the later ones each
+deploy their own on the same Ray."""
 
 from __future__ import annotations
 
