@@ -77,8 +77,9 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds so far of process `pid`'s threads, summed by the name the OS knows them by, the main thread's as
-    "main" (a server's event loop). The server names its model's thread ("moeserve-model", serve/state.py); torch's
-    intra-op workers keep the interpreter's name. Empty where /proc cannot be read (not Linux, or the process ended)."""
+    "main" (a server's event loop). The server names its model's thread ("moeserve-model", serve/state.py) and, once
+    warmed up, the OpenMP team that thread started ("moeserve-omp"). Empty where /proc cannot be read (not Linux, or
+    the process ended)."""
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from moeserve.serve.runner import Runner, ServedModel
 
 log = logging.getLogger("moeserve.serve")
 MODEL_THREAD = "moeserve-model"  # the thread that owns the model, by this name in the OS too (name_os_thread)
+MODEL_TEAM = "moeserve-omp"  # the threads it starts: torch's OpenMP team (name_team)
 PLACE = "moeserve.place"  # the ASGI scope key of an admitted request's place in the queue (serve/gate.py)
 
 
@@ -74,6 +76,7 @@ class ServerState:
                 torch.set_num_threads(1)
             self.torch_threads = torch.get_num_threads()
             runner = self._local(made) if isinstance(made, Engine) else made
+            name_team(MODEL_THREAD, MODEL_TEAM)  # warmed up: its OpenMP team is started
             self.name = self.cfg.model_name or runner.model.name
             self.chat_template = self._chat_template(runner.model)
             self.engine, self.runner = runner.model, runner
@@ -192,6 +195,20 @@ def name_os_thread(name: str) -> None:
     loop's and torch's workers read alike from outside the process. Elsewhere, nothing."""
     with contextlib.suppress(OSError):
         Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name[:15])
+
+
+def name_team(name: str, team: str) -> None:
+    """Every other thread of this process named `name` (the calling thread's) renamed `team`: Linux gives a new
+    thread its creator's name, so torch's OpenMP team, started by the model's thread at its first parallel op, reads
+    as that thread, and its CPU would count as the model thread's (a GPU server's model thread near one core busy
+    means its host work is the bound; with the team in the sum, that reading means nothing). Elsewhere, nothing."""
+    me = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            comm = Path(f"/proc/self/task/{tid}/comm")
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                if int(tid) != me and comm.read_text().strip() == name[:15]:
+                    comm.write_text(team[:15])
 
 
 def freeze_loaded_heap() -> None:

@@ -18,7 +18,7 @@ from moeserve.bench.server_process import cores_busy, thread_cpu
 from moeserve.checkpoint import save_checkpoint
 from moeserve.config import preset
 from moeserve.runtime.model import Transformer
-from moeserve.serve.state import MODEL_THREAD, name_os_thread
+from moeserve.serve.state import MODEL_THREAD, name_os_thread, name_team
 
 LINUX_PROC = pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task").is_dir(), reason="no /proc/PID/task (not Linux)")
 
@@ -193,11 +193,38 @@ def test_served_runs_both_servers_and_gives_their_ratio(tmp_path):
     if Path(f"/proc/{os.getpid()}/task").is_dir():  # each server's event loop and model thread worked
         for side in (gpu_side, cpu_side):
             assert side["server_cores_busy"]["main"] > 0 and side["server_cores_busy"][MODEL_THREAD] > 0, side
+            assert side["server_cores_busy"][MODEL_THREAD] <= 1.1, side  # one thread: its OpenMP team apart
             assert "server threads, cores busy: " in "\n".join(served_lines(got))
     for side in (gpu_side, cpu_side):  # each server's /metrics, read before it stopped: no graph on a CPU by default
         paths = side["tokens_by_path"]
         assert paths["decode"]["graph"] == paths["prefill"]["graph"] == 0, paths
         assert paths["decode"]["eager"] > 0 and paths["prefill"]["eager"] >= 8, paths
+
+
+NAMED = "moeserve-t3st"  # no other thread of this process has it (a server's model thread may linger here)
+
+
+@LINUX_PROC
+def test_name_team_renames_the_threads_the_model_thread_started():
+    """Linux names a new thread after its creator: torch's OpenMP team would read as the model thread. After the
+    warm-up, the server renames the threads with its name but itself; the model thread keeps its own."""
+    comm = lambda tid: Path(f"/proc/self/task/{tid}/comm").read_text().strip()  # noqa: E731
+    seen, done = {}, threading.Event()
+
+    def model() -> None:
+        name_os_thread(NAMED)
+        child = threading.Thread(target=done.wait)
+        child.start()
+        seen["child before"] = comm(child.native_id)
+        name_team(NAMED, "moeserve-t3am")
+        seen["child after"], seen["itself"] = comm(child.native_id), comm(threading.get_native_id())
+        done.set()
+        child.join()
+
+    t = threading.Thread(target=model)
+    t.start()
+    t.join()
+    assert seen == {"child before": NAMED, "child after": "moeserve-t3am", "itself": NAMED}
 
 
 @LINUX_PROC
@@ -216,11 +243,11 @@ def test_thread_cpu_sums_by_the_name_the_os_knows():
 
     before = thread_cpu(os.getpid())
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=spin, args=(n,)) for n in (MODEL_THREAD, None)]
+    threads = [threading.Thread(target=spin, args=(n,)) for n in (NAMED, None)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while thread_cpu(os.getpid()).get(MODEL_THREAD, 0.0) < 0.29 and time.monotonic() < deadline:
+    while thread_cpu(os.getpid()).get(NAMED, 0.0) < 0.29 and time.monotonic() < deadline:
         time.sleep(0.05)
     after = thread_cpu(os.getpid())
     spun.set()
@@ -228,7 +255,7 @@ def test_thread_cpu_sums_by_the_name_the_os_knows():
         t.join()
     assert "main" in before and after["main"] >= before["main"]
     # the named thread's 0.3 s under its name, the unnamed one's not with it
-    assert MODEL_THREAD not in before and 0.29 <= after[MODEL_THREAD] < 0.55, after
+    assert NAMED not in before and 0.29 <= after[NAMED] < 0.55, after
     busy = cores_busy(before, after, time.perf_counter() - t0)
-    assert busy[MODEL_THREAD] > 0 and all(v > 0 for v in busy.values()), busy
+    assert busy[NAMED] > 0 and all(v > 0 for v in busy.values()), busy
     assert thread_cpu(2**22 + 12345) == {}  # above the kernel's pid_max: no such process
