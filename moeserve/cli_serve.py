@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        max_inputs=args.max_inputs, max_tokens=args.max_tokens,
                        max_request_tokens=args.max_request_tokens, expert_metrics=args.expert_metrics,
                        shutdown_timeout_s=args.shutdown_timeout, threads=args.threads, scheduler=args.scheduler,
-                       kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk, chat_template=args.chat_template)
+                       kv_slots=args.kv_slots, prefill_chunk=args.prefill_chunk, chat_template=args.chat_template,
+                       profile_dir=args.profile_dir, profile_max_s=args.profile_max_s)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -47,6 +49,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                      ("--rebalance-every", args.rebalance_every)) if v is not None]
     if ray_only and not (args.ray or args.print_config):
         raise ValueError(f"{ray_only[0]} needs --ray (it places its processes with Ray)")
+    if args.profile_dir is not None:  # a directory the traces cannot go to is named now, not at the first stop
+        if args.ray:
+            raise ValueError("--profile-dir profiles the single-process server's model thread; not with --ray")
+        try:
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.profile_dir):
+                pass
+        except OSError as e:
+            print(f"moeserve serve: --profile-dir {args.profile_dir}: cannot write there ({e.strerror or e})",
+                  file=sys.stderr)
+            return 2
     if args.chat_template is not None:  # a bad template is named before the model loads
         from moeserve.chat import ChatTemplate, ChatTemplateError
 
@@ -243,6 +256,13 @@ def add_serve(sub) -> None:
                     help="per-(layer, expert) routed-token series (default: on unless layers x experts > 4096)")
     sv.add_argument("--shutdown-timeout", type=float, default=_serve_default("shutdown_timeout_s"), metavar="S",
                     help="on SIGTERM, seconds for requests in flight to finish (default: %(default)g)")
+    sv.add_argument("--profile-dir", type=Path, metavar="DIR",
+                    help="turn on POST /start_profile and POST /stop_profile (the bearer token as on /v1/*): a torch "
+                    "profiler trace of the model thread's steps between the two (CUDA kernels included on a GPU), "
+                    "its operator table and a summary of where each step's time went, written to DIR (default: off)")
+    sv.add_argument("--profile-max-s", type=float, default=_serve_default("profile_max_s"), metavar="S",
+                    help="a profile not stopped ends, written, after S seconds: it holds every op in memory until "
+                    "then (default: %(default)g)")
     sv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     sv.add_argument("--no-access-log", action="store_true", help="no line per request")
     sv.add_argument("--quiet", action="store_true", help="no progress bar while training the default model")

@@ -24,6 +24,7 @@ from moeserve.config import MoEConfig
 from moeserve.runtime.moe import MoEAux
 from moeserve.runtime.backends.base import ModelRunner
 from moeserve.runtime.output import Completion, OutputProcessor
+from moeserve.runtime.profiling import DECODE, OUTPUT, PREFILL, SAMPLE, phase
 from moeserve.runtime.sampling import EngineError, SamplingParams, TokenLogprob, sample_rows, token_logprobs
 from moeserve.runtime.scheduler import Plan, Prefill, Scheduler, Sequence
 from moeserve.runtime.validate import check_token_ids
@@ -144,15 +145,17 @@ class StepEngine:
         their forks, choose their first token from its logits."""
         seqs, carry = call.seqs, call.carry
         chunks = [s.prompt[a:a + t] for s, a, t in zip(seqs, call.starts, call.takes)]
-        if len(seqs) == 1 and not carry:
-            ids = torch.tensor(chunks[0], device=self.runner.device)
-            out = self.runner.prefill(self.cache, seqs[0].slot, ids, call.starts[0], all_logits=call.scored)
-        else:
-            rows = [*seqs, *carry]
-            out = self.runner.step_rows(self.cache, [s.slot for s in rows], chunks + [[s.out[-1]] for s in carry],
-                                        call.starts + [self._position(s) for s in carry])
-        self.model_calls += 1
-        self._account(out.aux)
+        with phase(PREFILL):
+            if len(seqs) == 1 and not carry:
+                ids = torch.tensor(chunks[0], device=self.runner.device)
+                out = self.runner.prefill(self.cache, seqs[0].slot, ids, call.starts[0], all_logits=call.scored)
+            else:
+                rows = [*seqs, *carry]
+                out = self.runner.step_rows(self.cache, [s.slot for s in rows],
+                                            chunks + [[s.out[-1]] for s in carry],
+                                            call.starts + [self._position(s) for s in carry])
+            self.model_calls += 1
+            self._account(out.aux)
         if self.on_prefill is not None:
             self.on_prefill("graph" if out.graph else "eager", sum(call.takes))
         if call.scored:
@@ -187,10 +190,11 @@ class StepEngine:
     def _decode(self, rows: list[Sequence], ended: list[Sequence]) -> None:
         if not rows:
             return
-        ids = torch.tensor([s.out[-1] for s in rows], device=self.runner.device)
-        out = self.runner.decode(self.cache, [s.slot for s in rows], ids, [self._position(s) for s in rows])
-        self.model_calls += 1
-        self._account(out.aux)
+        with phase(DECODE):
+            ids = torch.tensor([s.out[-1] for s in rows], device=self.runner.device)
+            out = self.runner.decode(self.cache, [s.slot for s in rows], ids, [self._position(s) for s in rows])
+            self.model_calls += 1
+            self._account(out.aux)
         self._count("graph" if out.graph else "eager", len(rows))
         self._choose(rows, out.logits[:, -1], ended)
 
@@ -208,8 +212,19 @@ class StepEngine:
             self.on_aux(aux)
 
     def _choose(self, rows: list[Sequence], logits_BV: Tensor, ended: list[Sequence]) -> None:
-        """One token per row: the argmax of the greedy rows in one device call, and the sampling rows' draws, each
-        from the row's own generator, in another (sample_rows): a host sync each; each token to its row's output."""
+        """One token per row (`_tokens`), each to its row's output: two phases of a profile, the second the host's
+        alone (detokenising, stop checks, stream events)."""
+        with phase(SAMPLE):
+            tokens, logprobs = self._tokens(rows, logits_BV)
+        with phase(OUTPUT):
+            for seq, t, lp in zip(rows, tokens, logprobs):
+                if seq.output.accept(t, lp) is not None:
+                    self._end(seq, None, ended)
+
+    @staticmethod
+    def _tokens(rows: list[Sequence], logits_BV: Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The argmax of the greedy rows in one device call, and the sampling rows' draws, each from the row's own
+        generator, in another (sample_rows): a host sync each; the log-probabilities of the rows that ask."""
         sampled = [i for i, seq in enumerate(rows) if not seq.params.greedy]
         tokens = ([0] * len(rows) if len(sampled) == len(rows) else  # in fp32: torch's bf16 argmax is slower
                   logits_BV.float().argmax(dim=-1).tolist())
@@ -225,9 +240,7 @@ class StepEngine:
                                    [rows[i].params.logprobs for i in scored])
             for i, lp in zip(scored, found):
                 logprobs[i] = lp
-        for seq, t, lp in zip(rows, tokens, logprobs):
-            if seq.output.accept(t, lp) is not None:
-                self._end(seq, None, ended)
+        return tokens, logprobs
 
     def _end(self, seq: Sequence, reason: str | None, ended: list[Sequence]) -> None:
         self.scheduler.end(seq, reason)

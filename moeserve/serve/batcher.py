@@ -32,6 +32,7 @@ from typing import Callable, Generator, Literal
 from moeserve.errors import MoeServeError, UserError
 from moeserve.runtime.engine import Engine, EngineError, SamplingParams
 from moeserve.runtime.output import StreamEvent
+from moeserve.runtime.profiling import PLAN, TURN, StepProfiler, phase
 from moeserve.runtime.scheduler import Admission, Plan, Policy, Scheduler, Sequence, default_prefill_chunk
 from moeserve.runtime.steps import StepEngine
 from moeserve.serve.config import BatchConfig
@@ -146,6 +147,8 @@ class Batcher:
         self._live: dict[Job, list[Sequence]] = {}  # completions generating, with their sequences
         self._alone: deque[Job] = deque()  # run to completion: a failed batch's jobs, each to run again alone
         self._round_s: float | None = None  # run to completion: model time of the completion batch running
+        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()  # `call`'s, to run
+        self.profiler: StepProfiler | None = None  # set by a server that profiles (--profile-dir): ticked each turn
 
     @property
     def depth(self) -> int:
@@ -179,6 +182,17 @@ class Batcher:
             self._cv.notify()
         return job.future
 
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the model thread between two turns, its result (or exception) in the future: what must run on
+        the thread whose torch ops it acts on (a profiler records the ops of the thread that starts it)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise Closed("the server is shutting down")
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return future
+
     def close(self) -> None:
         """Refuse new work, drop what is queued, and end `run` once the running work finishes (or is cut off by
         its jobs' cancellation)."""
@@ -194,17 +208,39 @@ class Batcher:
         """Turn until `close` and the last running request has ended: admit, run a slice of the scoring or
         classification batch, step, answer."""
         while (turn := self._next()) is not None:
-            taken, again = turn
+            self._run_calls()
+            if self.profiler is not None:
+                self.profiler.tick()
+            with phase(TURN):
+                self._turn(*turn)
+        self._run_calls()  # those queued before `close` (later ones were refused)
+        if self.profiler is not None and self.profiler.running:  # what was profiled is written, not lost
+            try:
+                log.info("moeserve: the profile running at shutdown is in %s", self.profiler.stop("shutdown").trace)
+            except Exception:  # noqa: BLE001 - the shutdown goes on
+                log.exception("moeserve: the profile running at shutdown could not be written")
+
+    def _turn(self, taken: Admission, again: bool) -> None:
+        with phase(PLAN):
             now = time.monotonic()
             self._admit(taken.complete, now, again)
             if taken.batch:
                 self.scheduler.work = self._begin_slices(taken.batch, now)
             plan = self.steps.plan() if self.steps is not None else self.scheduler.schedule(False, False)
-            if plan.slice_tokens is not None:
-                self._slice(plan.slice_tokens)
-            if plan.calls:
-                self._step(plan)
-            self._settle()
+        if plan.slice_tokens is not None:
+            self._slice(plan.slice_tokens)
+        if plan.calls:
+            self._step(plan)
+        self._settle()
+
+    def _run_calls(self) -> None:
+        with self._cv:
+            calls, self._calls = self._calls, deque()
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - the caller's to handle, not the model thread's
+                future.set_exception(e)
 
     def _next(self) -> tuple[Admission, bool] | None:
         """What starts this turn (the scheduler's choice from the queue), and whether it is a failed batch's job run
@@ -218,7 +254,7 @@ class Batcher:
                 if self._alone and not busy:
                     return Admission(complete=[self._alone.popleft()]), True
                 taken = self.scheduler.admit(list(self._queue), time.monotonic()) if self._queue else Admission()
-                if taken.complete or taken.batch or busy:
+                if taken.complete or taken.batch or busy or self._calls:
                     chosen = {*taken.complete, *taken.batch}
                     self._queue = deque(job for job in self._queue if job not in chosen)
                     return taken, False

@@ -52,12 +52,15 @@ class ServeConfig:
     kv_slots: int = 8  # continuous: sequences generating at once (cache slots of the model's context each)
     prefill_chunk: int | None = None  # continuous: prompt tokens per step while others generate (None: by device)
     chat_template: Path | None = None  # a Jinja2 file for /v1/chat/completions, over the checkpoint's own
+    # where POST /start_profile and /stop_profile write torch profiler traces of the model thread (None: no profiling)
+    profile_dir: Path | None = None
+    profile_max_s: float = 60.0  # a profile nobody stops ends after this long (it holds every op until written)
 
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         for name in ("request_timeout_s", "max_body_bytes", "max_inputs", "shutdown_timeout_s", "body_timeout_s",
-                     "max_request_tokens"):
+                     "max_request_tokens", "profile_max_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         b = self.batch

@@ -1,8 +1,8 @@
 """The gate: pure ASGI middleware in front of every request, before FastAPI parses anything.
 
 It times each request for the metrics (to the last byte sent, streams included), and refuses at once
-/v1/ calls without the bearer token (401), POST bodies that are not application/json (415) and bodies
-over the limit (413), and model requests that would be refused whatever their body says (503 while
+/v1/ calls (and the profiler's) without the bearer token (401), POST bodies that are not application/json
+(415) and bodies over the limit (413), and model requests that would be refused whatever their body says (503 while
 loading or shutting down, 429 when the queue is full) before reading the body. A request let through
 holds a place in the queue from then until its handler submits it (or it fails and gives the place
 back): under a burst, only as many requests get past the gate as the queue has room for, and none is
@@ -23,7 +23,8 @@ from moeserve.serve.protocol import ApiError
 from moeserve.serve.state import PLACE, ServerState
 
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/classify")
-ENDPOINTS = frozenset(POST_ROUTES + ("/v1/models", "/healthz", "/readyz", "/metrics"))  # metric labels
+PROFILE_ROUTES = ("/start_profile", "/stop_profile")  # --profile-dir: behind the bearer token, as /v1/* is
+ENDPOINTS = frozenset(POST_ROUTES + PROFILE_ROUTES + ("/v1/models", "/healthz", "/readyz", "/metrics"))  # labels
 
 
 class Gate:
@@ -64,7 +65,7 @@ class Gate:
     async def _check(self, scope, receive):
         cfg, path = self.state.cfg, scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if cfg.api_key and path.startswith("/v1/"):
+        if cfg.api_key and (path.startswith("/v1/") or path in PROFILE_ROUTES):
             token = headers.get("authorization", "")
             if not token.startswith("Bearer "):
                 return ApiError("unauthorized", "missing bearer token (Authorization: Bearer <key>)",

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moeserve.errors import UserError
 from moeserve.runtime.engine import EngineError
+from moeserve.runtime.profiling import ProfileStateError
 from moeserve.serve.batcher import Closed, DeadlineExceeded, Job, Unavailable
 from moeserve.runtime.scores import bits_per_byte
 from moeserve.runtime.validate import check_text, check_token_ids, check_unicode
@@ -203,3 +204,35 @@ async def classify(req: TextsRequest, request: Request) -> ClassifyResponse:
             for i, (b, p) in enumerate(zip(best, results))]
     used = sum(len(r) for r in rows)
     return ClassifyResponse(model=_state(request).name, data=data, usage=Usage(prompt_tokens=used, total_tokens=used))
+
+
+# ---- profiling (--profile-dir) ---------------------------------------------------------------------
+@router.post("/start_profile", summary="start a torch profiler trace of the model thread's steps (--profile-dir)")
+async def start_profile(request: Request) -> dict:
+    return await _profile(request, "start")
+
+
+@router.post("/stop_profile", summary="stop the trace: where it was written, and each step phase's time")
+async def stop_profile(request: Request) -> dict:
+    return await _profile(request, "stop")
+
+
+async def _profile(request: Request, action: str) -> dict:
+    """Start or stop the profile on the model thread, between two of its turns: torch's profiler records the ops
+    of the thread that starts it. 404 where the server does not profile, 409 for a start while one runs or a stop
+    while none does."""
+    state = _state(request)
+    state.require_ready()
+    batcher = state.batcher
+    if batcher is None or batcher.profiler is None:
+        why = ("start the server with --profile-dir DIR" if state.cfg.profile_dir is None else
+               "this server's model runs in other processes (expert-parallel ranks)")
+        raise ApiError("not_found", f"profiling is off: {why}")
+    fn = batcher.profiler.start if action == "start" else batcher.profiler.stop
+    try:
+        result = await asyncio.wrap_future(batcher.call(fn))
+    except ProfileStateError as e:
+        raise ApiError("conflict", str(e)) from None
+    except Closed as e:
+        raise ApiError("shutting_down", str(e)) from None
+    return result if isinstance(result, dict) else result.to_dict()

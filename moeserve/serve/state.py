@@ -21,6 +21,7 @@ import torch
 
 from moeserve.chat import ChatTemplate, load_chat_template
 from moeserve.runtime.engine import Engine, SamplingParams
+from moeserve.runtime.profiling import StepProfiler, prepare as prepare_profiler
 from moeserve.serve.batcher import Batcher, Closed, Job, Place, QueueFull
 from moeserve.serve.config import ServeConfig
 from moeserve.serve.metrics import Metrics
@@ -60,6 +61,8 @@ class ServerState:
         """Start the one thread that owns the model: it loads it (given a loader), warms it up, then runs
         the batcher. One thread for all model work, because each thread that runs torch ops gets its own
         OpenMP team, and a second team spinning beside the first makes both slower."""
+        if self.cfg.profile_dir is not None:
+            prepare_profiler()  # here, on the thread that imported torch
         self._thread = threading.Thread(target=self._own_model, args=(source,), name=MODEL_THREAD, daemon=True)
         self._thread.start()
 
@@ -122,8 +125,12 @@ class ServerState:
         if scheduler == "continuous":
             log.info("moeserve: continuous batching over %d cache slots of %d positions", cfg.kv_slots,
                      engine.cfg.max_seq_len)
-        return Batcher(engine, cfg.batch, self.metrics, scheduler=scheduler, slots=cfg.kv_slots,
-                       prefill_chunk=cfg.prefill_chunk)
+        batcher = Batcher(engine, cfg.batch, self.metrics, scheduler=scheduler, slots=cfg.kv_slots,
+                          prefill_chunk=cfg.prefill_chunk)
+        if cfg.profile_dir is not None:
+            batcher.profiler = StepProfiler(cfg.profile_dir, engine.device, cfg.profile_max_s)
+            log.info("moeserve: POST /start_profile and /stop_profile write traces to %s", cfg.profile_dir)
+        return batcher
 
     def stop(self, timeout: float) -> None:
         self.draining = True

@@ -1,0 +1,166 @@
+"""A profile of a serving process's steps: labels on a step's phases, and torch's profiler around them.
+
+Once decode replays a graph, a GPU server's req/s is set by the host work of each step (the plan, the inputs, the
+host sync that reads the tokens back, detokenising and streaming) as much as by the device, and only a trace says
+which. torch's profiler records the ops of the thread that started it (and, through CUPTI, every CUDA kernel), so
+the server starts and stops it on the thread that owns the model, between two steps (serve/batcher.py `call`).
+The labels are `record_function` ranges, which cost ~6 us each even with no profiler running: `phase` reads one
+flag instead while none runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from moeserve.errors import UserError
+
+log = logging.getLogger("moeserve.serve")
+
+# the labels, outermost first: a turn of the model thread (what it does between waits for work) holds the others
+TURN, PLAN, PREFILL, DECODE, SAMPLE, OUTPUT = (f"moeserve.{p}" for p in
+                                               ("turn", "plan", "prefill", "decode", "sample", "output"))
+PHASES = (TURN, PLAN, PREFILL, DECODE, SAMPLE, OUTPUT)
+
+_running = False  # set while a StepProfiler records: `phase` is then a record_function
+_NONE = contextlib.nullcontext()
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """A labelled range of the trace while a profile runs; else nothing (the same nullcontext each time)."""
+    return record_function(name) if _running else _NONE
+
+
+def prepare() -> None:
+    """Start and stop an empty profile here, on the thread that imported torch (~1 s), before any other thread
+    profiles. Kineto, torch's profiler, initialises its client on the first profile, and only on the thread that
+    registered it (at import): a first profile started elsewhere skips that, prints "ERROR: External init callback
+    must run in same thread as registerClient", and starts kineto's own thread from the profiling thread, under
+    its name (the model thread's, in the server's CPU by thread)."""
+    with profile(activities=[ProfilerActivity.CPU]):
+        pass
+
+
+class ProfileStateError(UserError):
+    """A profile started while one runs, or stopped while none does."""
+
+
+@dataclass
+class ProfileReport:
+    """What a stopped profile wrote, and its summary: the model thread's time in each phase, per turn, and how busy
+    the thread and the device were from its first turn to its last (the span: a profile started before the load
+    and stopped after it is not diluted by the idle time around it)."""
+
+    trace: Path  # Chrome trace (chrome://tracing, Perfetto), gzipped; beside it, this report as .summary.json
+    table: Path  # torch's operator table, by self time
+    wall_s: float  # start to stop
+    span_s: float  # the first turn's start to the last one's end
+    turns: int
+    phases: dict[str, dict[str, float]]  # label -> calls, total_ms, ms_per_turn
+    model_thread_busy: float  # turns' time over the span: near 1, the model thread's host work is the bound
+    device_busy: float | None  # CUDA kernels' time over the span (None without a GPU)
+    stopped: str  # "asked", "limit" (ran max_s), "shutdown"
+
+    def to_dict(self) -> dict:
+        return {"trace": str(self.trace), "table": str(self.table), "wall_s": round(self.wall_s, 3),
+                "span_s": round(self.span_s, 3), "turns": self.turns, "phases": self.phases,
+                "model_thread_busy": round(self.model_thread_busy, 3),
+                "device_busy": None if self.device_busy is None else round(self.device_busy, 3),
+                "stopped": self.stopped}
+
+
+class StepProfiler:
+    """torch's profiler over the model thread's turns, written to `out_dir` when it stops. Every method is called
+    on the model thread; `max_s` bounds a profile that nobody stops (it holds every op in memory until then): the
+    first turn past it stops it, and the report waits for the next `stop`."""
+
+    def __init__(self, out_dir: Path, device: torch.device, max_s: float = 60.0):
+        self.out_dir, self.device, self.max_s = Path(out_dir), device, max_s
+        self._prof: profile | None = None
+        self._t0 = 0.0
+        self._done: ProfileReport | None = None  # stopped at the limit, not yet asked for
+        self._written = 0
+
+    @property
+    def running(self) -> bool:
+        return self._prof is not None
+
+    def start(self) -> dict:
+        global _running
+        if self._prof is not None:
+            raise ProfileStateError("a profile is already running; stop it first (POST /stop_profile)")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._done = None
+        self._prof = profile(activities=activities)
+        self._prof.start()
+        self._t0 = time.perf_counter()
+        _running = True
+        return {"profiling": True, "dir": str(self.out_dir), "max_s": self.max_s}
+
+    def tick(self) -> None:
+        """At each turn: a profile past `max_s` stops (and is written) here. It runs on the model thread's loop, so a
+        trace that cannot be written (a full disk) is logged, and the loop goes on."""
+        if self._prof is not None and time.perf_counter() - self._t0 > self.max_s:
+            try:
+                self._done = self._stop("limit")
+            except Exception:  # noqa: BLE001 - the server outlives its diagnostics
+                log.exception("moeserve: the profile that reached its %g s limit could not be written", self.max_s)
+
+    def stop(self, why: str = "asked") -> ProfileReport:
+        if self._prof is None:
+            if self._done is not None:
+                done, self._done = self._done, None
+                return done
+            raise ProfileStateError("no profile is running; start one first (POST /start_profile)")
+        return self._stop(why)
+
+    def _stop(self, why: str) -> ProfileReport:
+        global _running
+        prof, self._prof = self._prof, None
+        _running = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the kernels launched so far, in the trace
+        wall = time.perf_counter() - self._t0
+        prof.stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._written += 1  # two profiles in one second do not overwrite each other
+        stem = f"moeserve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._written}"
+        trace, table = self.out_dir / f"{stem}.pt.trace.json.gz", self.out_dir / f"{stem}.ops.txt"
+        prof.export_chrome_trace(str(trace))
+        averages = prof.key_averages()
+        sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table.write_text(averages.table(sort_by=sort, row_limit=60) + "\n")
+        turns = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == TURN]
+        report = summarize(averages, turns, wall, trace, table, self.device.type == "cuda", why)
+        (self.out_dir / f"{stem}.summary.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        return report
+
+
+def summarize(averages, turns: list[tuple[float, float]], wall_s: float, trace: Path, table: Path, cuda: bool,
+              stopped: str) -> ProfileReport:
+    """The phases' inclusive CPU time from torch's per-name averages, and the turns' (start, end) in us; the device's
+    busy time from its kernels' self time (one stream: kernels do not overlap, so their sum is the time it
+    computed)."""
+    by_name = {e.key: e for e in averages}
+    phases = {}
+    for name in PHASES:
+        if name in by_name:
+            e = by_name[name]
+            total = e.cpu_time_total / 1000
+            phases[name.removeprefix("moeserve.")] = {"calls": e.count, "total_ms": round(total, 3),
+                                                      "ms_per_turn": round(total / max(len(turns), 1), 4)}
+    span_s = (max(end for _, end in turns) - min(start for start, _ in turns)) / 1e6 if turns else 0.0
+    busy = sum(end - start for start, end in turns) / 1e6 / span_s if span_s else 0.0
+    device = None
+    if cuda:
+        device_s = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
+        device = device_s / span_s if span_s else 0.0
+    return ProfileReport(trace, table, wall_s, span_s, len(turns), phases, busy, device, stopped)
