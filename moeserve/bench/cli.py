@@ -83,8 +83,9 @@ def add_bench(sub, calibrate_help: str) -> None:
                          "a replay, ONNX Runtime CUDA and TensorRT where installed), `bench engine` on a random 2.4B "
                          "Mixtral in bf16 at batch 1 and 32 (eager, compiled indexed and grouped_mm experts, "
                          "transformers), decode at 100 tokens of context for a 2k- and a 32k-token context, and the "
-                         "built-in model served on the GPU and on 2 CPU cores (where it is cached); the goals of issue "
-                         "40 against those numbers; what was skipped and why. Exit 1 if a test "
+                         "built-in model served on the GPU and on 2 CPU cores (where it is cached), then a short level "
+                         "under each server's profiler (its traces in NAME-profiles/ beside --json NAME.json); the "
+                         "goals of issue 40 against those numbers; what was skipped and why. Exit 1 if a test "
                          "failed, 2 without a GPU.")
     bg.add_argument("--checkpoint", type=Path, help="a Hugging Face Mixtral directory (default: a random 2.4B one)")
     bg.add_argument("--skip-tests", action="store_true", help="leave out the cuda tests")

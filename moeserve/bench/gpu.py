@@ -20,6 +20,7 @@ here is in `skipped`, with why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -54,6 +55,7 @@ PATH_COUNTERS = ("moeserve_decode_tokens", "moeserve_prefill_tokens")  # read fr
 SERVED_CLIENTS, SERVED_CORES, SERVED_GOAL = 32, 2, 10.0  # issue 40: the GPU server >= 10x two CPU cores' req/s
 SERVED_READY_S = 420.0  # a GPU server compiles its decode and prompt graphs before it says ready
 SERVED_CLIENT_PROCS = 4  # the load generator's processes: 4 x ~10k tokens/s, past the 10x goal's ~11k
+PROFILE_S = 2.0  # a second level under the server's profiler (where a turn's time goes): short, its trace is large
 
 
 def run_tests(root: Path, timeout: float, paths: list[str] = TESTS) -> dict:
@@ -159,11 +161,14 @@ def pinned(cores: list[int]):
 
 
 def served(checkpoint: Path, device: str = "cuda", clients: int = SERVED_CLIENTS, cores: int = SERVED_CORES,
-           duration_s: float = 15.0, input_len: int = 128, output_len: int = 64) -> dict:
+           duration_s: float = 15.0, input_len: int = 128, output_len: int = 64,
+           profile_dir: Path | None = None) -> dict:
     """Issue 40's served goal, in one run: `checkpoint` served on `device` with a cache slot a client, then on
     `cores` CPU cores (taskset, --device cpu --threads cores, its default slots), each under `bench serve`'s closed
     loop of `clients` streams; req/s of each, and their ratio. The load generator runs on the other cores, in up to
-    SERVED_CLIENT_PROCS processes: one process streams ~10k tokens/s at most, less than the goal asks of the GPU."""
+    SERVED_CLIENT_PROCS processes: one process streams ~10k tokens/s at most, less than the goal asks of the GPU.
+    Then a short level under each server's profiler (`profiled`), its traces in `profile_dir` (None: a temporary
+    directory, the summaries kept)."""
     prefix = on_cores(cores)
     if prefix is None:
         raise BenchError(f"cannot pin a server to {cores} cores here (taskset, or as many cores, is missing)")
@@ -171,26 +176,52 @@ def served(checkpoint: Path, device: str = "cuda", clients: int = SERVED_CLIENTS
     procs = max(1, min(SERVED_CLIENT_PROCS, len(rest)))
     out = {"clients": clients, "input_len": input_len, "output_len": output_len, "duration_s": duration_s,
            "client_procs": procs, "client_cores": len(rest) or "shared with the servers"}
-    for name, pin, extra in [(device, [], ["--device", device, "--kv-slots", str(clients)]),
-                             (f"{cores} CPU cores", prefix, ["--device", "cpu", "--threads", str(cores)])]:
-        log, t0 = ServerLog(), time.perf_counter()
-        with running_server(checkpoint, "auto", extra, log, prefix=pin, ready_timeout_s=SERVED_READY_S) as url:
-            ready_s = time.perf_counter() - t0
-            cfg = ServeBenchConfig(url=url, concurrency=(clients,), duration_s=duration_s,
-                                   input_len=(input_len, input_len), output_len=(output_len, output_len),
-                                   timeout_s=120, client_procs=procs)
-            with pinned(rest):
-                before = thread_cpu(log.pid)
-                level = bench_serve(cfg)["levels"][0]
-                after = thread_cpu(log.pid)
-            paths = call_paths(url)
-        out[name] = {"command": " ".join([*pin, "moeserve serve", *extra]), "requests_per_s":
-                     round(level["requests_per_s"], 2), "itl_ms_p50": level["itl_ms"]["p50"],
-                     "errors": level["errors"], "tokens_by_path": paths, "ready_s": round(ready_s, 1),
-                     "server_cores_busy": cores_busy(before, after, level["wall_s"])}
+    with contextlib.ExitStack() as stack:
+        traces = profile_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        for name, pin, extra in [(device, [], ["--device", device, "--kv-slots", str(clients)]),
+                                 (f"{cores} CPU cores", prefix, ["--device", "cpu", "--threads", str(cores)])]:
+            log, t0 = ServerLog(), time.perf_counter()
+            profiling = ["--profile-dir", str(traces / name.replace(" ", "-"))]
+            with running_server(checkpoint, "auto", extra + profiling, log, prefix=pin,
+                                ready_timeout_s=SERVED_READY_S) as url:
+                ready_s = time.perf_counter() - t0
+                cfg = ServeBenchConfig(url=url, concurrency=(clients,), duration_s=duration_s,
+                                       input_len=(input_len, input_len), output_len=(output_len, output_len),
+                                       timeout_s=120, client_procs=procs)
+                with pinned(rest):
+                    before = thread_cpu(log.pid)
+                    level = bench_serve(cfg)["levels"][0]
+                    after = thread_cpu(log.pid)
+                paths = call_paths(url)
+                with pinned(rest):
+                    profile = profiled(url, cfg)
+                if profile_dir is None:  # the trace went with the temporary directory
+                    del profile["trace"]
+            out[name] = {"command": " ".join([*pin, "moeserve serve", *extra]), "requests_per_s":
+                         round(level["requests_per_s"], 2), "itl_ms_p50": level["itl_ms"]["p50"],
+                         "errors": level["errors"], "tokens_by_path": paths, "ready_s": round(ready_s, 1),
+                         "server_cores_busy": cores_busy(before, after, level["wall_s"]), "profile": profile}
     out["ratio"] = round(out[device]["requests_per_s"] / max(out[f"{cores} CPU cores"]["requests_per_s"], 1e-9), 2)
     out["goal"] = SERVED_GOAL
     return out
+
+
+def profiled(url: str, cfg: ServeBenchConfig, seconds: float = PROFILE_S) -> dict:
+    """`cfg`'s load again for `seconds`, between the server's POST /start_profile and /stop_profile: where its model
+    thread's turns went, by phase, how busy that thread and the device were (the profiler's own cost included: this
+    level's req/s says how much), and where the trace is."""
+    _post(f"{url}/start_profile")
+    level = bench_serve(dataclasses.replace(cfg, duration_s=seconds))["levels"][0]
+    report = _post(f"{url}/stop_profile")
+    per_turn = {name: p["ms_per_turn"] for name, p in report["phases"].items()}
+    return {"requests_per_s": round(level["requests_per_s"], 2), "turns_per_s": round(report["turns"] /
+            max(report["span_s"], 1e-9), 1), "model_thread_busy": report["model_thread_busy"],
+            "device_busy": report["device_busy"], "ms_per_turn": per_turn, "trace": report["trace"]}
+
+
+def _post(url: str) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=120) as r:
+        return json.loads(r.read())
 
 
 def call_paths(url: str) -> dict:
@@ -236,10 +267,12 @@ def _kept(errors: dict, part: str):
 
 
 def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | None = None,
-              test_timeout: float = 240.0, progress=print, save=None, serve: bool = True) -> dict:
+              test_timeout: float = 240.0, progress=print, save=None, serve: bool = True,
+              profile_dir: Path | None = None) -> dict:
     """The run (module docstring). `save(report)`, if given, after each part with what is measured so far: a GPU
     lent for minutes can be taken back mid-run, and the parts done should survive it (`main` writes them to --json,
-    marked partial, until the whole report replaces them)."""
+    marked partial, until the whole report replaces them). `profile_dir`: where the served servers' profiler traces
+    go (`main`: beside --json)."""
     save = save or (lambda report: None)
     if not torch.cuda.is_available():
         raise BenchError("no CUDA device here (torch.cuda.is_available() is False): this bench is for a GPU")
@@ -290,7 +323,7 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
         progress("the built-in model served on the GPU and on 2 CPU cores ...")
         t0 = time.perf_counter()
         with _kept(errors, "served"):
-            report["served"] = served(model)
+            report["served"] = served(model, profile_dir=profile_dir)
             report["goals"]["served"] = {"ours": "the GPU server", "theirs": "2 CPU cores' server",
                                          "speedup": report["served"]["ratio"], "speedup_goal": SERVED_GOAL}
         seconds["served"] = round(time.perf_counter() - t0, 1)
@@ -350,6 +383,12 @@ def served_lines(served: dict | None) -> list[str]:
         out.append(f"- {name}: {side['requests_per_s']} req/s, ITL p50 {side['itl_ms_p50']} ms, ready in "
                    f"{side.get('ready_s', '-')} s{'; ' + paths if paths else ''}"
                    f"{'; server threads, cores busy: ' + busy if busy else ''}")
+        if prof := side.get("profile"):
+            device = "" if prof["device_busy"] is None else f", the device {prof['device_busy']:.0%}"
+            phases = ", ".join(f"{p} {ms:.3f}" for p, ms in prof["ms_per_turn"].items() if p != "turn")
+            out.append(f"  - profiled ({prof['requests_per_s']} req/s under the profiler): {prof['turns_per_s']} "
+                       f"turns/s, the model thread busy {prof['model_thread_busy']:.0%}{device}; ms a turn: "
+                       f"{prof['ms_per_turn'].get('turn', 0):.3f} ({phases})")
     return out
 
 
@@ -366,9 +405,11 @@ def save_partial(path: Path | None, report: dict) -> None:
 
 
 def main(args) -> int:
+    traces = args.json.with_name(f"{args.json.stem}-profiles") if args.json is not None else None
     report = run_bench(args, "gpu", lambda progress: bench_gpu(args.checkpoint, tests=not args.skip_tests,
                                                                progress=progress, serve=not args.skip_served,
-                                                               save=lambda r: save_partial(args.json, r)))
+                                                               save=lambda r: save_partial(args.json, r),
+                                                               profile_dir=traces))
     if report is None:
         return 2
     failed = report.get("tests", {}).get("failed")

@@ -99,10 +99,15 @@ def test_goals_take_the_fastest_of_each_side_and_the_page_shows_them():
                         "cuda": {"requests_per_s": 90.0, "itl_ms_p50": 3.1, "ready_s": 70.2, "tokens_by_path": {
                             "decode": {"graph": 900, "eager": 0}, "prefill": {"graph": 1200, "eager": 128}}},
                         "2 CPU cores": {"requests_per_s": 18.0, "itl_ms_p50": 20.0, "ready_s": 5.0}}
+    report["served"]["cuda"]["profile"] = {"requests_per_s": 70.0, "turns_per_s": 250.0, "model_thread_busy": 0.97,
+                                           "device_busy": 0.13, "ms_per_turn": {"turn": 3.9, "plan": 0.2,
+                                                                                 "decode": 0.5, "sample": 2.5}}
     page = markdown(report)
     assert "Served, 32 clients (4 load-generating processes), 128-token prompts, 64 out:" in page
     assert ("- cuda: 90.0 req/s, ITL p50 3.1 ms, ready in 70.2 s; decode tokens graph 900, eager 0; prefill tokens "
             "graph 1200, eager 128") in page
+    assert ("  - profiled (70.0 req/s under the profiler): 250.0 turns/s, the model thread busy 97%, the device 13%; "
+            "ms a turn: 3.900 (plan 0.200, decode 0.500, sample 2.500)") in page
     assert "- 2 CPU cores: 18.0 req/s, ITL p50 20.0 ms, ready in 5.0 s" in page
 
 
@@ -151,8 +156,11 @@ def test_each_part_is_saved_as_it_ends(monkeypatch, tmp_path):
     # where it is cached, the served part runs and its ratio is a goal on the page
     (tmp_path / "not-trained").mkdir()
     (tmp_path / "not-trained" / "config.json").write_text("{}")
-    monkeypatch.setattr(gpu, "served", lambda model: {"ratio": 4.9, "goal": 10.0})
-    report = gpu.bench_gpu(progress=lambda msg: None)
+    traces = []
+    monkeypatch.setattr(gpu, "served", lambda model, profile_dir: traces.append(profile_dir) or {"ratio": 4.9,
+                                                                                               "goal": 10.0})
+    report = gpu.bench_gpu(progress=lambda msg: None, profile_dir=tmp_path / "gpu-profiles")
+    assert traces == [tmp_path / "gpu-profiles"]
     assert report["goals"]["served"] == {"ours": "the GPU server", "theirs": "2 CPU cores' server", "speedup": 4.9,
                                          "speedup_goal": 10.0}
     page = markdown(report | {"live_length": None, "tests": None})
@@ -182,7 +190,8 @@ def test_served_runs_both_servers_and_gives_their_ratio(tmp_path):
     torch.manual_seed(0)
     model = Transformer(preset("tiny", max_seq_len=256))
     ckpt = save_checkpoint(tmp_path / "tiny", model.cfg, model.state_dict())
-    got = served(ckpt, device="cpu", clients=2, duration_s=1.5, input_len=8, output_len=4)
+    got = served(ckpt, device="cpu", clients=2, duration_s=1.5, input_len=8, output_len=4,
+                 profile_dir=tmp_path / "profiles")
     gpu_side, cpu_side = got["cpu"], got["2 CPU cores"]
     assert cpu_side["command"].startswith("taskset -c ") and cpu_side["command"].endswith("--threads 2")
     assert gpu_side["command"] == "moeserve serve --device cpu --kv-slots 2"
@@ -195,6 +204,12 @@ def test_served_runs_both_servers_and_gives_their_ratio(tmp_path):
             assert side["server_cores_busy"]["main"] > 0 and side["server_cores_busy"][MODEL_THREAD] > 0, side
             assert side["server_cores_busy"][MODEL_THREAD] <= 1.1, side  # one thread: its OpenMP team apart
             assert "server threads, cores busy: " in "\n".join(served_lines(got))
+    for side in (gpu_side, cpu_side):  # a level under each server's profiler, its trace kept
+        prof = side["profile"]
+        assert prof["requests_per_s"] > 0 and prof["turns_per_s"] > 0 and 0 < prof["model_thread_busy"] <= 1
+        assert prof["device_busy"] is None and prof["ms_per_turn"]["decode"] > 0, prof
+        assert Path(prof["trace"]).parent.parent == tmp_path / "profiles" and Path(prof["trace"]).exists()
+    assert "  - profiled (" in "\n".join(served_lines(got))
     for side in (gpu_side, cpu_side):  # each server's /metrics, read before it stopped: no graph on a CPU by default
         paths = side["tokens_by_path"]
         assert paths["decode"]["graph"] == paths["prefill"]["graph"] == 0, paths
