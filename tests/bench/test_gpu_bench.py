@@ -227,11 +227,11 @@ def test_name_team_renames_the_threads_the_model_thread_started():
     seen, done = {}, threading.Event()
 
     def model() -> None:
-        name_os_thread(NAMED)
+        name_os_thread("moeserve-t3ad")  # not NAMED: an OS thread outlives its join by a moment
         child = threading.Thread(target=done.wait)
         child.start()
         seen["child before"] = comm(child.native_id)
-        name_team(NAMED, "moeserve-t3am")
+        name_team("moeserve-t3ad", "moeserve-t3am")
         seen["child after"], seen["itself"] = comm(child.native_id), comm(threading.get_native_id())
         done.set()
         child.join()
@@ -239,7 +239,7 @@ def test_name_team_renames_the_threads_the_model_thread_started():
     t = threading.Thread(target=model)
     t.start()
     t.join()
-    assert seen == {"child before": NAMED, "child after": "moeserve-t3am", "itself": NAMED}
+    assert seen == {"child before": "moeserve-t3ad", "child after": "moeserve-t3am", "itself": "moeserve-t3ad"}
 
 
 @LINUX_PROC
