@@ -65,7 +65,10 @@ class ProfileReport:
     span_s: float  # the first turn's start to the last one's end
     turns: int
     phases: dict[str, dict[str, float]]  # label -> calls, total_ms, ms_per_turn
-    model_thread_busy: float  # turns' time over the span: near 1, the model thread's host work is the bound
+    # turns' time over the span, and the thread's CPU time over it: both near 1, its host work is the bound; busy
+    # near 1 with less CPU, it waits inside its turns (for the device at a host sync, or for the GIL)
+    model_thread_busy: float
+    model_thread_cpu: float
     device_busy: float | None  # CUDA kernels' time over the span (None without a GPU)
     stopped: str  # "asked", "limit" (ran max_s), "shutdown"
 
@@ -73,6 +76,7 @@ class ProfileReport:
         return {"trace": str(self.trace), "table": str(self.table), "wall_s": round(self.wall_s, 3),
                 "span_s": round(self.span_s, 3), "turns": self.turns, "phases": self.phases,
                 "model_thread_busy": round(self.model_thread_busy, 3),
+                "model_thread_cpu": round(self.model_thread_cpu, 3),
                 "device_busy": None if self.device_busy is None else round(self.device_busy, 3),
                 "stopped": self.stopped}
 
@@ -85,7 +89,7 @@ class StepProfiler:
     def __init__(self, out_dir: Path, device: torch.device, max_s: float = 60.0):
         self.out_dir, self.device, self.max_s = Path(out_dir), device, max_s
         self._prof: profile | None = None
-        self._t0 = 0.0
+        self._t0 = self._cpu0 = 0.0
         self._done: ProfileReport | None = None  # stopped at the limit, not yet asked for
         self._written = 0
 
@@ -101,7 +105,7 @@ class StepProfiler:
         self._done = None
         self._prof = profile(activities=activities)
         self._prof.start()
-        self._t0 = time.perf_counter()
+        self._t0, self._cpu0 = time.perf_counter(), time.thread_time()  # this thread's: the model thread's
         _running = True
         return {"profiling": True, "dir": str(self.out_dir), "max_s": self.max_s}
 
@@ -126,9 +130,9 @@ class StepProfiler:
         global _running
         prof, self._prof = self._prof, None
         _running = False
+        wall, cpu = time.perf_counter() - self._t0, time.thread_time() - self._cpu0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the kernels launched so far, in the trace
-        wall = time.perf_counter() - self._t0
         prof.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._written += 1  # two profiles in one second do not overwrite each other
@@ -139,13 +143,13 @@ class StepProfiler:
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table.write_text(averages.table(sort_by=sort, row_limit=60) + "\n")
         turns = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == TURN]
-        report = summarize(averages, turns, wall, trace, table, self.device.type == "cuda", why)
+        report = summarize(averages, turns, wall, cpu, trace, table, self.device.type == "cuda", why)
         (self.out_dir / f"{stem}.summary.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         return report
 
 
-def summarize(averages, turns: list[tuple[float, float]], wall_s: float, trace: Path, table: Path, cuda: bool,
-              stopped: str) -> ProfileReport:
+def summarize(averages, turns: list[tuple[float, float]], wall_s: float, cpu_s: float, trace: Path, table: Path,
+              cuda: bool, stopped: str) -> ProfileReport:
     """The phases' inclusive CPU time from torch's per-name averages, and the turns' (start, end) in us; the device's
     busy time from its kernels' self time (one stream: kernels do not overlap, so their sum is the time it
     computed)."""
@@ -163,4 +167,5 @@ def summarize(averages, turns: list[tuple[float, float]], wall_s: float, trace: 
     if cuda:
         device_s = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
         device = device_s / span_s if span_s else 0.0
-    return ProfileReport(trace, table, wall_s, span_s, len(turns), phases, busy, device, stopped)
+    cpu = min(cpu_s / span_s, 1.0) if span_s else 0.0  # the profiler's start and stop are outside the span
+    return ProfileReport(trace, table, wall_s, span_s, len(turns), phases, busy, cpu, device, stopped)

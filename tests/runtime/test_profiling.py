@@ -33,6 +33,7 @@ def test_a_profile_counts_the_calls_it_saw(tmp_path, device):
     assert p["prefill"]["calls"] == 1 and p["decode"]["calls"] == 5 and p["sample"]["calls"] == 6
     assert report.turns == 1 and "plan" not in p  # no scheduler turn here: only what ran is in the summary
     assert 0 < report.span_s <= report.wall_s and 0.99 <= report.model_thread_busy <= 1.0
+    assert 0 < report.model_thread_cpu <= 1.0
     events = json.loads(gzip.decompress(report.trace.read_bytes()))["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if device == "cuda":  # the kernels the steps launched, and their time against the span
