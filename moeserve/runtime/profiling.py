@@ -102,9 +102,9 @@ class StepProfiler:
         if self._prof is not None:
             raise ProfileStateError("a profile is already running; stop it first (POST /stop_profile)")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._done = None
-        self._prof = profile(activities=activities)
-        self._prof.start()
+        prof = profile(activities=activities)
+        prof.start()  # first: a profiler that fails to start leaves none running
+        self._prof, self._done = prof, None
         self._t0, self._cpu0 = time.perf_counter(), time.thread_time()  # this thread's: the model thread's
         _running = True
         return {"profiling": True, "dir": str(self.out_dir), "max_s": self.max_s}
