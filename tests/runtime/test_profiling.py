@@ -55,3 +55,24 @@ def test_a_profile_past_its_limit_stops_at_the_next_tick_and_waits_to_be_asked(t
     assert report.stopped == "limit" and report.turns == 0 and report.trace.exists()
     with pytest.raises(ProfileStateError):
         profiler.stop()
+
+
+def test_a_profiler_that_fails_to_start_leaves_none_running(tmp_path, monkeypatch):
+    """As where CUPTI cannot be loaded: the start fails with the profiler's error, and a later start can run."""
+    import moeserve.runtime.profiling as profiling
+
+    class Broken:
+        def __init__(self, activities):
+            pass
+
+        def start(self):
+            raise RuntimeError("CUPTI could not be loaded")
+
+    profiler = StepProfiler(tmp_path, torch.device("cpu"))
+    monkeypatch.setattr(profiling, "profile", Broken)
+    with pytest.raises(RuntimeError, match="CUPTI"):
+        profiler.start()
+    assert not profiler.running and phase(TURN) is phase(PLAN)
+    monkeypatch.undo()
+    profiler.start()
+    assert profiler.stop().stopped == "asked"
