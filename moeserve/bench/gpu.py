@@ -198,7 +198,7 @@ def served(checkpoint: Path, device: str = "cuda", clients: int = SERVED_CLIENTS
                 if profile_dir is None:  # the trace went with the temporary directory
                     del profile["trace"]
             out[name] = {"command": " ".join([*pin, "moeserve serve", *extra]), "requests_per_s":
-                         round(level["requests_per_s"], 2), "itl_ms_p50": level["itl_ms"]["p50"],
+                         round(level["requests_per_s"], 2), "itl_ms_p50": round(level["itl_ms"]["p50"], 2),
                          "errors": level["errors"], "tokens_by_path": paths, "ready_s": round(ready_s, 1),
                          "server_cores_busy": cores_busy(before, after, level["wall_s"]), "profile": profile}
     out["ratio"] = round(out[device]["requests_per_s"] / max(out[f"{cores} CPU cores"]["requests_per_s"], 1e-9), 2)
