@@ -216,7 +216,7 @@ def profiled(url: str, cfg: ServeBenchConfig, seconds: float = PROFILE_S) -> dic
     per_turn = {name: p["ms_per_turn"] for name, p in report["phases"].items()}
     return {"requests_per_s": round(level["requests_per_s"], 2), "turns_per_s": round(report["turns"] /
             max(report["span_s"], 1e-9), 1), "model_thread_busy": report["model_thread_busy"],
-            "model_thread_cpu": report["model_thread_cpu"],
+            "model_thread_cpu": report["model_thread_cpu"], "model_thread_runnable": report["model_thread_runnable"],
             "device_busy": report["device_busy"], "ms_per_turn": per_turn, "trace": report["trace"]}
 
 
@@ -386,10 +386,12 @@ def served_lines(served: dict | None) -> list[str]:
                    f"{'; server threads, cores busy: ' + busy if busy else ''}")
         if prof := side.get("profile"):
             device = "" if prof["device_busy"] is None else f", the device {prof['device_busy']:.0%}"
+            runnable = prof["model_thread_runnable"]
+            waiting = "" if runnable is None else f", waiting for one {runnable:.0%}"
             phases = ", ".join(f"{p} {ms:.3f}" for p, ms in prof["ms_per_turn"].items() if p != "turn")
             out.append(f"  - profiled ({prof['requests_per_s']} req/s under the profiler): {prof['turns_per_s']} "
                        f"turns/s, the model thread busy {prof['model_thread_busy']:.0%} (on a core "
-                       f"{prof['model_thread_cpu']:.0%}){device}; ms a turn: "
+                       f"{prof['model_thread_cpu']:.0%}{waiting}){device}; ms a turn: "
                        f"{prof['ms_per_turn'].get('turn', 0):.3f} ({phases})")
     return out
 

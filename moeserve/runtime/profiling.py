@@ -65,10 +65,12 @@ class ProfileReport:
     span_s: float  # the first turn's start to the last one's end
     turns: int
     phases: dict[str, dict[str, float]]  # label -> calls, total_ms, ms_per_turn
-    # turns' time over the span, and the thread's CPU time over it: both near 1, its host work is the bound; busy
-    # near 1 with less CPU, it waits inside its turns (for the device at a host sync, or for the GIL)
+    # turns' time over the span; the thread's CPU time over it; its time runnable but waiting for a core (Linux's
+    # schedstat; None elsewhere). Busy and on a core near 1: its host work is the bound; busy less the other two:
+    # it waits, blocked, inside its turns (for the device at a host sync, or for the GIL)
     model_thread_busy: float
     model_thread_cpu: float
+    model_thread_runnable: float | None
     device_busy: float | None  # CUDA kernels' time over the span (None without a GPU)
     stopped: str  # "asked", "limit" (ran max_s), "shutdown"
 
@@ -77,6 +79,8 @@ class ProfileReport:
                 "span_s": round(self.span_s, 3), "turns": self.turns, "phases": self.phases,
                 "model_thread_busy": round(self.model_thread_busy, 3),
                 "model_thread_cpu": round(self.model_thread_cpu, 3),
+                "model_thread_runnable": None if self.model_thread_runnable is None else
+                round(self.model_thread_runnable, 3),
                 "device_busy": None if self.device_busy is None else round(self.device_busy, 3),
                 "stopped": self.stopped}
 
@@ -90,6 +94,7 @@ class StepProfiler:
         self.out_dir, self.device, self.max_s = Path(out_dir), device, max_s
         self._prof: profile | None = None
         self._t0 = self._cpu0 = 0.0
+        self._queued0: float | None = None
         self._done: ProfileReport | None = None  # stopped at the limit, not yet asked for
         self._written = 0
 
@@ -105,7 +110,8 @@ class StepProfiler:
         prof = profile(activities=activities)
         prof.start()  # first: a profiler that fails to start leaves none running
         self._prof, self._done = prof, None
-        self._t0, self._cpu0 = time.perf_counter(), time.thread_time()  # this thread's: the model thread's
+        # this thread's: the model thread's
+        self._t0, self._cpu0, self._queued0 = time.perf_counter(), time.thread_time(), runqueue_s()
         _running = True
         return {"profiling": True, "dir": str(self.out_dir), "max_s": self.max_s}
 
@@ -130,7 +136,8 @@ class StepProfiler:
         global _running
         prof, self._prof = self._prof, None
         _running = False
-        wall, cpu = time.perf_counter() - self._t0, time.thread_time() - self._cpu0
+        wall, cpu, queued = time.perf_counter() - self._t0, time.thread_time() - self._cpu0, runqueue_s()
+        queued = None if queued is None or self._queued0 is None else queued - self._queued0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the kernels launched so far, in the trace
         prof.stop()
@@ -143,13 +150,13 @@ class StepProfiler:
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table.write_text(averages.table(sort_by=sort, row_limit=60) + "\n")
         turns = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == TURN]
-        report = summarize(averages, turns, wall, cpu, trace, table, self.device.type == "cuda", why)
+        report = summarize(averages, turns, wall, cpu, queued, trace, table, self.device.type == "cuda", why)
         (self.out_dir / f"{stem}.summary.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         return report
 
 
-def summarize(averages, turns: list[tuple[float, float]], wall_s: float, cpu_s: float, trace: Path, table: Path,
-              cuda: bool, stopped: str) -> ProfileReport:
+def summarize(averages, turns: list[tuple[float, float]], wall_s: float, cpu_s: float, queued_s: float | None,
+              trace: Path, table: Path, cuda: bool, stopped: str) -> ProfileReport:
     """The phases' inclusive CPU time from torch's per-name averages, and the turns' (start, end) in us; the device's
     busy time from its kernels' self time (one stream: kernels do not overlap, so their sum is the time it
     computed)."""
@@ -167,5 +174,17 @@ def summarize(averages, turns: list[tuple[float, float]], wall_s: float, cpu_s: 
     if cuda:
         device_s = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
         device = device_s / span_s if span_s else 0.0
-    cpu = min(cpu_s / span_s, 1.0) if span_s else 0.0  # the profiler's start and stop are outside the span
-    return ProfileReport(trace, table, wall_s, span_s, len(turns), phases, busy, cpu, device, stopped)
+    share = lambda s: min(s / span_s, 1.0) if span_s else 0.0  # noqa: E731 - start and stop are outside the span
+    runnable = None if queued_s is None else share(queued_s)
+    return ProfileReport(trace, table, wall_s, span_s, len(turns), phases, busy, share(cpu_s), runnable, device,
+                         stopped)
+
+
+def runqueue_s() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a core (the second field of Linux's
+    /proc/thread-self/schedstat); None where it cannot be read."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None

@@ -100,15 +100,15 @@ def test_goals_take_the_fastest_of_each_side_and_the_page_shows_them():
                             "decode": {"graph": 900, "eager": 0}, "prefill": {"graph": 1200, "eager": 128}}},
                         "2 CPU cores": {"requests_per_s": 18.0, "itl_ms_p50": 20.0, "ready_s": 5.0}}
     report["served"]["cuda"]["profile"] = {"requests_per_s": 70.0, "turns_per_s": 250.0, "model_thread_busy": 0.97,
-                                           "model_thread_cpu": 0.6,
+                                           "model_thread_cpu": 0.6, "model_thread_runnable": 0.05,
                                            "device_busy": 0.13, "ms_per_turn": {"turn": 3.9, "plan": 0.2,
                                                                                  "decode": 0.5, "sample": 2.5}}
     page = markdown(report)
     assert "Served, 32 clients (4 load-generating processes), 128-token prompts, 64 out:" in page
     assert ("- cuda: 90.0 req/s, ITL p50 3.1 ms, ready in 70.2 s; decode tokens graph 900, eager 0; prefill tokens "
             "graph 1200, eager 128") in page
-    assert ("  - profiled (70.0 req/s under the profiler): 250.0 turns/s, the model thread busy 97% (on a core 60%), "
-            "the device 13%; ms a turn: 3.900 (plan 0.200, decode 0.500, sample 2.500)") in page
+    assert ("  - profiled (70.0 req/s under the profiler): 250.0 turns/s, the model thread busy 97% (on a core 60%, "
+            "waiting for one 5%), the device 13%; ms a turn: 3.900 (plan 0.200, decode 0.500, sample 2.500)") in page
     assert "- 2 CPU cores: 18.0 req/s, ITL p50 20.0 ms, ready in 5.0 s" in page
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from moeserve.runtime.engine import SamplingParams
 from moeserve.runtime.profiling import PLAN, TURN, ProfileStateError, StepProfiler, phase
 
 from .test_engine import PROMPTS, make_engine
+
+SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()  # Linux: a thread's time waiting for a core
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -34,6 +37,8 @@ def test_a_profile_counts_the_calls_it_saw(tmp_path, device):
     assert report.turns == 1 and "plan" not in p  # no scheduler turn here: only what ran is in the summary
     assert 0 < report.span_s <= report.wall_s and 0.99 <= report.model_thread_busy <= 1.0
     assert 0 < report.model_thread_cpu <= 1.0
+    if SCHEDSTAT:
+        assert 0 <= report.model_thread_runnable <= 1.0
     events = json.loads(gzip.decompress(report.trace.read_bytes()))["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if device == "cuda":  # the kernels the steps launched, and their time against the span

@@ -59,6 +59,8 @@ def test_a_profile_holds_the_steps_of_the_requests_between_start_and_stop(tiny_c
     assert report["stopped"] == "asked" and report["device_busy"] is None  # no GPU here
     assert 0 < report["span_s"] <= report["wall_s"] and 0 < report["model_thread_busy"] <= 1
     assert 0 < report["model_thread_cpu"] <= 1
+    if Path("/proc/thread-self/schedstat").exists():
+        assert 0 <= report["model_thread_runnable"] <= 1
     turn = phases["turn"]["total_ms"]
     assert all(0 < phases[p]["total_ms"] <= turn for p in ("plan", "prefill", "decode", "sample", "output"))
     trace = Path(report["trace"])
