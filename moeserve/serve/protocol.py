@@ -23,8 +23,8 @@ STATUS: dict[str, int] = {
     "not_found": 404,  # no such route
     "model_not_found": 404,  # `model` names a model this server does not serve
     "method_not_allowed": 405,
-    "conflict": 409,  # a profile started while one runs, or stopped while none does
     "body_timeout": 408,  # the body did not arrive within the read timeout
+    "conflict": 409,  # a profile started while one runs, or stopped while none does
     "body_too_large": 413,
     "too_much_work": 413,  # the request asks for more model work than --max-request-tokens
     "unsupported_media_type": 415,  # a body that is not application/json

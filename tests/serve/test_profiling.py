@@ -88,8 +88,8 @@ def test_a_forgotten_profile_stops_itself_and_one_running_at_shutdown_is_written
         report = s.client.post("/stop_profile", headers=KEY).json()
         assert report["stopped"] == "limit" and Path(report["trace"]).exists()
         assert s.client.post("/stop_profile", headers=KEY).status_code == 409  # that one was taken
+        s.state.batcher.profiler.max_s = 600.0  # the next one is ended by the shutdown, not by the limit
         assert s.client.post("/start_profile", headers=KEY).status_code == 200  # and a new one runs
-        s.state.batcher.profiler.max_s = 600.0  # this one is ended by the shutdown
     summaries = sorted(out.glob("*.summary.json"), key=lambda p: p.stat().st_mtime)
     assert len(summaries) == 2 and json.loads(summaries[-1].read_text())["stopped"] == "shutdown"
 
