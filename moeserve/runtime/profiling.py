@@ -14,8 +14,9 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -86,16 +87,18 @@ class ProfileReport:
 
 
 class StepProfiler:
-    """torch's profiler over the model thread's turns, written to `out_dir` when it stops. Every method is called
-    on the model thread; `max_s` bounds a profile that nobody stops (it holds every op in memory until then): the
-    first turn past it stops it, and the report waits for the next `stop`."""
+    """torch's profiler over the model thread's turns. Every method is called on the model thread, which only starts
+    and stops the profiler: what a stopped profile writes (`Halted.write`: seconds for a long GPU trace) runs on
+    another thread, so no request holds the model thread for it. `max_s` bounds a profile that nobody stops (it
+    holds every op in memory until then): the first turn past it stops it, a thread of its own writes it, and the
+    report waits for the next `stop`."""
 
     def __init__(self, out_dir: Path, device: torch.device, max_s: float = 60.0):
         self.out_dir, self.device, self.max_s = Path(out_dir), device, max_s
         self._prof: profile | None = None
         self._t0 = self._cpu0 = 0.0
         self._queued0: float | None = None
-        self._done: ProfileReport | None = None  # stopped at the limit, not yet asked for
+        self._done: Halted | None = None  # stopped at the limit, not yet asked for
         self._written = 0
 
     @property
@@ -116,23 +119,33 @@ class StepProfiler:
         return {"profiling": True, "dir": str(self.out_dir), "max_s": self.max_s}
 
     def tick(self) -> None:
-        """At each turn: a profile past `max_s` stops (and is written) here. It runs on the model thread's loop, so a
-        trace that cannot be written (a full disk) is logged, and the loop goes on."""
+        """At each turn: a profile past `max_s` stops here, and is written on a thread of its own (a trace that
+        cannot be written, a full disk, is logged there)."""
         if self._prof is not None and time.perf_counter() - self._t0 > self.max_s:
             try:
-                self._done = self._stop("limit")
-            except Exception:  # noqa: BLE001 - the server outlives its diagnostics
-                log.exception("moeserve: the profile that reached its %g s limit could not be written", self.max_s)
+                self._done = self._halt("limit")
+            except Exception:  # noqa: BLE001 - the model thread's loop goes on without its diagnostics
+                log.exception("moeserve: the profile that reached its %g s limit could not be stopped", self.max_s)
+                return
+            threading.Thread(target=self._done.write_logged, name="moeserve-profile-writer", daemon=True).start()
 
-    def stop(self, why: str = "asked") -> ProfileReport:
+    def stop(self, why: str = "asked") -> Halted:
+        """The running profile stopped (or the one stopped at the limit), for the caller to `write` elsewhere."""
         if self._prof is None:
             if self._done is not None:
                 done, self._done = self._done, None
                 return done
             raise ProfileStateError("no profile is running; start one first (POST /start_profile)")
-        return self._stop(why)
+        return self._halt(why)
 
-    def _stop(self, why: str) -> ProfileReport:
+    def close(self) -> None:
+        """At shutdown: a running profile, or one stopped at the limit and not asked for, written here (nothing
+        profiled is lost; the model thread has nothing left to do)."""
+        halted = self._halt("shutdown") if self._prof is not None else self._done
+        if halted is not None:
+            halted.write_logged()
+
+    def _halt(self, why: str) -> Halted:
         global _running
         prof, self._prof = self._prof, None
         _running = False
@@ -141,17 +154,51 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the kernels launched so far, in the trace
         prof.stop()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self._written += 1  # two profiles in one second do not overwrite each other
-        stem = f"moeserve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._written}"
-        trace, table = self.out_dir / f"{stem}.pt.trace.json.gz", self.out_dir / f"{stem}.ops.txt"
-        prof.export_chrome_trace(str(trace))
-        averages = prof.key_averages()
-        sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table.write_text(averages.table(sort_by=sort, row_limit=60) + "\n")
-        turns = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == TURN]
-        report = summarize(averages, turns, wall, cpu, queued, trace, table, self.device.type == "cuda", why)
-        (self.out_dir / f"{stem}.summary.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        name = f"moeserve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._written}"
+        return Halted(prof, self.out_dir, name, wall, cpu, queued, self.device.type == "cuda", why)
+
+
+@dataclass(eq=False)
+class Halted:
+    """A profile stopped on the model thread, and what `write` needs to write it from any other thread: once, the
+    first caller writing and any other waiting for its report."""
+
+    prof: profile
+    out_dir: Path
+    name: str  # of its files, less their suffixes
+    wall_s: float
+    cpu_s: float
+    queued_s: float | None
+    cuda: bool
+    why: str
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _report: ProfileReport | None = None
+
+    def write(self) -> ProfileReport:
+        """The trace, torch's operator table and the summary, written (once); the summary."""
+        with self._lock:
+            if self._report is None:
+                self._report = self._write()
+            return self._report
+
+    def write_logged(self) -> None:
+        """`write`, where no caller waits for it: where it went, or why it could not be written, in the log."""
+        try:
+            log.info("moeserve: the profile stopped (%s) is in %s", self.why, self.write().trace)
+        except Exception:  # noqa: BLE001 - the server outlives its diagnostics
+            log.exception("moeserve: the profile stopped (%s) could not be written", self.why)
+
+    def _write(self) -> ProfileReport:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        trace, table = self.out_dir / f"{self.name}.pt.trace.json.gz", self.out_dir / f"{self.name}.ops.txt"
+        self.prof.export_chrome_trace(str(trace))
+        averages = self.prof.key_averages()
+        table.write_text(averages.table(sort_by="self_device_time_total" if self.cuda else "self_cpu_time_total",
+                                        row_limit=60) + "\n")
+        turns = [(e.time_range.start, e.time_range.end) for e in self.prof.events() if e.name == TURN]
+        report = summarize(averages, turns, self.wall_s, self.cpu_s, self.queued_s, trace, table, self.cuda, self.why)
+        (self.out_dir / f"{self.name}.summary.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         return report
 
 

@@ -214,11 +214,8 @@ class Batcher:
             with phase(TURN):
                 self._turn(*turn)
         self._run_calls()  # those queued before `close` (later ones were refused)
-        if self.profiler is not None and self.profiler.running:  # what was profiled is written, not lost
-            try:
-                log.info("moeserve: the profile running at shutdown is in %s", self.profiler.stop("shutdown").trace)
-            except Exception:  # noqa: BLE001 - the shutdown goes on
-                log.exception("moeserve: the profile running at shutdown could not be written")
+        if self.profiler is not None:  # what was profiled is written, not lost
+            self.profiler.close()
 
     def _turn(self, taken: Admission, again: bool) -> None:
         with phase(PLAN):

@@ -218,9 +218,9 @@ async def stop_profile(request: Request) -> dict:
 
 
 async def _profile(request: Request, action: str) -> dict:
-    """Start or stop the profile on the model thread, between two of its turns: torch's profiler records the ops
-    of the thread that starts it. 404 where the server does not profile, 409 for a start while one runs or a stop
-    while none does."""
+    """Start or stop the profile on the model thread, between two of its turns (torch's profiler records the ops
+    of the thread that starts it), and write a stopped one on a worker thread. 404 where the server does not
+    profile, 409 for a start while one runs or a stop while none does."""
     state = _state(request)
     state.require_ready()
     batcher = state.batcher
@@ -228,11 +228,12 @@ async def _profile(request: Request, action: str) -> dict:
         why = ("start the server with --profile-dir DIR" if state.cfg.profile_dir is None else
                "this server's model runs in other processes (expert-parallel ranks)")
         raise ApiError("not_found", f"profiling is off: {why}")
-    fn = batcher.profiler.start if action == "start" else batcher.profiler.stop
     try:
-        result = await asyncio.wrap_future(batcher.call(fn))
+        if action == "start":
+            return await asyncio.wrap_future(batcher.call(batcher.profiler.start))
+        halted = await asyncio.wrap_future(batcher.call(batcher.profiler.stop))
     except ProfileStateError as e:
         raise ApiError("conflict", str(e)) from None
     except Closed as e:
         raise ApiError("shutting_down", str(e)) from None
-    return result if isinstance(result, dict) else result.to_dict()
+    return (await asyncio.to_thread(halted.write)).to_dict()  # not on the model thread: seconds for a GPU trace

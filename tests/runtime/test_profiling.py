@@ -30,7 +30,7 @@ def test_a_profile_counts_the_calls_it_saw(tmp_path, device):
         profiler.start()
     with phase(TURN):  # the server's model thread labels its turns; here, one around the whole generation
         got = engine.complete(PROMPTS[:1], params)[0].token_ids
-    report = profiler.stop()
+    report = profiler.stop().write()
     assert got == want
     p = report.phases
     assert p["prefill"]["calls"] == 1 and p["decode"]["calls"] == 5 and p["sample"]["calls"] == 6
@@ -56,7 +56,7 @@ def test_a_profile_past_its_limit_stops_at_the_next_tick_and_waits_to_be_asked(t
     profiler.start()
     profiler.tick()
     assert not profiler.running and phase(TURN) is phase(PLAN)
-    report = profiler.stop()
+    report = profiler.stop().write()
     assert report.stopped == "limit" and report.turns == 0 and report.trace.exists()
     with pytest.raises(ProfileStateError):
         profiler.stop()
@@ -80,4 +80,4 @@ def test_a_profiler_that_fails_to_start_leaves_none_running(tmp_path, monkeypatc
     assert not profiler.running and phase(TURN) is phase(PLAN)
     monkeypatch.undo()
     profiler.start()
-    assert profiler.stop().stopped == "asked"
+    assert profiler.stop().write().stopped == "asked"

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 import time
 from pathlib import Path
 
 from moeserve.cli import main
 from moeserve.runtime.engine import Engine, SamplingParams
-from moeserve.runtime.profiling import PHASES, phase
-from moeserve.serve.state import ServeConfig
+from moeserve.runtime.profiling import PHASES, Halted, phase
+from moeserve.serve.state import MODEL_THREAD, ServeConfig
 
 from .conftest import live_server, wait_until
 
@@ -33,8 +34,11 @@ def _complete(s, n: int) -> dict:
     return r.json()
 
 
-def test_a_profile_holds_the_steps_of_the_requests_between_start_and_stop(tiny_ckpt, tmp_path):
+def test_a_profile_holds_the_steps_of_the_requests_between_start_and_stop(tiny_ckpt, tmp_path, monkeypatch):
     out = tmp_path / "profiles"
+    writers = []  # the threads that wrote a stopped profile: never the model thread, which streams meanwhile
+    write = Halted._write
+    monkeypatch.setattr(Halted, "_write", lambda self: writers.append(threading.current_thread().name) or write(self))
     engine = Engine.load(tiny_ckpt, dtype="float32", device="cpu")
     want = engine.complete([PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].text
     with _server(tiny_ckpt, out) as s:
@@ -51,6 +55,7 @@ def test_a_profile_holds_the_steps_of_the_requests_between_start_and_stop(tiny_c
         assert r.status_code == 200, r.text
         report = r.json()
         assert s.client.post("/stop_profile", headers=KEY).status_code == 409
+    assert len(writers) == 1 and writers[0] != MODEL_THREAD, writers
     # one prompt call (its first token), then one decode call for each of the other 7; a choice for each
     phases = report["phases"]
     assert phases["prefill"]["calls"] == 1 and phases["decode"]["calls"] == 7
