@@ -231,6 +231,8 @@ class Batcher:
         self._settle()
 
     def _run_calls(self) -> None:
+        if not self._calls:  # every turn: no lock taken for nothing (one queued now runs at the next turn)
+            return
         with self._cv:
             calls, self._calls = self._calls, deque()
         for fn, future in calls:
