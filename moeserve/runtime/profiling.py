@@ -11,13 +11,17 @@ flag instead while none runs.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -61,7 +65,7 @@ class ProfileReport:
     and stopped after it is not diluted by the idle time around it)."""
 
     trace: Path  # Chrome trace (chrome://tracing, Perfetto), gzipped; beside it, this report as .summary.json
-    table: Path  # torch's operator table, by self time
+    table: Path  # the host's ops and labels by self time; on a GPU, the device's work by time
     wall_s: float  # start to stop
     span_s: float  # the first turn's start to the last one's end
     turns: int
@@ -93,7 +97,7 @@ class StepProfiler:
     holds every op in memory until then): the first turn past it stops it, a thread of its own writes it, and the
     report waits for the next `stop`."""
 
-    def __init__(self, out_dir: Path, device: torch.device, max_s: float = 60.0):
+    def __init__(self, out_dir: Path, device: torch.device, max_s: float = 10.0):
         self.out_dir, self.device, self.max_s = Path(out_dir), device, max_s
         self._prof: profile | None = None
         self._t0 = self._cpu0 = 0.0
@@ -176,7 +180,7 @@ class Halted:
     _report: ProfileReport | None = None
 
     def write(self) -> ProfileReport:
-        """The trace, torch's operator table and the summary, written (once); the summary."""
+        """The trace, the table of its ops and the summary, written (once); the summary."""
         with self._lock:
             if self._report is None:
                 self._report = self._write()
@@ -190,36 +194,133 @@ class Halted:
             log.exception("moeserve: the profile stopped (%s) could not be written", self.why)
 
     def _write(self) -> ProfileReport:
+        """kineto's JSON (its C++ writer), read back once for the summary and the table, then gzipped at level 1.
+        torch's own ways cost ~10x more time and memory: a ".gz" path compresses at level 9 in Python, and
+        `key_averages` builds a Python object an event (a 2 s profile of a small model's step loop on a CPU, ~700k
+        events: 46 s and 2 GB beyond the stopped profile's own, against 4-5 s and 0.2 GB)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        trace, table = self.out_dir / f"{self.name}.pt.trace.json.gz", self.out_dir / f"{self.name}.ops.txt"
-        self.prof.export_chrome_trace(str(trace))
-        averages = self.prof.key_averages()
-        table.write_text(averages.table(sort_by="self_device_time_total" if self.cuda else "self_cpu_time_total",
-                                        row_limit=60) + "\n")
-        turns = [(e.time_range.start, e.time_range.end) for e in self.prof.events() if e.name == TURN]
-        report = summarize(averages, turns, self.wall_s, self.cpu_s, self.queued_s, trace, table, self.cuda, self.why)
+        raw = self.out_dir / f"{self.name}.pt.trace.json"
+        trace, table = raw.with_name(raw.name + ".gz"), self.out_dir / f"{self.name}.ops.txt"
+        try:
+            self.prof.export_chrome_trace(str(raw))
+            times = Times.of(trace_events(raw))
+            with open(raw, "rb") as f, gzip.open(trace, "wb", compresslevel=1) as out:
+                shutil.copyfileobj(f, out, 1 << 20)
+        finally:
+            raw.unlink(missing_ok=True)
+        table.write_text(times.table())
+        report = summarize(times, self.wall_s, self.cpu_s, self.queued_s, trace, table, self.cuda, self.why)
         (self.out_dir / f"{self.name}.summary.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         return report
 
 
-def summarize(averages, turns: list[tuple[float, float]], wall_s: float, cpu_s: float, queued_s: float | None,
-              trace: Path, table: Path, cuda: bool, stopped: str) -> ProfileReport:
-    """The phases' inclusive CPU time from torch's per-name averages, and the turns' (start, end) in us; the device's
-    busy time from its kernels' self time (one stream: kernels do not overlap, so their sum is the time it
-    computed)."""
-    by_name = {e.key: e for e in averages}
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the device's own activity in kineto's trace
+
+
+@dataclass
+class Times:
+    """A trace's time by name, in us: the host's ranges (torch's ops and our labels: calls, time inclusive of what
+    they hold, self time without it) and the device's work (calls, time), and the turns' (start, end)."""
+
+    host: dict[str, list[float]]  # name -> [calls, total, self]
+    device: dict[str, list[float]]  # name -> [calls, total]
+    turns: list[tuple[float, float]]
+
+    @classmethod
+    def of(cls, events: Iterable[dict]) -> Times:
+        """Each thread's ranges nest (a label holds ops, an op the ops it calls): a range's self time is its own less
+        its children's, found with a stack over the thread's ranges in order of start."""
+        host: dict[str, list[float]] = {}
+        device: dict[str, list[float]] = {}
+        threads: dict[tuple, list[tuple[float, float, str]]] = {}  # (start, -duration, name): the outer first
+        names: dict[str, str] = {}  # one string a name, not one an event
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            if e.get("cat") in ("cpu_op", "user_annotation"):
+                name = names.setdefault(e["name"], e["name"])
+                threads.setdefault((e["pid"], e["tid"]), []).append((e["ts"], -e["dur"], name))
+            elif e.get("cat") in DEVICE_WORK:
+                row = device.setdefault(e["name"], [0, 0.0])
+                row[0] += 1
+                row[1] += e["dur"]
+        turns = []
+        for ranges in threads.values():
+            ranges.sort()
+            open_: list[tuple[float, list[float]]] = []  # (end, the name's row) of the ranges holding this one
+            for ts, neg_dur, name in ranges:
+                dur = -neg_dur
+                while open_ and open_[-1][0] <= ts:
+                    open_.pop()
+                row = host.setdefault(name, [0, 0.0, 0.0])
+                row[0] += 1
+                row[1] += dur
+                row[2] += dur
+                if open_:
+                    open_[-1][1][2] -= dur
+                open_.append((ts + dur, row))
+                if name == TURN:
+                    turns.append((ts, ts + dur))
+        return cls(host, device, turns)
+
+    def table(self, rows: int = 60) -> str:
+        """The host's ranges by self time, then (on a GPU) the device's work by time: the `rows` largest of each."""
+        host_us = sum(r[2] for r in self.host.values()) or 1.0
+        out = [f"{'Name':<60} {'Self CPU ms':>12} {'Self CPU %':>10} {'CPU total ms':>13} {'Calls':>8}"]
+        for name, (calls, total, own) in sorted(self.host.items(), key=lambda kv: -kv[1][2])[:rows]:
+            out.append(f"{name[:60]:<60} {own / 1e3:>12.3f} {own / host_us:>10.1%} {total / 1e3:>13.3f} {calls:>8}")
+        if self.device:
+            device_us = sum(r[1] for r in self.device.values()) or 1.0
+            out += ["", f"{'Device: kernels, copies, fills':<60} {'Device ms':>12} {'Device %':>10} {'Calls':>8}"]
+            for name, (calls, total) in sorted(self.device.items(), key=lambda kv: -kv[1][1])[:rows]:
+                out.append(f"{name[:60]:<60} {total / 1e3:>12.3f} {total / device_us:>10.1%} {calls:>8}")
+        return "\n".join(out) + "\n"
+
+
+def trace_events(path: Path, chunk: int = 1 << 24) -> Iterator[dict]:
+    """The events of a Chrome trace file, one at a time, read `chunk` characters at a time: never the whole file (a
+    profile writes ~80 MB of JSON a second of a busy step loop) nor every event (a dict each) in memory at once."""
+    decoder, head = json.JSONDecoder(), re.compile(r'"traceEvents"\s*:\s*\[')
+    with open(path, encoding="utf-8") as f:
+        buf = ""
+        while (found := head.search(buf)) is None:  # the metadata before the events
+            more = f.read(chunk)
+            if not more:
+                raise ValueError(f"{path} is not a Chrome trace: it has no traceEvents")
+            buf += more
+        i = found.end()
+        while True:
+            while i < len(buf) and buf[i] in " \t\r\n,":
+                i += 1
+            if i < len(buf) and buf[i] == "]":
+                return
+            try:  # an event is an object: one cut at the buffer's end does not decode
+                event, i = decoder.raw_decode(buf, i)
+            except json.JSONDecodeError:
+                more = f.read(chunk)
+                if not more:
+                    raise ValueError(f"{path} ends inside its traceEvents") from None
+                buf, i = buf[i:] + more, 0
+                continue
+            yield event
+
+
+def summarize(times: Times, wall_s: float, cpu_s: float, queued_s: float | None, trace: Path, table: Path,
+              cuda: bool, stopped: str) -> ProfileReport:
+    """The phases' inclusive time and the turns' span from the trace's ranges; the device's busy time from its work
+    (one stream: kernels do not overlap, so their sum is the time it computed)."""
+    turns = times.turns
     phases = {}
     for name in PHASES:
-        if name in by_name:
-            e = by_name[name]
-            total = e.cpu_time_total / 1000
-            phases[name.removeprefix("moeserve.")] = {"calls": e.count, "total_ms": round(total, 3),
-                                                      "ms_per_turn": round(total / max(len(turns), 1), 4)}
+        if name in times.host:
+            calls, total, _ = times.host[name]
+            phases[name.removeprefix("moeserve.")] = {"calls": calls, "total_ms": round(total / 1000, 3),
+                                                      "ms_per_turn": round(total / 1000 / max(len(turns), 1), 4)}
     span_s = (max(end for _, end in turns) - min(start for start, _ in turns)) / 1e6 if turns else 0.0
     busy = sum(end - start for start, end in turns) / 1e6 / span_s if span_s else 0.0
     device = None
     if cuda:
-        device_s = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
+        device_s = sum(total for _, total in times.device.values()) / 1e6
         device = device_s / span_s if span_s else 0.0
     share = lambda s: min(s / span_s, 1.0) if span_s else 0.0  # noqa: E731 - start and stop are outside the span
     runnable = None if queued_s is None else share(queued_s)

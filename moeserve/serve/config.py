@@ -54,7 +54,8 @@ class ServeConfig:
     chat_template: Path | None = None  # a Jinja2 file for /v1/chat/completions, over the checkpoint's own
     # where POST /start_profile and /stop_profile write torch profiler traces of the model thread (None: no profiling)
     profile_dir: Path | None = None
-    profile_max_s: float = 60.0  # a profile nobody stops ends after this long (it holds every op until written)
+    profile_max_s: float = 10.0  # a profile nobody stops ends after this long: it holds every op until written
+    # (~0.5 GB a second of a small model's busy step loop)
 
     def __post_init__(self) -> None:
         if self.api_key is None:

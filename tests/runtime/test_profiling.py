@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moeserve.runtime.engine import SamplingParams
-from moeserve.runtime.profiling import PLAN, TURN, ProfileStateError, StepProfiler, phase
+from moeserve.runtime.profiling import (DECODE, PLAN, TURN, ProfileStateError, StepProfiler, Times, phase,
+                                       trace_events)
 
 from .test_engine import PROMPTS, make_engine
 
@@ -81,3 +82,42 @@ def test_a_profiler_that_fails_to_start_leaves_none_running(tmp_path, monkeypatc
     monkeypatch.undo()
     profiler.start()
     assert profiler.stop().write().stopped == "asked"
+
+
+def _x(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur, "args": {"x": [1]}}
+
+
+def test_times_by_name_with_self_time_less_what_each_range_holds():
+    """Ranges nest on each thread: a turn holds a decode, which holds two ops, one of which holds a third; another
+    thread's op, the device's kernels and the trace's metadata are apart. Exact in us."""
+    events = [{"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "x"}},
+              _x(TURN, 0, 100, "user_annotation"), _x(DECODE, 10, 60, "user_annotation"),
+              _x("aten::mm", 20, 30), _x("aten::add", 55, 10), _x("aten::copy_", 56, 4),  # copy_ inside add
+              _x("aten::mm", 90, 5),  # after the decode, in the turn
+              _x("aten::mm", 0, 1000, tid=2),  # another thread: not inside this one's turn
+              _x("gemv", 30, 20, "kernel"), _x("gemv", 60, 5, "kernel"), _x("Memcpy HtoD", 12, 3, "gpu_memcpy"),
+              _x("gpu range", 10, 60, "gpu_user_annotation")]  # the label as the device saw it: not host time
+    t = Times.of(events)
+    assert t.host == {TURN: [1, 100, 35], DECODE: [1, 60, 20], "aten::mm": [3, 1035, 1035],
+                      "aten::add": [1, 10, 6], "aten::copy_": [1, 4, 4]}
+    assert t.device == {"gemv": [2, 25], "Memcpy HtoD": [1, 3]}
+    assert t.turns == [(0, 100)]
+    table = t.table().splitlines()
+    assert table[0].split()[:3] == ["Name", "Self", "CPU"] and table[1].split()[0] == "aten::mm"
+    assert "Device: kernels, copies, fills" in table[7] and table[8].split()[:2] == ["gemv", "0.025"]
+
+
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
+def test_trace_events_read_a_chunk_at_a_time_are_the_file_s(tmp_path, chunk):
+    events = [_x(f"op{i}", i * 1.25, 1.0) for i in range(500)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "deviceProperties": [], "traceEvents": events, "after": 1},
+                               indent=2))
+    assert list(trace_events(path, chunk)) == events
+    path.write_text(json.dumps({"traceEvents": events})[:-200])
+    with pytest.raises(ValueError, match="ends inside its traceEvents"):
+        list(trace_events(path, chunk))
+    path.write_text('{"schemaVersion": 1}')
+    with pytest.raises(ValueError, match="no traceEvents"):
+        list(trace_events(path, chunk))
