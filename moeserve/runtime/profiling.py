@@ -214,13 +214,16 @@ class Halted:
         return report
 
 
-DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the device's own activity in kineto's trace
+# kineto's trace: the host's ranges (torch's ops, our labels, and on a GPU the CUDA API calls: the launches, the
+# waits at a host sync), and the device's own work
+HOST_RANGES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 @dataclass
 class Times:
-    """A trace's time by name, in us: the host's ranges (torch's ops and our labels: calls, time inclusive of what
-    they hold, self time without it) and the device's work (calls, time), and the turns' (start, end)."""
+    """A trace's time by name, in us: the host's ranges (torch's ops, our labels, CUDA API calls: calls, time
+    inclusive of what they hold, self time without it) and the device's work (calls, time), and the turns' (start, end)."""
 
     host: dict[str, list[float]]  # name -> [calls, total, self]
     device: dict[str, list[float]]  # name -> [calls, total]
@@ -237,7 +240,7 @@ class Times:
         for e in events:
             if e.get("ph") != "X":
                 continue
-            if e.get("cat") in ("cpu_op", "user_annotation"):
+            if e.get("cat") in HOST_RANGES:
                 name = names.setdefault(e["name"], e["name"])
                 threads.setdefault((e["pid"], e["tid"]), []).append((e["ts"], -e["dur"], name))
             elif e.get("cat") in DEVICE_WORK:

@@ -44,6 +44,7 @@ def test_a_profile_counts_the_calls_it_saw(tmp_path, device):
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if device == "cuda":  # the kernels the steps launched, and their time against the span
         assert kernels and 0 < report.device_busy < 1, report.device_busy
+        assert "Device: kernels, copies, fills" in report.table.read_text()
     else:
         assert not kernels and report.device_busy is None
     assert phase(TURN) is phase(PLAN)  # stopped: the labels are free again
@@ -94,18 +95,19 @@ def test_times_by_name_with_self_time_less_what_each_range_holds():
     events = [{"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "x"}},
               _x(TURN, 0, 100, "user_annotation"), _x(DECODE, 10, 60, "user_annotation"),
               _x("aten::mm", 20, 30), _x("aten::add", 55, 10), _x("aten::copy_", 56, 4),  # copy_ inside add
+              _x("cudaLaunchKernel", 57, 2, "cuda_runtime"),  # the API call beneath copy_, on the same thread
               _x("aten::mm", 90, 5),  # after the decode, in the turn
               _x("aten::mm", 0, 1000, tid=2),  # another thread: not inside this one's turn
               _x("gemv", 30, 20, "kernel"), _x("gemv", 60, 5, "kernel"), _x("Memcpy HtoD", 12, 3, "gpu_memcpy"),
               _x("gpu range", 10, 60, "gpu_user_annotation")]  # the label as the device saw it: not host time
     t = Times.of(events)
     assert t.host == {TURN: [1, 100, 35], DECODE: [1, 60, 20], "aten::mm": [3, 1035, 1035],
-                      "aten::add": [1, 10, 6], "aten::copy_": [1, 4, 4]}
+                      "aten::add": [1, 10, 6], "aten::copy_": [1, 4, 2], "cudaLaunchKernel": [1, 2, 2]}
     assert t.device == {"gemv": [2, 25], "Memcpy HtoD": [1, 3]}
     assert t.turns == [(0, 100)]
     table = t.table().splitlines()
     assert table[0].split()[:3] == ["Name", "Self", "CPU"] and table[1].split()[0] == "aten::mm"
-    assert "Device: kernels, copies, fills" in table[7] and table[8].split()[:2] == ["gemv", "0.025"]
+    assert "Device: kernels, copies, fills" in table[8] and table[9].split()[:2] == ["gemv", "0.025"]
 
 
 @pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
