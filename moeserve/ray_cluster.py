@@ -18,6 +18,11 @@ def connect():
         # at ray.shutdown, task events are flushed to the GCS for up to 5 s, even to a GCS already gone (a signal to
         # the process group stops it too: local_ray_lost); events for Ray's state API, not moeserve's own
         os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "1000")
+        if not os.environ.get("RAY_ADDRESS"):
+            # a Ray of our own has no GCS fault tolerance: its GCS gone, every Ray process that calls it gives up
+            # after this long (Ray's default, 60 s, held `ray.shutdown` and this process's exit that long, now and
+            # then, once Ctrl-C had stopped the GCS: tests/test_ray_cluster.py's run took 67 s instead of 8)
+            os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "10")
         ray.init(include_dashboard=False, logging_level=logging.WARNING, configure_logging=True)
     return ray
 
