@@ -223,7 +223,8 @@ DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 @dataclass
 class Times:
     """A trace's time by name, in us: the host's ranges (torch's ops, our labels, CUDA API calls: calls, time
-    inclusive of what they hold, self time without it) and the device's work (calls, time), and the turns' (start, end)."""
+    inclusive of what they hold, self time without it) and the device's work (calls, time), and the turns' (start,
+    end)."""
 
     host: dict[str, list[float]]  # name -> [calls, total, self]
     device: dict[str, list[float]]  # name -> [calls, total]
