@@ -233,7 +233,9 @@ class Times:
     @classmethod
     def of(cls, events: Iterable[dict]) -> Times:
         """Each thread's ranges nest (a label holds ops, an op the ops it calls): a range's self time is its own less
-        its children's, found with a stack over the thread's ranges in order of start."""
+        its children's, found with a stack over the thread's ranges in order of start. As torch's tables do, an op
+        whose only child has its name (a redispatch: `aten::div_` calling `aten::div_`) counts once, the child's
+        children its own."""
         host: dict[str, list[float]] = {}
         device: dict[str, list[float]] = {}
         threads: dict[tuple, list[tuple[float, float, str]]] = {}  # (start, -duration, name): the outer first
@@ -251,18 +253,29 @@ class Times:
         turns = []
         for ranges in threads.values():
             ranges.sort()
-            open_: list[tuple[float, list[float]]] = []  # (end, the name's row) of the ranges holding this one
-            for ts, neg_dur, name in ranges:
-                dur = -neg_dur
+            parent, children, open_ = [-1] * len(ranges), [0] * len(ranges), []  # open_: (end, index) holding this
+            for i, (ts, neg_dur, _) in enumerate(ranges):
                 while open_ and open_[-1][0] <= ts:
                     open_.pop()
-                row = host.setdefault(name, [0, 0.0, 0.0])
+                if open_:
+                    parent[i] = open_[-1][1]
+                    children[parent[i]] += 1
+                open_.append((ts - neg_dur, i))
+            kept_parent = [-1] * len(ranges)  # the nearest range above that counts
+            rows: list[list[float] | None] = [None] * len(ranges)
+            for i, (ts, neg_dur, name) in enumerate(ranges):
+                q = parent[i]
+                if q >= 0 and children[q] == 1 and ranges[q][2] == name:  # the same op, redispatched
+                    kept_parent[i] = kept_parent[q] if rows[q] is None else q
+                    continue
+                kept_parent[i] = q if q < 0 or rows[q] is not None else kept_parent[q]
+                dur = -neg_dur
+                row = rows[i] = host.setdefault(name, [0, 0.0, 0.0])
                 row[0] += 1
                 row[1] += dur
                 row[2] += dur
-                if open_:
-                    open_[-1][1][2] -= dur
-                open_.append((ts + dur, row))
+                if kept_parent[i] >= 0:
+                    rows[kept_parent[i]][2] -= dur
                 if name == TURN:
                     turns.append((ts, ts + dur))
         return cls(host, device, turns)

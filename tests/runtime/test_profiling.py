@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from moeserve.runtime import profiling
 from moeserve.runtime.engine import SamplingParams
 from moeserve.runtime.profiling import (DECODE, PLAN, TURN, ProfileStateError, StepProfiler, Times, phase,
                                        trace_events)
@@ -52,6 +54,32 @@ def test_a_profile_counts_the_calls_it_saw(tmp_path, device):
         profiler.stop()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_times_from_the_trace_equal_torch_s_own_averages(tmp_path, device, monkeypatch):
+    """The reference: torch's `key_averages` over the same profile. Each name's calls exactly, its inclusive and self
+    time to kineto's rounding; on a GPU the device's whole time too (torch puts each kernel under its op, the table
+    under its own name: only the sums compare)."""
+    engine = make_engine("softmax", device=device)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    engine.complete(PROMPTS[:1], params)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    monkeypatch.setattr(profiling, "_running", True)  # the step engine's labels, as under a StepProfiler
+    with profile(activities=activities) as prof, phase(TURN):
+        engine.complete(PROMPTS[:2], params)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    times, torch_s = Times.of(trace_events(path)), {a.key: a for a in prof.key_averages()}
+    assert set(times.host) == set(torch_s) and {TURN, DECODE} <= set(times.host) and len(times.host) > 20
+    for name, (calls, total, own) in times.host.items():
+        ref = torch_s[name]
+        assert calls == ref.count, name
+        assert total == pytest.approx(ref.cpu_time_total, rel=1e-3, abs=0.01), name
+        assert own == pytest.approx(ref.self_cpu_time_total, rel=1e-3, abs=0.01), name
+    if device == "cuda":
+        device_us = sum(total for _, total in times.device.values())
+        assert device_us == pytest.approx(sum(a.self_device_time_total for a in torch_s.values()), rel=0.05)
+
+
 def test_a_profile_past_its_limit_stops_at_the_next_tick_and_waits_to_be_asked(tmp_path):
     profiler = StepProfiler(tmp_path, torch.device("cpu"), max_s=0.0)
     profiler.tick()  # nothing running: nothing to do
@@ -90,8 +118,8 @@ def _x(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1) -> d
 
 
 def test_times_by_name_with_self_time_less_what_each_range_holds():
-    """Ranges nest on each thread: a turn holds a decode, which holds two ops, one of which holds a third; another
-    thread's op, the device's kernels and the trace's metadata are apart. Exact in us."""
+    """Ranges nest on each thread: a turn holds a decode, which holds two ops, one of which holds a third; other
+    threads' ops, the device's kernels and the trace's metadata are apart. Exact in us."""
     events = [{"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "x"}},
               _x(TURN, 0, 100, "user_annotation"), _x(DECODE, 10, 60, "user_annotation"),
               _x("aten::mm", 20, 30), _x("aten::add", 55, 10), _x("aten::copy_", 56, 4),  # copy_ inside add
@@ -99,15 +127,21 @@ def test_times_by_name_with_self_time_less_what_each_range_holds():
               _x("aten::mm", 90, 5),  # after the decode, in the turn
               _x("aten::mm", 0, 1000, tid=2),  # another thread: not inside this one's turn
               _x("gemv", 30, 20, "kernel"), _x("gemv", 60, 5, "kernel"), _x("Memcpy HtoD", 12, 3, "gpu_memcpy"),
-              _x("gpu range", 10, 60, "gpu_user_annotation")]  # the label as the device saw it: not host time
+              _x("gpu range", 10, 60, "gpu_user_annotation"),  # the label as the device saw it: not host time
+              # a redispatch, as torch's tables count it: an op whose only child has its name is one call, and the
+              # child's children are its own; beside a sibling, the same name is a call of its own
+              _x("aten::div_", 0, 8, tid=3), _x("aten::div_", 1, 6, tid=3), _x("aten::div_", 2, 5, tid=3),
+              _x("aten::to", 3, 2, tid=3),
+              _x("aten::mean", 20, 10, tid=3), _x("aten::mean", 21, 2, tid=3), _x("aten::sum", 24, 3, tid=3)]
     t = Times.of(events)
     assert t.host == {TURN: [1, 100, 35], DECODE: [1, 60, 20], "aten::mm": [3, 1035, 1035],
-                      "aten::add": [1, 10, 6], "aten::copy_": [1, 4, 2], "cudaLaunchKernel": [1, 2, 2]}
+                      "aten::add": [1, 10, 6], "aten::copy_": [1, 4, 2], "cudaLaunchKernel": [1, 2, 2],
+                      "aten::div_": [1, 8, 6], "aten::to": [1, 2, 2], "aten::mean": [2, 12, 7], "aten::sum": [1, 3, 3]}
     assert t.device == {"gemv": [2, 25], "Memcpy HtoD": [1, 3]}
     assert t.turns == [(0, 100)]
     table = t.table().splitlines()
     assert table[0].split()[:3] == ["Name", "Self", "CPU"] and table[1].split()[0] == "aten::mm"
-    assert "Device: kernels, copies, fills" in table[8] and table[9].split()[:2] == ["gemv", "0.025"]
+    assert "Device: kernels, copies, fills" in table[12] and table[13].split()[:2] == ["gemv", "0.025"]
 
 
 @pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
