@@ -198,27 +198,27 @@ def bench_engine(dtypes: list[str], new_tokens: int = 128, prompt_len: int = 16,
                 fast = Engine.load(path, dtype=dtype, device=device, compile="on",
                                    plan=dataclasses.replace(engine.plan, decode_grouped=False, decode_reduce_max=0))
                 t0 = time.perf_counter()
-                fast.executor.warm_up(batch)
+                fast.executor.warm_up(batch, rows=batch)
                 plans[dtype_name]["compile_s"] = round(time.perf_counter() - t0, 1)
                 impls["moeserve Engine, compiled decode"] = lambda n=new_tokens: ours(fast, n)
                 engines["moeserve Engine, compiled decode"] = fast
                 if torch.device(device).type == "cuda" and dtype == torch.bfloat16:  # the experts the other way
                     grouped = Engine.load(path, dtype=dtype, device=device, compile="on",
                                           plan=dataclasses.replace(fast.plan, grouped_mm=True, decode_grouped=True))
-                    grouped.executor.warm_up(batch)
+                    grouped.executor.warm_up(batch, rows=batch)
                     impls[f"moeserve Engine, compiled decode, {GROUPED}"] = lambda n=new_tokens: ours(grouped, n)
                     engines[f"moeserve Engine, compiled decode, {GROUPED}"] = grouped
                     if batch <= REDUCED_MAX_BATCH:  # and as GEMVs (moe_reduced), the candidate at batch 1
                         gemv = Engine.load(path, dtype=dtype, device=device, compile="on",
                                            plan=dataclasses.replace(grouped.plan, decode_reduce_max=batch))
-                        gemv.executor.warm_up(batch)
+                        gemv.executor.warm_up(batch, rows=batch)
                         impls[f"moeserve Engine, compiled decode, {REDUCED}"] = lambda n=new_tokens: ours(gemv, n)
                         engines[f"moeserve Engine, compiled decode, {REDUCED}"] = gemv
             quantized_bytes = {}
             for fmt in quantize:
                 name = f"moeserve Engine, {fmt}" + (", compiled decode" if compiled else "")
                 q = Engine.load(path, dtype=dtype, device=device, quantize=fmt, compile="on" if compiled else "off")
-                q.executor.warm_up(batch)
+                q.executor.warm_up(batch, rows=batch)
                 impls[name] = lambda n=new_tokens, q=q: ours(q, n)
                 engines[name], quantized_bytes[name] = q, weight_bytes_per_token(q.model)
             ids = prompts.to(device)
@@ -322,7 +322,8 @@ def markdown(report: dict) -> str:
               + (f"  \ncopy bandwidth in its rounds {p['copy_bandwidth_gb_per_s']} GB/s"
                  if "copy_bandwidth_gb_per_s" in p else "")
               + (f", read {p['read_bandwidth_gb_per_s']} GB/s" if "read_bandwidth_gb_per_s" in p else "")
-              + (f"  \ncompiled decode step built in {p['compile_s']} s" if "compile_s" in p else "")
+              + (f"  \ncompiled decode step built in {p['compile_s']} s (the batch's graph at each span, and the "
+                 "prompt chunk's)" if "compile_s" in p else "")
               for dtype, p in report["plans"].items()]
     lines += [f"skipped {dtype}: {why}" for dtype, why in report["skipped"].items()]
     lines += [""] if lines else []

@@ -138,11 +138,12 @@ class Executor:
         self.expert_load.add(out.aux)
         return out.logits
 
-    def warm_up(self, slots: int) -> None:
+    def warm_up(self, slots: int, rows: int | None = None) -> None:
         """Build what the first requests would otherwise wait for: the compiled decode step's graphs for up to
-        `slots` rows (nothing when eager)."""
+        `slots` rows (nothing when eager); with `rows`, only the graph of a step of that many (a static batch, as
+        the benches decode: one compile, where every bucket up to 32 rows is six)."""
         with self.lock, torch.inference_mode():
-            self.runner.warm_up(slots)
+            self.runner.warm_up(slots, rows)
 
     def step_engine(self, tokenizer: Tokenizer | None, eos_id: int | None, slots: int, max_len: int | None = None,
                     prefill_chunk: int = 512, share_prefill: bool = True) -> StepEngine:

@@ -38,6 +38,34 @@ def test_spans():
     assert spans(128) == [128]  # a context shorter than the least span: one span, the whole of it
 
 
+def test_a_warm_up_for_a_static_batch_builds_its_bucket_alone(monkeypatch):
+    """A server warms every bucket up to its slots; a static batch of `rows` (the benches) needs one graph, at every
+    span. The compiled step is a stand-in that records each call's rows and span (the selection, not inductor, is
+    under test), and the rows pass through the executor's seam."""
+    from moeserve.runtime.kv_cache import KVCache
+
+    model = Transformer(preset("tiny", router="softmax", max_seq_len=64))
+    decode = compiled_mod.CompiledDecode(model, KVCache.for_model(model, 6 + 1), least_span=16)  # 6 slots, a scratch
+    calls = []
+    decode._step = lambda ids, slots, positions, span: calls.append((ids.shape[0], span.shape[0]))
+    decode.warm_up(rows=3)
+    assert decode.buckets == [1, 2, 4, 6] and calls == [(4, 16), (4, 32), (4, 64)]
+    calls.clear()
+    decode.warm_up()
+    assert sorted({b for b, _ in calls}) == [1, 2, 4, 6] and len(calls) == 4 * 3
+    with pytest.raises(ValueError, match="7 rows in a decode step; the cache has 6 slots"):
+        decode.warm_up(rows=7)
+    if compiled_mod.compile_unavailable(torch.device("cpu")) is None:  # the seam: Executor -> CompiledBackend
+        engine = Engine.from_model(model, ByteTokenizer(), calibration="off", compile="on")
+        seen = []
+        monkeypatch.setattr(compiled_mod.CompiledDecode, "warm_up", lambda self, rows=None: seen.append(rows))
+        monkeypatch.setattr(compiled_mod.CompiledPrefill, "warm_up", lambda self: None)
+        monkeypatch.setattr(compiled_mod.CompiledBackend, "_replays_per_eager_call", lambda self: 1)
+        engine.executor.warm_up(6, rows=5)
+        engine.executor.warm_up(6)
+        assert seen == [5, None]
+
+
 def test_modes():
     assert resolve_compile("off", CPU) is False
     assert resolve_compile("auto", CPU) is False  # eager on a CPU unless asked

@@ -12,7 +12,8 @@
     copy_prefix(cache, src, dst, length)  where can_copy_prefix: positions 0..length-1 of slot src copied into slot dst
                                           (a prompt's n choices share one prefill)
 
-    warm_up(slots)                        build what the first requests would wait for (a compiled step's graphs)
+    warm_up(slots, rows)                  build what the first requests would wait for (a compiled step's graphs:
+                                          for every batch size up to `slots`, or for `rows` rows alone)
 
 Each call returns a ModelOutput (logits and per-MoE-layer aux); the Engine does the rest (sampling,
 text, expert-load accounting). Which slots a call touches is decided by the caller on the host, so a
@@ -67,7 +68,7 @@ class ModelRunner(Protocol):
 
     def copy_prefix(self, cache: Any, src: int, dst: int, length: int) -> None: ...
 
-    def warm_up(self, slots: int) -> None: ...
+    def warm_up(self, slots: int, rows: int | None = None) -> None: ...
 
 
 class TorchBackend:
@@ -107,7 +108,7 @@ class TorchBackend:
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache.for_model(self.model, slots, max_len)
 
-    def warm_up(self, slots: int) -> None:
+    def warm_up(self, slots: int, rows: int | None = None) -> None:
         """Build what the first requests would otherwise wait for (nothing, but for a compiled step)."""
 
     def prefill(self, cache: KVCache, slot: int, ids_S: Tensor, start: int, all_logits: bool = False) -> ModelOutput:

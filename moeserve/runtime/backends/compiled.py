@@ -245,9 +245,7 @@ class CompiledDecode:
     def __call__(self, slots: list[int], ids_B: Tensor, positions: list[int]) -> tuple[Tensor, list[MoEAux]]:
         """(logits [B, 1, V], per-layer aux with the real rows' expert counts) for one decode step."""
         B = len(slots)
-        size = next((b for b in self.buckets if b >= B), None)
-        if size is None:
-            raise ValueError(f"{B} rows in a decode step; the cache has {self.scratch} slots")
+        size = self.bucket(B)
         need = max(positions) + 1
         span = next((s for s in self.spans if s >= need), None)
         if span is None or min(positions) < 0:
@@ -264,16 +262,23 @@ class CompiledDecode:
             logits, counts = logits.clone(), counts.clone()
         return logits[:B], [MoEAux(c, None) for c in counts.unbind(0)]
 
+    def bucket(self, rows: int) -> int:
+        """The batch bucket whose graph runs a step of `rows` rows."""
+        size = next((b for b in self.buckets if b >= rows), None)
+        if size is None:
+            raise ValueError(f"{rows} rows in a decode step; the cache has {self.scratch} slots")
+        return size
+
     def _span(self, span: int) -> Tensor:
         return span_view(self._span_views, self.cache, span)
 
-    def warm_up(self) -> None:
-        """Compile each bucket's step and (CUDA) record its graph at every span now, as a server does before it
-        says ready; on CUDA the graphs are recorded on their second call. Every row is on the scratch slot at
-        position 0: no sequence's keys are touched."""
+    def warm_up(self, rows: int | None = None) -> None:
+        """Compile each bucket's step (or the one bucket of `rows` rows) and (CUDA) record its graph at every span
+        now, as a server does before it says ready; on CUDA the graphs are recorded on their second call. Every row
+        is on the scratch slot at position 0: no sequence's keys are touched."""
         device = self.model.tok_embeddings.weight.device
         self.cache.touch([self.scratch])
-        for b in self.buckets:
+        for b in self.buckets if rows is None else [self.bucket(rows)]:
             for span in self.spans:
                 for _ in range(2 if device.type == "cuda" else 1):
                     self._step(torch.zeros(b, 1, dtype=torch.long, device=device),
@@ -404,11 +409,12 @@ class CompiledBackend(EagerBackend):
         """Calls of the compiled decode step's graphs so far (the warm-up's not counted)."""
         return sum(self._decode.steps.values()) if self._decode is not None else 0
 
-    def warm_up(self, slots: int) -> None:
-        """Build the compiled decode step's graphs now, for up to `slots` rows, and the prompt chunk's."""
+    def warm_up(self, slots: int, rows: int | None = None) -> None:
+        """Build the compiled decode step's graphs now, for up to `slots` rows (or for `rows` alone), and the prompt
+        chunk's."""
         if self.graph_decode:
             self.new_cache(slots, self.cfg.max_seq_len)
-            self._guarded(self._decode.warm_up)
+            self._guarded(self._decode.warm_up, rows)
             if self._prefill is not None:
                 self._guarded(self._prefill.warm_up, prefill=True)
                 if self.graph_prefill:

@@ -203,7 +203,7 @@ class OnnxBackend:
     def new_cache(self, slots: int, max_len: int) -> OnnxCache:
         return OnnxCache()
 
-    def warm_up(self, slots: int) -> None:
+    def warm_up(self, slots: int, rows: int | None = None) -> None:
         """Nothing to build ahead: the session was built at load."""
 
     def step_rows(self, cache: OnnxCache, slots: list[int], ids: list[list[int]], starts: list[int]) -> ModelOutput:
