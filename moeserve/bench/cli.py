@@ -91,6 +91,9 @@ def add_bench(sub, calibrate_help: str) -> None:
     bg.add_argument("--skip-tests", action="store_true", help="leave out the cuda tests")
     bg.add_argument("--skip-served", action="store_true", help="leave out the built-in model served on the GPU and on "
                     "2 CPU cores")
+    bg.add_argument("--skip-engine", action="store_true", help="leave out the 2.4B Mixtral (its engine bench and its "
+                    "decode over two contexts): with --skip-tests, the served part alone, so that a run past one "
+                    "call's time limit splits into `--skip-served` and `--skip-tests --skip-engine`")
     _report_files(bg, "batch 1's tokens/s by implementation, as a PNG (needs matplotlib: the bench extra)")
     bg.set_defaults(func=_main("moeserve.bench.gpu"))
     bsc = bsub.add_parser("score", help="batch scoring: moeserve score from a cold process and a warm engine, beside "

@@ -269,7 +269,7 @@ def _kept(errors: dict, part: str):
 
 def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | None = None,
               test_timeout: float = 240.0, progress=print, save=None, serve: bool = True,
-              profile_dir: Path | None = None) -> dict:
+              profile_dir: Path | None = None, engine: bool = True) -> dict:
     """The run (module docstring). `save(report)`, if given, after each part with what is measured so far: a GPU
     lent for minutes can be taken back mid-run, and the parts done should survive it (`main` writes them to --json,
     marked partial, until the whole report replaces them). `profile_dir`: where the served servers' profiler traces
@@ -290,25 +290,28 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
         save(report)
     else:
         skipped["tests"] = "--skip-tests"
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        if checkpoint is None:
-            progress("writing a random 2.4B Mixtral (bf16) with transformers ...")
-            checkpoint = write_mixtral(Path(tmp) / "mixtral-2.4b", "2.4b", dtype=torch.bfloat16)
-        report["model"] = str(checkpoint)
-        report["engine"], errors = {}, {}
-        for batch in BATCHES:
-            progress(f"bench engine, batch {batch} ...")
-            with _kept(errors, f"engine batch {batch}"):
-                report["engine"][str(batch)] = bench_engine(
-                    ["bfloat16"], new_tokens=64, repeats=3, checkpoint=checkpoint, compiled=True, device="cuda",
-                    batch=batch, quantize=QUANTIZED if batch == 1 else (), progress=lambda msg: None)
-            save(report | {"errors": errors})
-        seconds["engine"] = round(time.perf_counter() - t0, 1)
-        t0 = time.perf_counter()
-        with _kept(errors, "live length"):
-            report["live_length"] = live_length(checkpoint, progress=progress)
-        seconds["live_length"] = round(time.perf_counter() - t0, 1)
+    report["model"], report["engine"], errors = None, {}, {}
+    if not engine:
+        skipped["engine"] = "--skip-engine: the 2.4B Mixtral's engine bench and its decode over two contexts"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            if checkpoint is None:
+                progress("writing a random 2.4B Mixtral (bf16) with transformers ...")
+                checkpoint = write_mixtral(Path(tmp) / "mixtral-2.4b", "2.4b", dtype=torch.bfloat16)
+            report["model"] = str(checkpoint)
+            for batch in BATCHES:
+                progress(f"bench engine, batch {batch} ...")
+                with _kept(errors, f"engine batch {batch}"):
+                    report["engine"][str(batch)] = bench_engine(
+                        ["bfloat16"], new_tokens=64, repeats=3, checkpoint=checkpoint, compiled=True, device="cuda",
+                        batch=batch, quantize=QUANTIZED if batch == 1 else (), progress=lambda msg: None)
+                save(report | {"errors": errors})
+            seconds["engine"] = round(time.perf_counter() - t0, 1)
+            t0 = time.perf_counter()
+            with _kept(errors, "live length"):
+                report["live_length"] = live_length(checkpoint, progress=progress)
+            seconds["live_length"] = round(time.perf_counter() - t0, 1)
     report["goals"] = goals(report["engine"])
     report["errors"] = errors
     model = default_model_dir()
@@ -335,7 +338,7 @@ def bench_gpu(checkpoint: Path | None = None, tests: bool = True, root: Path | N
 
 
 def markdown(report: dict) -> str:
-    lines = [f"GPU: {report['gpu']} (CUDA {report['cuda']}), model {report['model']}", ""]
+    lines = [f"GPU: {report['gpu']} (CUDA {report['cuda']}), model {report.get('model') or '-'}", ""]
     t = report.get("tests")
     if t and "passed" in t:
         lines += [f"cuda tests: {t['passed']} passed, {len(t['failed'])} failed, {sum(t['skipped'].values())} skipped "
@@ -409,11 +412,15 @@ def save_partial(path: Path | None, report: dict) -> None:
 
 
 def main(args) -> int:
+    if args.skip_engine and args.plot is not None:
+        print("moeserve bench gpu: --plot draws the engine bench's batch 1, which --skip-engine leaves out",
+              file=sys.stderr)
+        return 2
     traces = args.json.with_name(f"{args.json.stem}-profiles") if args.json is not None else None
     report = run_bench(args, "gpu", lambda progress: bench_gpu(args.checkpoint, tests=not args.skip_tests,
                                                                progress=progress, serve=not args.skip_served,
                                                                save=lambda r: save_partial(args.json, r),
-                                                               profile_dir=traces))
+                                                               profile_dir=traces, engine=not args.skip_engine))
     if report is None:
         return 2
     failed = report.get("tests", {}).get("failed")

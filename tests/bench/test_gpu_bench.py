@@ -129,6 +129,8 @@ def test_refused_without_a_gpu(capsys):
 
     assert main(["bench", "gpu", "--skip-tests"]) == 2
     assert "moeserve bench gpu: no CUDA device here (torch.cuda.is_available() is False)" in capsys.readouterr().err
+    assert main(["bench", "gpu", "--skip-engine", "--plot", "gpu.png"]) == 2  # before anything runs, GPU or not
+    assert "--plot draws the engine bench's batch 1, which --skip-engine leaves out" in capsys.readouterr().err
 
 
 def test_each_part_is_saved_as_it_ends(monkeypatch, tmp_path):
@@ -167,6 +169,14 @@ def test_each_part_is_saved_as_it_ends(monkeypatch, tmp_path):
     page = markdown(report | {"live_length": None, "tests": None})
     assert "| served: the GPU server / 2 CPU cores' server | 4.9x | 10.0x |" in page
     assert "served" not in gpu.bench_gpu(progress=lambda msg: None, serve=False)["goals"]
+    # the second half of a split run (--skip-tests --skip-engine): the served part alone, no Mixtral written
+    with monkeypatch.context() as m:
+        m.setattr(gpu, "write_mixtral", taken_back)
+        served_only = gpu.bench_gpu(progress=lambda msg: None, tests=False, engine=False)
+    assert served_only["engine"] == {} and served_only["model"] is None and "live_length" not in served_only
+    assert served_only["skipped"]["engine"].startswith("--skip-engine") and served_only["errors"] == {}
+    assert list(served_only["goals"]) == ["served"] and "engine" not in served_only["seconds"]
+    assert "model -" in markdown(served_only | {"tests": None})
     real_find_spec = gpu.importlib.util.find_spec
     monkeypatch.setattr(gpu.importlib.util, "find_spec", lambda m: None if m == "uvicorn" else real_find_spec(m))
     assert gpu.bench_gpu(progress=lambda msg: None)["skipped"]["served"].startswith("uvicorn not installed")
