@@ -168,7 +168,7 @@ class Halted:
     """A profile stopped on the model thread, and what `write` needs to write it from any other thread: once, the
     first caller writing and any other waiting for its report."""
 
-    prof: profile
+    prof: profile | None  # None once written
     out_dir: Path
     name: str  # of its files, less their suffixes
     wall_s: float
@@ -184,6 +184,9 @@ class Halted:
         with self._lock:
             if self._report is None:
                 self._report = self._write()
+                # kineto's results (~0.5 GB a second of profile) need not outlive the files: a profile stopped at
+                # its limit is held by the profiler until someone asks for it
+                self.prof = None
             return self._report
 
     def write_logged(self) -> None:

@@ -86,8 +86,10 @@ def test_a_profile_past_its_limit_stops_at_the_next_tick_and_waits_to_be_asked(t
     profiler.start()
     profiler.tick()
     assert not profiler.running and phase(TURN) is phase(PLAN)
-    report = profiler.stop().write()
+    halted = profiler.stop()
+    report = halted.write()
     assert report.stopped == "limit" and report.turns == 0 and report.trace.exists()
+    assert halted.prof is None and halted.write() is report  # written once, its results let go
     with pytest.raises(ProfileStateError):
         profiler.stop()
 
