@@ -262,7 +262,8 @@ def add_serve(sub) -> None:
                     "its operator table and a summary of where each step's time went, written to DIR (default: off)")
     sv.add_argument("--profile-max-s", type=float, default=_serve_default("profile_max_s"), metavar="S",
                     help="a profile not stopped ends, written, after S seconds: it holds every op in memory until "
-                    "then, ~0.5 GB a second of a busy step loop (default: %(default)g)")
+                    "then, ~0.5 GB a second of a busy step loop, and its stop pauses the model thread about a second "
+                    "a second profiled (default: %(default)g)")
     sv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     sv.add_argument("--no-access-log", action="store_true", help="no line per request")
     sv.add_argument("--quiet", action="store_true", help="no progress bar while training the default model")

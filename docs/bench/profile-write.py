@@ -27,7 +27,8 @@ def rss_mb() -> int:
 
 
 def profiled(seconds: float, device: str, out: Path):
-    """A stopped StepProfiler over `seconds` of a step loop, and the turns it saw."""
+    """A stopped StepProfiler over `seconds` of a step loop, the turns it saw, and how long the stop took (on the
+    thread that profiled: a server's model thread, every stream paused meanwhile)."""
     from moeserve.config import preset
     from moeserve.runtime.executor import Executor
     from moeserve.runtime.model import Transformer
@@ -49,13 +50,15 @@ def profiled(seconds: float, device: str, out: Path):
         with phase(TURN):
             engine.step()
         turns += 1
-    return profiler.stop(), turns
+    t0 = time.perf_counter()
+    halted = profiler.stop()
+    return halted, turns, time.perf_counter() - t0
 
 
 def one(way: str, seconds: float, device: str) -> dict:
     """In this process: a profile, then its write the `way` asked; the times and memory."""
     with tempfile.TemporaryDirectory() as tmp:
-        halted, turns = profiled(seconds, device, Path(tmp))
+        halted, turns, stop_s = profiled(seconds, device, Path(tmp))
         before, t0 = rss_mb(), time.perf_counter()
         if way == "torch":
             halted.prof.export_chrome_trace(str(Path(tmp) / "trace.pt.trace.json.gz"))
@@ -68,7 +71,8 @@ def one(way: str, seconds: float, device: str) -> dict:
         s = time.perf_counter() - t0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
         size = sum(p.stat().st_size for p in Path(tmp).glob("*.gz"))
-    return {"way": way, "turns": turns, "events": events, "write_s": round(s, 2), "stopped_rss_mb": before,
+    return {"way": way, "turns": turns, "events": events, "stop_s": round(stop_s, 2), "write_s": round(s, 2),
+            "stopped_rss_mb": before,
             "peak_rss_mb": peak, "beyond_stopped_mb": peak - before, "gz_mb": round(size / 2**20, 1)}
 
 
@@ -89,11 +93,11 @@ def main() -> None:
             got = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
             rows.append({"round": r + 1, **got})
             print(rows[-1], flush=True)
-    print("\n| round | way | turns | write s | MB beyond the stopped profile's | trace .gz MB |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    print("\n| round | way | turns | stop s | write s | MB beyond the stopped profile's | trace .gz MB |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(f"| {row['round']} | {row['way']} | {row['turns']} | {row['write_s']} | {row['beyond_stopped_mb']} | "
-              f"{row['gz_mb']} |")
+        print(f"| {row['round']} | {row['way']} | {row['turns']} | {row['stop_s']} | {row['write_s']} | "
+              f"{row['beyond_stopped_mb']} | {row['gz_mb']} |")
 
 
 if __name__ == "__main__":

@@ -93,9 +93,10 @@ class ProfileReport:
 class StepProfiler:
     """torch's profiler over the model thread's turns. Every method is called on the model thread, which only starts
     and stops the profiler: what a stopped profile writes (`Halted.write`: seconds for a long GPU trace) runs on
-    another thread, so no request holds the model thread for it. `max_s` bounds a profile that nobody stops (it
-    holds every op in memory until then): the first turn past it stops it, a thread of its own writes it, and the
-    report waits for the next `stop`."""
+    another thread, so no request holds the model thread for it. The stop itself cannot move: torch builds its
+    results on the thread that recorded them, ~1 s a second profiled on a CPU (docs/bench/profile-write.py). `max_s`
+    bounds a profile that nobody stops (it holds every op in memory until then): the first turn past it stops it, a
+    thread of its own writes it, and the report waits for the next `stop`."""
 
     def __init__(self, out_dir: Path, device: torch.device, max_s: float = 10.0):
         self.out_dir, self.device, self.max_s = Path(out_dir), device, max_s
